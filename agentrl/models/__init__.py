@@ -1,0 +1,1 @@
+"""Model builders: tiny random HF models with locally trained tokenizers (agentrl.models.tiny)."""

@@ -1,0 +1,211 @@
+"""Tiny random models with locally trained tokenizers, written as standard HF model directories.
+
+``python -m agentrl.models.tiny --out DIR --arch qwen2|qwen3|llama [--vocab-corpus FILE]`` trains a
+byte-level BPE tokenizer with the ``tokenizers`` library (on the given corpus, or on a small built-in
+text), builds a small randomly initialised transformers model of the chosen family, and writes
+config.json, generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json
+(with a ChatML chat template that renders system/user/assistant/tool messages, tool schemas and
+assistant ``tool_calls``). Nothing here is special-cased later: every consumer loads the directory
+with ``AutoTokenizer`` / ``AutoModelForCausalLM``, exactly as it would load a real HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Agent-format tags get one token each: tiny models learn the protocol far faster, and stop strings
+# such as "</search>" then always end on a token boundary.
+TAG_TOKENS = [
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
+    "<information>", "</information>",
+]
+
+# ChatML in the style of Qwen2.5: tool schemas go in the system turn, consecutive tool messages share
+# one user turn wrapped in <tool_response>, assistant tool_calls render as <tool_call> JSON.
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\\n\\n' }}# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each call return a JSON object inside <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}"
+    "{% elif message.role == 'user' %}"
+    "<|im_start|>user\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}"
+    "<|im_start|>assistant\n{% if message.content %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls | default([]) %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "{% if loop.first and message.content %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_BUILTIN_TEXT = """
+Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get
+new information. After reasoning, if you find you lack some knowledge, you can call a search engine by
+<search> query </search> and it will return the top searched results between <information> and
+</information>. You can search as many times as your want. If you find no further external knowledge
+needed, you can directly provide the answer inside <answer> and </answer>, without detailed illustrations.
+For example, <answer> Beijing </answer>. Question: Doc 1(Title: Paris) Paris is the capital of France.
+My previous action is invalid. If I want to search, I should put the query between <search> and </search>.
+If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.
+You are a helpful assistant. Call the python tool to run code, then answer. The result is 42.
+{"name": "python", "arguments": {"code": "print(1 + 1)"}} def main(): return x * y + 3 import math
+What is the capital of the country? Who founded the company? In which year was it founded? born in the city
+located on the river. 0 1 2 3 4 5 6 7 8 9 10 100 1999 2024 + - * / = ( ) [ ] { } : ; , . ! ? ' "
+the of and to in is was a an for on with as by at from that this it he she they we you I
+"""
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 1024) -> Any:
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` (every byte is representable, so no UNK)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    return tok
+
+
+def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **shape: Any) -> Any:
+    """A transformers config of the family ``arch`` with a small default shape."""
+    import transformers
+
+    hidden = shape.pop("hidden_size", 64)
+    heads = shape.pop("num_attention_heads", 4)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=shape.pop("intermediate_size", hidden * 3),
+        num_hidden_layers=shape.pop("num_hidden_layers", shape.pop("num_layers", 2)),
+        num_attention_heads=heads,
+        num_key_value_heads=shape.pop("num_key_value_heads", max(1, heads // 2)),
+        max_position_embeddings=shape.pop("max_position_embeddings", 2048),
+        rms_norm_eps=shape.pop("rms_norm_eps", 1e-6),
+        rope_theta=shape.pop("rope_theta", 10000.0),
+        tie_word_embeddings=shape.pop("tie_word_embeddings", arch != "llama"),
+        initializer_range=shape.pop("initializer_range", 0.02),
+        bos_token_id=None if arch != "llama" else eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, **shape)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=shape.pop("head_dim", hidden // heads), **shape)
+    elif arch == "llama":
+        cfg = transformers.LlamaConfig(**common, **shape)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose qwen2, qwen3 or llama")
+    return cfg
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen2",
+    vocab_corpus: str | Path | list[str] | None = None,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    dtype: str = "float32",
+    **shape: Any,
+) -> Path:
+    """Write a standard HF model directory for a small random ``arch`` model; returns ``out_dir``.
+
+    ``vocab_corpus`` is a text file (one document per line) or a list of strings to train the BPE
+    tokenizer on. ``shape`` overrides config fields (hidden_size, num_hidden_layers, ...).
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if vocab_corpus is None:
+        texts = [line for line in _BUILTIN_TEXT.splitlines() if line.strip()]
+    elif isinstance(vocab_corpus, list):
+        texts = vocab_corpus
+    else:
+        texts = Path(vocab_corpus).read_text().splitlines()
+    texts = texts + TAG_TOKENS  # keeps the tags' neighbours ("<", "/", ">") in the base vocabulary
+    tok = train_tokenizer(texts, vocab_size=vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    eos_id = tok.token_to_id("<|im_end|>")
+    pad_id = tok.token_to_id("<|endoftext|>")
+
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": shape.get("max_position_embeddings", 2048),
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
+
+    cfg = model_config(arch, tok.get_vocab_size(), eos_id, pad_id, **dict(shape))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=cfg.bos_token_id
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output HF model directory")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    p.add_argument("--vocab-corpus", default=None, help="text file to train the tokenizer on")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a = p.parse_args(argv)
+    out = build_tiny_model(
+        a.out, arch=a.arch, vocab_corpus=a.vocab_corpus, seed=a.seed, vocab_size=a.vocab_size,
+        dtype=a.dtype, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The verifier contract and registry.
+
+A verifier is ``async def my_verifier(trajectory, label) -> float | RewardResult``, registered with
+``@register_verifier("name")``. :func:`run_verifier` is the one way the rollout calls it: a verifier that
+raises, times out or returns a non-number marks the trajectory FAILED with that error; it never becomes
+a silent 0.0 reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.types import Status, Trajectory
+
+
+@dataclass
+class RewardResult:
+    """A reward with optional named parts (logged as ``reward/<part>``)."""
+
+    reward: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+Verifier = Callable[[Trajectory, Any], Awaitable[float | RewardResult] | float | RewardResult]
+
+_REGISTRY: dict[str, Verifier] = {}
+
+
+class VerifierError(RuntimeError):
+    """A verifier raised, timed out or returned something that is not a reward."""
+
+
+def register_verifier(name: str, *, overwrite: bool = False) -> Callable[[Verifier], Verifier]:
+    """Decorator: ``@register_verifier("exact_match")``."""
+
+    def deco(fn: Verifier) -> Verifier:
+        if not callable(fn):
+            raise TypeError(f"verifier {name!r} must be callable")
+        if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
+            raise ValueError(f"verifier {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def _ensure_builtins() -> None:
+    # Importing the module registers the built-in verifiers.
+    from agentrl.rewards import builtin  # noqa: F401
+
+
+def get_verifier(name: str) -> Verifier:
+    """The verifier registered as ``name``; unknown names fail with the list of known ones."""
+    _ensure_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown verifier {name!r}; known verifiers: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def list_verifiers() -> list[str]:
+    _ensure_builtins()
+    return sorted(_REGISTRY)
+
+
+async def run_verifier(verifier: Verifier | str, trajectory: Trajectory, label: Any, timeout: float = 30.0) -> bool:
+    """Score ``trajectory`` in place. Returns True on success; on any failure sets status FAILED + error."""
+    name = verifier if isinstance(verifier, str) else getattr(verifier, "__name__", "verifier")
+    try:
+        fn = get_verifier(verifier) if isinstance(verifier, str) else verifier
+        out = fn(trajectory, label)
+        if inspect.isawaitable(out):
+            out = await asyncio.wait_for(out, timeout)
+        if isinstance(out, RewardResult):
+            reward, parts = float(out.reward), dict(out.parts)
+        elif isinstance(out, int | float) and not isinstance(out, bool):
+            reward, parts = float(out), {}
+        else:
+            raise VerifierError(f"returned {type(out).__name__}, expected float or RewardResult")
+        if not math.isfinite(reward):
+            raise VerifierError(f"returned a non-finite reward {reward}")
+    except TimeoutError:
+        trajectory.status = Status.FAILED
+        trajectory.error = f"verifier {name} timed out after {timeout}s"
+        return False
+    except Exception as err:
+        trajectory.status = Status.FAILED
+        trajectory.error = f"verifier {name} failed: {type(err).__name__}: {err}"
+        return False
+    trajectory.reward = reward
+    trajectory.reward_parts = parts
+    return True

@@ -1,0 +1,145 @@
+"""The Trajectory record: one token-exact episode, shared by every component.
+
+A trajectory holds the prompt token ids and everything after them as one flat ``response_ids`` list:
+model-sampled tokens (``loss_mask`` 1) interleaved with observation tokens (``loss_mask`` 0) that the
+orchestrator tokenized once and appended. Per response token it keeps the rollout logprob and the policy
+version that produced it (observation tokens: logprob 0.0, version -1), so a trajectory interrupted by a
+weight update carries mixed versions. ``turns`` records which slice of ``response_ids`` each turn is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    """How an episode ended."""
+
+    COMPLETED = "completed"  # the env terminated it normally
+    TRUNCATED = "truncated"  # max turns, max tokens or the model's context length
+    ABORTED = "aborted"  # cancelled (shutdown, or an interrupted episode configured not to resume)
+    FAILED = "failed"  # an env, tool, verifier or engine error; `error` says which
+
+
+OBSERVATION_VERSION = -1  # policy_versions entry of a loss_mask-0 token
+
+
+@dataclass
+class Turn:
+    """One slice ``response_ids[start:end]``: a model action or an observation."""
+
+    role: str  # "assistant" (sampled, loss_mask 1) or "observation" (env/tool output, loss_mask 0)
+    start: int
+    end: int
+    text: str = ""
+
+
+@dataclass
+class Trajectory:
+    """One episode, token-exact. See the module docstring for the invariants."""
+
+    task_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    status: Status = Status.COMPLETED
+    error: str | None = None
+    sample_index: int = 0
+    label: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # ---- building -------------------------------------------------------------------------------
+    def append_model_tokens(
+        self, ids: list[int], logprobs: list[float], version: int | list[int], text: str = ""
+    ) -> None:
+        """Append sampled tokens (loss_mask 1) as one assistant turn."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
+        versions = [version] * len(ids) if isinstance(version, int) else list(version)
+        if len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} token ids but {len(versions)} versions")
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.rollout_logprobs.extend(float(x) for x in logprobs)
+        self.policy_versions.extend(versions)
+        self.turns.append(Turn("assistant", start, len(self.response_ids), text))
+
+    def append_observation_tokens(self, ids: list[int], text: str = "") -> None:
+        """Append env/tool output tokens (loss_mask 0), tokenized once by the caller."""
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.rollout_logprobs.extend([0.0] * len(ids))
+        self.policy_versions.extend([OBSERVATION_VERSION] * len(ids))
+        self.turns.append(Turn("observation", start, len(self.response_ids), text))
+
+    # ---- reading --------------------------------------------------------------------------------
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def num_turns(self) -> int:
+        return sum(1 for t in self.turns if t.role == "assistant")
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def min_policy_version(self) -> int | None:
+        """Oldest policy version among model tokens (None when the model produced no token)."""
+        versions = [v for v, m in zip(self.policy_versions, self.loss_mask, strict=True) if m]
+        return min(versions) if versions else None
+
+    def assistant_text(self) -> str:
+        """The model's own text, observations left out (what verifiers score)."""
+        return "".join(t.text for t in self.turns if t.role == "assistant")
+
+    def response_text(self) -> str:
+        return "".join(t.text for t in self.turns)
+
+    def validate(self) -> None:
+        """Raise ValueError when per-token lists disagree or turns do not tile the response."""
+        n = len(self.response_ids)
+        for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, response has {n}")
+        pos = 0
+        for t in self.turns:
+            if t.start != pos or t.end < t.start:
+                raise ValueError(f"trajectory {self.task_id}: turns do not tile the response at {pos}")
+            pos = t.end
+        if pos != n:
+            raise ValueError(f"trajectory {self.task_id}: turns cover {pos} of {n} response tokens")
+
+    # ---- serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["status"] = Status(d.get("status", "completed"))
+        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str) -> Trajectory:
+        return cls.from_dict(json.loads(s))

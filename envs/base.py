@@ -1,0 +1,51 @@
+"""The Env contract: an async, multi-turn environment the orchestrator drives one action at a time.
+
+``await env.reset(task)`` returns the initial chat messages; the orchestrator applies the chat template,
+samples the model's action, and calls ``await env.step(action_text)``, which returns a :class:`StepResult`
+whose ``observation`` is either text (appended as a tool/user message) or ``None``. ``reward`` may be
+given at the end (else the configured verifier scores the trajectory). ``await env.close()`` always runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
+
+
+@dataclass
+class StepResult:
+    """What one env step returns."""
+
+    observation: str | None = None  # text to show the model next (None: nothing to add)
+    reward: float | None = None  # terminal reward, or None to let the verifier decide
+    terminated: bool = False  # the episode ended normally (an answer was given)
+    truncated: bool = False  # the env cut the episode short (e.g. its own turn budget)
+    info: dict[str, Any] = field(default_factory=dict)
+    observation_role: str = "tool"  # chat role for the observation ("tool" or "user")
+
+
+class Env(ABC):
+    """Base class of every env. Subclasses implement ``reset`` and ``step``; ``close`` is optional.
+
+    A task is a dict; by convention ``task["prompt"]`` (str or messages) and ``task["label"]`` (what the
+    verifier compares against). Everything is async: blocking work belongs in ``asyncio.to_thread``.
+    """
+
+    #: chat-template stop strings the engine should stop at (e.g. ``["</search>", "</answer>"]``)
+    stop: list[str] = []
+    #: OpenAI-format tool schemas passed to the chat template, if the env uses native tool calls
+    tools: list[dict[str, Any]] | None = None
+
+    @abstractmethod
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        """Start an episode for ``task``; return the initial messages."""
+
+    @abstractmethod
+    async def step(self, action_text: str) -> StepResult:
+        """Apply the model's action text; return the observation and whether the episode is over."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (sandboxes, sessions). Called once per episode, also after errors."""
