@@ -33,7 +33,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"  {path}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {path}: {msg}")
+        lines.append(
+            f"  {path}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {path}: {msg}"
+        )
     return "\n".join(lines)
 
 

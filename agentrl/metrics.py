@@ -86,8 +86,14 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 class Progress:
     """A console progress line: ``step 3/20 [#####-----] reward=0.41 em=0.38 stale=0.6 12.3 tok/s``."""
 
-    def __init__(self, total: int, keys: dict[str, str] | None = None, stream: TextIO | None = None,
-                 width: int = 24, label: str = "step") -> None:
+    def __init__(
+        self,
+        total: int,
+        keys: dict[str, str] | None = None,
+        stream: TextIO | None = None,
+        width: int = 24,
+        label: str = "step",
+    ) -> None:
         self.total = max(total, 1)
         self.keys = keys or {}
         self.stream = stream or sys.stderr

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     """How an episode ended."""
 
     COMPLETED = "completed"  # the env terminated it normally
@@ -115,7 +115,9 @@ class Trajectory:
         n = len(self.response_ids)
         for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, response has {n}")
+                raise ValueError(
+                    f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, response has {n}"
+                )
         pos = 0
         for t in self.turns:
             if t.start != pos or t.end < t.start:

@@ -4,6 +4,16 @@
 samples the model's action, and calls ``await env.step(action_text)``, which returns a :class:`StepResult`
 whose ``observation`` is either text (appended as a tool/user message) or ``None``. ``reward`` may be
 given at the end (else the configured verifier scores the trajectory). ``await env.close()`` always runs.
+
+How the orchestrator appends an observation (it tokenizes the observation on its own, loss_mask 0):
+
+* ``observation_format="message"`` (default): a chat message of role ``observation_role`` rendered with
+  the chat template (Qwen: ``<|im_start|>user\n<tool_response>...``), after the assistant turn is closed.
+* ``observation_format="raw"``: the text verbatim, no chat template, continuing the assistant's own
+  message (Search-R1 appends ``\n\n<information>...</information>\n\n`` right after ``</search>``).
+
+``messages`` (optional) carries several observation messages at once, e.g. one tool message per call of
+a multi-call turn; ``observation`` then holds the same content joined, for consumers that want one text.
 """
 
 from __future__ import annotations
@@ -25,6 +35,11 @@ class StepResult:
     truncated: bool = False  # the env cut the episode short (e.g. its own turn budget)
     info: dict[str, Any] = field(default_factory=dict)
     observation_role: str = "tool"  # chat role for the observation ("tool" or "user")
+    # "message": render as a chat message of observation_role; "raw": append the text verbatim, continuing
+    # the assistant message (no chat template), as Search-R1 does. See the module docstring.
+    observation_format: str = "message"
+    # several observation messages (e.g. one per tool call); None: the single `observation` message
+    messages: list[Message] | None = None
 
 
 class Env(ABC):
@@ -38,6 +53,8 @@ class Env(ABC):
     stop: list[str] = []
     #: OpenAI-format tool schemas passed to the chat template, if the env uses native tool calls
     tools: list[dict[str, Any]] | None = None
+    #: name of the verifier that scores this env's episodes when the config names none (None: the config's)
+    verifier: str | None = None
 
     @abstractmethod
     async def reset(self, task: dict[str, Any]) -> list[Message]:

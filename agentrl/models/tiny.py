@@ -20,9 +20,18 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Agent-format tags get one token each: tiny models learn the protocol far faster, and stop strings
 # such as "</search>" then always end on a token boundary.
 TAG_TOKENS = [
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
-    "<information>", "</information>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<search>",
+    "</search>",
+    "<answer>",
+    "</answer>",
+    "<information>",
+    "</information>",
 ]
 
 # ChatML in the style of Qwen2.5: tool schemas go in the system turn, consecutive tool messages share
@@ -34,7 +43,7 @@ CHAT_TEMPLATE = (
     "{{ '\\n\\n' }}# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
     "{{ '\\n' }}</tools>\n\nFor each call return a JSON object inside <tool_call></tool_call> tags:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{% endif %}"
@@ -47,7 +56,7 @@ CHAT_TEMPLATE = (
     "{% for call in message.tool_calls | default([]) %}"
     "{% set fn = call.function if call.function is defined else call %}"
     "{% if loop.first and message.content %}{{ '\\n' }}{% endif %}"
-    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    '<tool_call>\n{"name": "{{ fn.name }}", "arguments": '
     "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
     "}\n</tool_call>"
     "{% endfor %}<|im_end|>\n"
@@ -200,9 +209,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args(argv)
     out = build_tiny_model(
-        a.out, arch=a.arch, vocab_corpus=a.vocab_corpus, seed=a.seed, vocab_size=a.vocab_size,
-        dtype=a.dtype, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
-        num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+        a.out,
+        arch=a.arch,
+        vocab_corpus=a.vocab_corpus,
+        seed=a.seed,
+        vocab_size=a.vocab_size,
+        dtype=a.dtype,
+        hidden_size=a.hidden_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
     )
     print(out)
 

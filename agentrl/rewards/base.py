@@ -60,7 +60,9 @@ def get_verifier(name: str) -> Verifier:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown verifier {name!r}; known verifiers: {', '.join(sorted(_REGISTRY))}") from None
+        raise KeyError(
+            f"unknown verifier {name!r}; known verifiers: {', '.join(sorted(_REGISTRY))}"
+        ) from None
 
 
 def list_verifiers() -> list[str]:
@@ -68,7 +70,9 @@ def list_verifiers() -> list[str]:
     return sorted(_REGISTRY)
 
 
-async def run_verifier(verifier: Verifier | str, trajectory: Trajectory, label: Any, timeout: float = 30.0) -> bool:
+async def run_verifier(
+    verifier: Verifier | str, trajectory: Trajectory, label: Any, timeout: float = 30.0
+) -> bool:
     """Score ``trajectory`` in place. Returns True on success; on any failure sets status FAILED + error."""
     name = verifier if isinstance(verifier, str) else getattr(verifier, "__name__", "verifier")
     try:

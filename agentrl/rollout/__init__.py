@@ -1,1 +1,36 @@
-"""TODO"""
+"""The async rollout: orchestrator, staleness-gated admission, group sampling and filtering.
+
+- :class:`Orchestrator` (``orchestrator.py``): drives multi-turn episodes against SGLang-protocol
+  engines, token-in/token-out, and feeds whole groups into the staleness-bounded buffer.
+- :class:`RolloutConfig` (``config.py``): every knob, validated.
+- :class:`DatasetCursor` (``dataset.py``): checkpointable task cursor; every draw has a uid.
+- :class:`ChatTokenizer` (``tokenize.py``): the prompt render and observation deltas (never re-tokenize).
+- :class:`RolloutMetrics` (``metrics.py``): counters and rates through ``agentrl.metrics``.
+- :func:`make_rollout_actor` / :class:`RolloutWorker` (``ray_actor.py``): the same thing as a Ray actor.
+
+The staleness invariant and its owner live in :mod:`agentrl.buffer`.
+"""
+
+from agentrl.buffer import DataExhausted, Group, StalenessController, TrajectoryBuffer
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.dataset import DatasetCursor, Draw
+from agentrl.rollout.metrics import RolloutMetrics
+from agentrl.rollout.orchestrator import Orchestrator
+from agentrl.rollout.ray_actor import RolloutWorker, make_rollout_actor
+from agentrl.rollout.tokenize import ChatTemplateError, ChatTokenizer
+
+__all__ = [
+    "ChatTemplateError",
+    "ChatTokenizer",
+    "DataExhausted",
+    "DatasetCursor",
+    "Draw",
+    "Group",
+    "Orchestrator",
+    "RolloutConfig",
+    "RolloutMetrics",
+    "RolloutWorker",
+    "StalenessController",
+    "TrajectoryBuffer",
+    "make_rollout_actor",
+]

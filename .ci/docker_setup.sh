@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Docker for the sandbox tests: install docker.io / debootstrap / bubblewrap when missing, start dockerd
+# in the background when no engine answers (and wait for it), and build the sandbox image unless its tag
+# already exists. Called by .ci/run (which sets AGENTRL_REQUIRE_DOCKER=1). Needs root for the installs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+IMAGE="${AGENTRL_SANDBOX_IMAGE:-agentrl-sandbox:latest}"
+
+need=()
+command -v docker >/dev/null 2>&1 || need+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+if [ "${#need[@]}" -gt 0 ]; then
+    echo "docker_setup: installing ${need[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+if ! docker info >/dev/null 2>&1; then
+    echo "docker_setup: starting dockerd"
+    nohup dockerd >/tmp/agentrl-dockerd.log 2>&1 &
+    for _ in $(seq 1 60); do
+        docker info >/dev/null 2>&1 && break
+        sleep 1
+    done
+    docker info >/dev/null 2>&1 || { echo "docker_setup: dockerd did not come up; see /tmp/agentrl-dockerd.log" >&2; exit 1; }
+fi
+
+if docker image inspect "$IMAGE" >/dev/null 2>&1; then
+    echo "docker_setup: image $IMAGE exists"
+else
+    python -m agentrl.sandboxes.build_image --tag "$IMAGE"
+fi

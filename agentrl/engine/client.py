@@ -1,0 +1,429 @@
+"""The async client of SGLang's native HTTP API, for one engine, several engines or an sglang-router.
+
+:class:`EngineClient` is the only way agentrl talks to an inference engine (a real SGLang server, an
+``sglang-router`` in front of several, or the embedded engine in :mod:`agentrl.engine.local_server`):
+
+* ``generate`` sends ``input_ids`` (token-in/token-out) and returns a :class:`GenerateResult` with the
+  sampled ids, their logprobs, the finish reason and the engine's ``weight_version``. With several
+  URLs each request goes to the endpoint with the fewest requests in flight from this client
+  (least-loaded routing); a router URL is just one endpoint that speaks the same API.
+* Control calls (abort, pause/continue, flush_cache, weight updates) go to every endpoint at once.
+* Connection errors and 5xx answers are retried with exponential backoff (``backoff * 2**attempt``,
+  jittered); a ``generate`` retry prefers another endpoint. A 4xx answer is not retried: it raises
+  :class:`EngineRequestError` carrying the server's message. A request that runs past ``timeout``
+  raises :class:`EngineTimeout` (not retried: the engine may still be working on it).
+* ``api_key`` is sent as ``Authorization: Bearer <key>``, which is what SGLang's ``--api-key`` checks.
+
+Distributed weight updates follow SGLang's protocol: the trainer is rank 0 of a new process group and
+the engines' ranks start at ``rank_offset``. Both ``init_weights_update_group`` and
+``update_weights_from_distributed`` only return once the trainer side has joined (the group's
+rendezvous) or broadcast the tensors, so the trainer must await them *concurrently* with its own
+``init_process_group`` / ``broadcast`` calls (e.g. ``asyncio.gather`` with work in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from agentrl.engine.types import GenerateResult, SamplingParams
+
+__all__ = [
+    "EngineClient",
+    "EngineError",
+    "EngineRequestError",
+    "EngineTimeout",
+    "EngineUnavailable",
+]
+
+
+class EngineError(RuntimeError):
+    """Base of every engine-call failure."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached, or kept answering 5xx, after all retries."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the client's timeout."""
+
+
+class EngineRequestError(EngineError):
+    """The engine rejected the request (4xx, or ``success: false``); carries the server's message."""
+
+    def __init__(self, message: str, status: int | None = None, url: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.url = url
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    in_flight: int = 0
+    # After a connection failure the endpoint is avoided for a short while when others are available.
+    down_until: float = 0.0
+
+
+def _normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+class EngineClient:
+    """Async client of one or more SGLang-protocol engines (see the module docstring)."""
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+    ) -> None:
+        if isinstance(urls, str):
+            urls = [u for u in urls.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self.endpoints = [_Endpoint(_normalize_url(u)) for u in urls]
+        self.api_key = api_key
+        self.timeout = float(timeout)
+        self.max_retries = int(max_retries)
+        self.backoff = float(backoff)
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._rr = itertools.count()
+        self._rid_endpoint: dict[str, _Endpoint] = {}
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.endpoints]
+
+    # ------------------------------------------------------------------ plumbing
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        # A session is bound to the loop it was created in; a client reused from another loop (e.g. two
+        # asyncio.run calls) gets a fresh one instead of failing deep inside aiohttp.
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # No connection cap: the number of concurrent requests is the orchestrator's decision.
+            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers())
+            self._session_loop = loop
+        return self._session
+
+    def _pick(self, exclude: set[str]) -> _Endpoint:
+        now = time.monotonic()
+        candidates = [e for e in self.endpoints if e.url not in exclude and e.down_until <= now]
+        if not candidates:
+            candidates = [e for e in self.endpoints if e.url not in exclude] or self.endpoints
+        least = min(e.in_flight for e in candidates)
+        tied = [e for e in candidates if e.in_flight == least]
+        return tied[next(self._rr) % len(tied)]
+
+    def _delay(self, attempt: int) -> float:
+        return self.backoff * (2**attempt) * (0.75 + 0.5 * random.random())
+
+    async def _call(
+        self,
+        ep: _Endpoint,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """One HTTP call, no retries. Raises the typed errors; 5xx/connection errors as _Retryable."""
+        session = self._get_session()
+        url = ep.url + path
+        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
+        try:
+            async with session.request(method, url, json=payload, timeout=t) as resp:
+                text = await resp.text()
+                if resp.status >= 500:
+                    raise _Retryable(f"{method} {url} answered {resp.status}: {text[:500]}")
+                if resp.status >= 400:
+                    raise EngineRequestError(
+                        f"{method} {url} answered {resp.status}: {_server_message(text)}", resp.status, url
+                    )
+                if not text:
+                    return {}
+                try:
+                    return await resp.json(content_type=None)
+                except ValueError:
+                    return text
+        except TimeoutError as err:
+            raise EngineTimeout(
+                f"{method} {url} did not answer within {t.total:.1f}s (raise EngineClient(timeout=...))"
+            ) from err
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+            raise _Retryable(f"{method} {url}: {type(err).__name__}: {err}") from err
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        endpoint: _Endpoint | None = None,
+        timeout: float | None = None,
+        rid: str | None = None,
+    ) -> Any:
+        """A call with retries; ``endpoint=None`` routes to the least-loaded endpoint (and fails over).
+
+        ``rid`` records which endpoint serves that request while it runs, so ``abort(rid)`` finds it.
+        """
+        tried: set[str] = set()
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            ep = endpoint or self._pick(tried)
+            ep.in_flight += 1
+            if rid is not None:
+                self._rid_endpoint[rid] = ep
+            try:
+                result = await self._call(ep, method, path, payload, timeout)
+                ep.down_until = 0.0
+                return result
+            except _Retryable as err:
+                last = str(err)
+                tried.add(ep.url)
+                ep.down_until = time.monotonic() + self._delay(attempt)
+                if len(tried) == len(self.endpoints):
+                    tried.clear()  # every endpoint failed once: start over after backing off
+            finally:
+                ep.in_flight -= 1
+                if rid is not None:
+                    self._rid_endpoint.pop(rid, None)
+            if attempt < self.max_retries:
+                await asyncio.sleep(self._delay(attempt))
+        raise EngineUnavailable(f"engine unavailable after {self.max_retries + 1} attempts: {last}")
+
+    async def _broadcast(
+        self, method: str, path: str, payloads: Sequence[dict[str, Any] | None]
+    ) -> list[Any]:
+        """The same control call on every endpoint at once (one payload per endpoint)."""
+        results = await asyncio.gather(
+            *(
+                self._request(method, path, p, endpoint=ep)
+                for ep, p in zip(self.endpoints, payloads, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        for ep, r in zip(self.endpoints, results, strict=True):
+            if isinstance(r, dict) and r.get("success") is False:
+                raise EngineRequestError(f"{ep.url}{path} failed: {r.get('message', r)}", 200, ep.url)
+        return list(results)
+
+    async def _all(self, method: str, path: str, payload: dict[str, Any] | None = None) -> list[Any]:
+        return await self._broadcast(method, path, [payload] * len(self.endpoints))
+
+    # ------------------------------------------------------------------ generation
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        """Sample a continuation of ``input_ids`` on the least-loaded endpoint."""
+        payload: dict[str, Any] = {
+            "input_ids": [int(i) for i in input_ids],
+            "sampling_params": sampling.to_sglang(),
+            "return_logprob": bool(return_logprob),
+            "stream": False,
+        }  # logprob_start_len left at SGLang's default (-1): logprobs of the output tokens only
+        if rid is not None:
+            payload["rid"] = rid
+        body = await self._request("POST", "/generate", payload, rid=rid)
+        if isinstance(body, list):  # SGLang answers a list for batched input; we send one prompt
+            body = body[0]
+        if not isinstance(body, dict):
+            raise EngineError(f"/generate answered something that is not a JSON object: {str(body)[:200]}")
+        try:
+            result = GenerateResult.from_sglang(body)
+        except (ValueError, TypeError, KeyError, IndexError) as err:
+            raise EngineError(f"/generate answer could not be parsed: {err}") from err
+        if return_logprob and len(result.logprobs) != len(result.output_ids):
+            raise EngineError("/generate answered without output_token_logprobs although they were asked for")
+        return result
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (by ``rid``) or, with ``None``, every request on every endpoint."""
+        if rid is None:
+            await self._all("POST", "/abort_request", {"abort_all": True})
+            return
+        ep = self._rid_endpoint.get(rid)
+        if ep is not None:
+            await self._request("POST", "/abort_request", {"rid": rid}, endpoint=ep)
+        else:  # not (or no longer) ours in flight: tell everyone, harmless where unknown
+            await self._all("POST", "/abort_request", {"rid": rid})
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation on every endpoint; ``abort`` returns in-flight requests as aborted."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache", None)
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Every endpoint reloads its weights from ``model_path`` (a HF checkpoint directory)."""
+        payload: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._all("POST", "/update_weights_from_disk", payload)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int | list[int],
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Every endpoint joins the trainer's weight-broadcast group (trainer = rank 0).
+
+        ``rank_offset`` is the first engine rank of the first endpoint; with several endpoints each
+        following one starts after the previous one's ``tp_size`` ranks (read from
+        ``/get_server_info``), or pass one offset per endpoint as a list.
+        """
+        if isinstance(rank_offset, int):
+            offsets = [rank_offset]
+            if len(self.endpoints) > 1:
+                infos = await self._all("GET", "/get_server_info")
+                for info in infos[:-1]:
+                    tp = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+                    offsets.append(offsets[-1] + tp)
+        else:
+            offsets = [int(o) for o in rank_offset]
+            if len(offsets) != len(self.endpoints):
+                raise ValueError(f"{len(offsets)} rank offsets for {len(self.endpoints)} endpoints")
+        payloads: list[dict[str, Any] | None] = [
+            {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": off,
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for off in offsets
+        ]
+        await self._broadcast("POST", "/init_weights_update_group", payloads)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Every endpoint leaves the weight-broadcast group (SGLang's ``/destroy_weights_update_group``)."""
+        await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Announce one broadcast bucket; the trainer (rank 0) then broadcasts each tensor in order."""
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._all("POST", "/update_weights_from_distributed", payload)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        """Set the version string the engines report (SGLang's own default would abort everything)."""
+        await self._all(
+            "POST",
+            "/update_weight_version",
+            {"new_version": str(new_version), "abort_all_requests": abort_all_requests},
+        )
+
+    # ------------------------------------------------------------------ info
+    async def health(self) -> bool:
+        """True when every endpoint answers ``/health`` with 200 (one try, short timeout)."""
+
+        async def one(ep: _Endpoint) -> bool:
+            try:
+                await self._call(ep, "GET", "/health", None, timeout=min(self.timeout, 10.0))
+                return True
+            except (EngineError, _Retryable):
+                return False
+
+        return all(await asyncio.gather(*(one(ep) for ep in self.endpoints)))
+
+    async def model_info(self) -> dict:
+        """``/get_model_info`` of the first endpoint (all endpoints serve the same model)."""
+        return await self._request("GET", "/get_model_info", endpoint=self.endpoints[0])
+
+    async def server_info(self) -> list[dict]:
+        """``/get_server_info`` of every endpoint."""
+        return await self._all("GET", "/get_server_info")
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            try:
+                await self._session.close()
+            except RuntimeError:  # created in a loop that is gone
+                pass
+        self._session = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _Retryable(Exception):
+    """Internal: a connection error or 5xx answer worth another try."""
+
+
+def _server_message(text: str) -> str:
+    """The human part of an error body (SGLang answers {"error": {"message": ...}} or {"message": ...})."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:1000]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return text[:1000]

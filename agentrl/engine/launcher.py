@@ -1,0 +1,357 @@
+"""Launching real SGLang servers (and an sglang-router in front of several) from typed config.
+
+:class:`SGLangLauncher` turns an :class:`SGLangConfig` into ``python -m sglang.launch_server --model-path
+... --host 127.0.0.1 --port N --tp-size K [--mem-fraction-static F] [--api-key KEY] [pass-through ...]``,
+starts it in its own process group, waits for ``/health`` (failing fast, with the log tail, if the
+process exits) and stops it without orphans (SIGTERM to the group, SIGKILL after a grace period).
+:class:`SGLangRouterLauncher` does the same for ``python -m sglang_router.launch_router --worker-urls ...``.
+:func:`remote_sglang_server` runs a launcher inside a Ray actor that reserves the GPUs (Ray sets
+``CUDA_VISIBLE_DEVICES`` for the actor, and the server inherits it).
+
+Free-form SGLang flags pass through ``extra_args`` (``{"context-length": 8192, "enable-metrics": True}``
+-> ``--context-length 8192 --enable-metrics``), or from ``--sglang-*`` command-line style arguments via
+:func:`sglang_args_from_cli` (``--sglang-context-length 8192``). SGLang itself is not a dependency of
+agentrl (install the ``sglang`` extra on GPU nodes); the tests exercise command lines and process
+lifecycles against a stand-in executable.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from agentrl.config import ConfigModel
+from agentrl.engine._proc import ServerProcess, ServerStartError, http_ok, is_loopback
+
+__all__ = [
+    "SGLangConfig",
+    "SGLangLauncher",
+    "SGLangRouterConfig",
+    "SGLangRouterLauncher",
+    "ServerStartError",
+    "free_port",
+    "remote_sglang_server",
+    "sglang_args_from_cli",
+]
+
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the server binds it shortly after; SGLang has no port file)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]") if host not in _WILDCARD_HOSTS else "", 0))
+        return int(s.getsockname()[1])
+
+
+def _flag_args(extra: dict[str, Any]) -> list[str]:
+    """``{"context-length": 8192, "enable_metrics": True, "x": False}`` -> ``--context-length 8192 --enable-metrics``."""
+    out: list[str] = []
+    for key, value in extra.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            import json
+
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def sglang_args_from_cli(argv: Sequence[str], prefix: str = "--sglang-") -> tuple[dict[str, Any], list[str]]:
+    """Split ``--sglang-KEY [VALUE]`` arguments out of ``argv``.
+
+    Returns ``(extra_args, rest)``: ``["--sglang-context-length", "8192", "--sglang-enable-metrics", "x"]``
+    gives ``({"context-length": "8192", "enable-metrics": True}, ["x"])``. A flag followed by another
+    ``--`` argument (or nothing) is a boolean switch; ``--sglang-key=value`` works too.
+    """
+    extra: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith(prefix):
+            key = a[len(prefix) :]
+            if "=" in key:
+                key, value = key.split("=", 1)
+                extra[key] = value
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                extra[key] = argv[i + 1]
+                i += 1
+            else:
+                extra[key] = True
+        else:
+            rest.append(a)
+        i += 1
+    return extra, rest
+
+
+class SGLangConfig(ConfigModel):
+    """One SGLang server (``python -m sglang.launch_server``)."""
+
+    model_path: str = Field(..., description="HF checkpoint directory or hub id the server loads")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel GPUs of this server (--tp-size)")
+    mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="GPU memory fraction for weights + KV cache (--mem-fraction-static)"
+    )
+    host: str = Field("127.0.0.1", description="bind address; non-loopback needs api_key")
+    port: int = Field(30000, ge=0, le=65535, description="HTTP port; 0 picks a free one at start")
+    api_key: str | None = Field(None, description="--api-key; clients send it as a Bearer token")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="pass-through flags: {'context-length': 8192, 'enable-metrics': true} (also --sglang-* keys)",
+    )
+    python: str = Field(
+        default_factory=lambda: sys.executable, description="python that has sglang installed"
+    )
+    module: str = Field("sglang.launch_server", description="module run with python -m")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra environment variables for the server"
+    )
+    return_original_logprob: bool = Field(
+        True,
+        description="set SGLANG_RETURN_ORIGINAL_LOGPROB=1: logprobs of the raw model (before temperature), "
+        "what the trainer recomputes and what the embedded engine returns",
+    )
+    log_file: str | None = Field(None, description="server stdout+stderr (default: a temp file)")
+    startup_timeout: float = Field(900.0, gt=0, description="seconds to wait for /health")
+    stop_grace: float = Field(15.0, ge=0, description="seconds between SIGTERM and SIGKILL on stop")
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> SGLangConfig:
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(f"host {self.host!r} is not loopback: set api_key, or bind 127.0.0.1")
+        return self
+
+
+class SGLangRouterConfig(ConfigModel):
+    """An sglang-router in front of several servers (``python -m sglang_router.launch_router``)."""
+
+    worker_urls: list[str] = Field(..., min_length=1, description="URLs of the SGLang servers behind it")
+    host: str = Field("127.0.0.1", description="bind address of the router")
+    port: int = Field(30000, ge=0, le=65535, description="router port; 0 picks a free one")
+    policy: str = Field("cache_aware", description="cache_aware | round_robin | random | power_of_two")
+    api_key: str | None = Field(None, description="API key the router checks and forwards")
+    extra_args: dict[str, Any] = Field(default_factory=dict, description="pass-through router flags")
+    python: str = Field(default_factory=lambda: sys.executable, description="python that has sglang-router")
+    module: str = Field("sglang_router.launch_router", description="module run with python -m")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
+    log_file: str | None = Field(None, description="router stdout+stderr (default: a temp file)")
+    startup_timeout: float = Field(120.0, gt=0, description="seconds to wait for /health")
+    stop_grace: float = Field(10.0, ge=0, description="seconds between SIGTERM and SIGKILL on stop")
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> SGLangRouterConfig:
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(f"host {self.host!r} is not loopback: set api_key, or bind 127.0.0.1")
+        return self
+
+
+class _Launcher:
+    """Shared lifecycle: build argv, start in a new process group, wait for /health, stop the group."""
+
+    cfg: SGLangConfig | SGLangRouterConfig
+    name = "server"
+
+    def __init__(self) -> None:
+        self.process: ServerProcess | None = None
+        self._port = self.cfg.port
+
+    def command(self) -> list[str]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        """Variables added to the server's environment."""
+        return dict(self.cfg.env)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = self.cfg.host
+        if host in _WILDCARD_HOSTS:
+            host = "127.0.0.1"  # reachable locally; remote callers use the node's address
+        h = f"[{host}]" if ":" in host else host
+        return f"http://{h}:{self._port}"
+
+    def start(self, wait: bool = True) -> _Launcher:
+        """Start the process (and wait for health unless ``wait=False``)."""
+        if self.process is not None and self.process.alive():
+            raise RuntimeError(f"{self.name} already running (pid {self.process.pid})")
+        if self.cfg.port == 0:
+            self._port = free_port(self.cfg.host)
+        log_file = self.cfg.log_file
+        if log_file is None:
+            import tempfile
+
+            log_file = str(Path(tempfile.mkdtemp(prefix=f"agentrl-{self.name}-")) / f"{self.name}.log")
+        self.process = ServerProcess(self.command(), log_file, env=self.environment())
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float | None = None) -> None:
+        if self.process is None:
+            raise RuntimeError(f"{self.name} not started")
+        self.process.wait_healthy(
+            self.url + "/health", timeout or self.cfg.startup_timeout, api_key=self.cfg.api_key
+        )
+
+    def healthy(self) -> bool:
+        return (
+            self.process is not None
+            and self.process.alive()
+            and http_ok(self.url + "/health", api_key=self.cfg.api_key)
+        )
+
+    def stop(self) -> int | None:
+        """SIGTERM the server's process group, SIGKILL what is left after ``stop_grace`` seconds."""
+        if self.process is None:
+            return None
+        code = self.process.stop(grace=self.cfg.stop_grace)
+        return code
+
+    @property
+    def log_file(self) -> Path | None:
+        return None if self.process is None else self.process.log_file
+
+    def __enter__(self):
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SGLangLauncher(_Launcher):
+    """Start / health-wait / stop one SGLang server from an :class:`SGLangConfig`."""
+
+    name = "sglang"
+
+    def __init__(self, cfg: SGLangConfig) -> None:
+        self.cfg = cfg
+        super().__init__()
+
+    def command(self) -> list[str]:
+        c = self.cfg
+        argv = [c.python, "-m", c.module, "--model-path", c.model_path, "--host", c.host]
+        argv += ["--port", str(self._port), "--tp-size", str(c.tp_size)]
+        if c.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if c.api_key:
+            argv += ["--api-key", c.api_key]
+        reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key"}
+        clash = sorted(k for k in c.extra_args if str(k).lstrip("-").replace("_", "-") in reserved)
+        if clash:
+            raise ValueError(f"extra_args {clash} duplicate SGLangConfig fields; set those fields instead")
+        return argv + _flag_args(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = {}
+        if self.cfg.return_original_logprob:
+            # SGLang's default logprob is of the temperature-scaled distribution; agentrl's importance ratios
+            # need the raw model's (the embedded engine returns those too).
+            env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        return {**env, **self.cfg.env}
+
+
+class SGLangRouterLauncher(_Launcher):
+    """Start / health-wait / stop an sglang-router from an :class:`SGLangRouterConfig`."""
+
+    name = "sglang-router"
+
+    def __init__(self, cfg: SGLangRouterConfig) -> None:
+        self.cfg = cfg
+        super().__init__()
+
+    def command(self) -> list[str]:
+        c = self.cfg
+        argv = [c.python, "-m", c.module, "--worker-urls", *c.worker_urls]
+        argv += ["--host", c.host, "--port", str(self._port), "--policy", c.policy]
+        if c.api_key:
+            argv += ["--api-key", c.api_key]
+        return argv + _flag_args(c.extra_args)
+
+
+class SGLangServerActor:
+    """Body of the Ray actor made by :func:`remote_sglang_server`: one launcher on the actor's node/GPUs."""
+
+    def __init__(self, cfg: SGLangConfig | dict[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, SGLangConfig) else SGLangConfig.model_validate(cfg)
+        self.launcher = SGLangLauncher(self.cfg)
+
+    def start(self) -> str:
+        """Start and wait for health; returns the URL other nodes can reach."""
+        self.launcher.start()
+        return self.url()
+
+    def url(self) -> str:
+        host = self.cfg.host
+        if host in _WILDCARD_HOSTS:
+            try:
+                import ray
+
+                host = ray.util.get_node_ip_address()
+            except Exception:
+                host = "127.0.0.1"
+        h = f"[{host}]" if ":" in host else host
+        return f"http://{h}:{self.launcher.port}"
+
+    def healthy(self) -> bool:
+        return self.launcher.healthy()
+
+    def pid(self) -> int | None:
+        return None if self.launcher.process is None else self.launcher.process.pid
+
+    def visible_devices(self) -> str | None:
+        import os
+
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def stop(self) -> int | None:
+        return self.launcher.stop()
+
+    def __del__(self) -> None:  # actor killed / went out of scope: no orphaned server
+        try:
+            self.launcher.stop()
+        except Exception:
+            pass
+
+
+def remote_sglang_server(cfg: SGLangConfig, num_gpus: float | None = None, **ray_options: Any) -> Any:
+    """A Ray actor (``ray.remote(num_gpus=...)``) that owns one SGLang server; call ``.start.remote()``.
+
+    ``num_gpus`` defaults to ``cfg.tp_size``; ``ray_options`` go to ``.options(...)`` (e.g. a
+    ``scheduling_strategy`` with a placement group bundle). Ray restricts ``CUDA_VISIBLE_DEVICES`` for the
+    actor, so the server only sees the GPUs reserved for it.
+    """
+    import ray
+
+    gpus = cfg.tp_size if num_gpus is None else num_gpus
+    actor_cls = ray.remote(num_gpus=gpus)(SGLangServerActor)
+    if ray_options:
+        actor_cls = actor_cls.options(**ray_options)
+    return actor_cls.remote(cfg.model_dump())
+
+
+def wait_all_healthy(launchers: Sequence[_Launcher], timeout: float) -> None:
+    """Wait until every launcher answers /health (they start in parallel; one wait for all)."""
+    deadline = time.monotonic() + timeout
+    for launcher in launchers:
+        launcher.wait_healthy(max(1.0, deadline - time.monotonic()))

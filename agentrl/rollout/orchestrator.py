@@ -1,0 +1,553 @@
+"""The async rollout orchestrator: many multi-turn episodes at once, token-exact, staleness-bounded.
+
+One :class:`Orchestrator` draws tasks from a :class:`DatasetCursor`, starts a *group* of
+``group_size`` episodes per task whenever the staleness controller admits it (``accepted + running <
+(η + v + 1)·B`` and the concurrency cap; see :mod:`agentrl.buffer`, the one owner of that invariant),
+runs every episode against the engine(s) through :class:`EngineClient`, scores it, filters the group
+and puts it into the :class:`TrajectoryBuffer` the trainer reads from.
+
+An episode, turn by turn (token-in/token-out; :mod:`agentrl.rollout.tokenize`):
+    prompt_ids = chat template of ``await env.reset(task)`` (rendered once, with ``env.tools``)
+    loop: ``/generate`` with the exact ids so far -> sampled ids + logprobs + ``weight_version``
+          (loss_mask 1) -> ``await env.step(decoded action)`` -> observation tokenized once, alone
+          (loss_mask 0) -> until terminated / truncated / max_turns / max_total_tokens / context length.
+    reward: the env's, else ``run_verifier(config.verifier)`` (a raising verifier marks it FAILED).
+
+Weight updates (the trainer's loop)::
+
+    await orch.pause_for_update()          # engines pause (abort mode); in-flight requests come back
+    await engine.update_weights_from_disk(path, weight_version=str(v + 1))
+    await orch.resume_after_update(v + 1)  # engines continue; interrupted episodes resubmit their
+                                           # tokens and go on under v + 1 (mixed versions), or restart
+
+Failure isolation: an env, tool, verifier or engine error ends only that episode (status FAILED with
+the error), which is re-run up to ``max_retries`` times; ``/generate`` itself is re-sent up to
+``engine_retries`` times across engine restarts. ``failed_member_policy`` decides whether a group
+with a failed member is dropped or trained without it. Every drawn task is accounted for exactly once
+as trained, dropped (by reason) or in flight (running, buffered, or pending re-draw):
+:meth:`Orchestrator.accounting`.
+
+Checkpointing: :meth:`state_dict` holds the dataset cursor, every task in flight (re-drawn first on
+resume, with the same uid) and the counters; :meth:`load_state_dict(state, version)` restores them and
+resets the staleness controller to the trainer's version (AReaL #1388).
+
+Public API (what ``train_async.py`` uses)::
+
+    orch = Orchestrator(RolloutConfig(...), EngineClient(urls), AutoTokenizer.from_pretrained(d),
+                        env_factory=lambda: MyEnv(), dataset=tasks)        # buffer made from config
+    await orch.start()
+    batch = await orch.buffer.get_batch()         # batch_size whole groups (list[Trajectory])
+    await orch.pause_for_update(); ...; await orch.resume_after_update(version)
+    metrics = orch.stats(); orch.log_metrics(step)   # also through the MetricsSink given as metrics=
+    state = orch.state_dict(); orch.load_state_dict(state, version)   # before start()
+    evals = await orch.evaluate(tasks)            # greedy, one sample per task, no staleness gating
+    await orch.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
+from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
+from agentrl.engine.types import SamplingParams
+from agentrl.envs.base import Env
+from agentrl.metrics import MetricsSink
+from agentrl.rewards.base import run_verifier
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.dataset import DatasetCursor, Draw
+from agentrl.rollout.metrics import RolloutMetrics
+from agentrl.rollout.tokenize import ChatTokenizer
+from agentrl.types import Status, Trajectory
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Outcomes of a draw (what accounting() counts).
+TRAINED = "trained"
+
+
+class _Restart(Exception):  # control flow, not an error
+    """Re-run an episode from scratch (too stale to be trained, or interrupted with interrupt_mode=restart)."""
+
+
+@dataclass
+class _GroupRun:
+    draw: Draw
+    start_version: int
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+def _parse_version(v: str | None, fallback: int) -> int:
+    """The engine's weight_version as an int; SGLang's initial "default" (or anything else) -> fallback."""
+    if v is None:
+        return fallback
+    try:
+        return int(v)
+    except ValueError:
+        return fallback
+
+
+class Orchestrator:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        engine_client: EngineClient,
+        tokenizer: Any,
+        env_factory: Callable[[], Env],
+        dataset: DatasetCursor | Sequence[dict[str, Any]] | Iterable[dict[str, Any]],
+        buffer: TrajectoryBuffer | None = None,
+        metrics: MetricsSink | None = None,
+    ) -> None:
+        self.cfg = config
+        self.engine = engine_client
+        self.chat = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
+        self.env_factory = env_factory
+        self.cursor = (
+            dataset if isinstance(dataset, DatasetCursor)
+            else DatasetCursor(dataset, shuffle=config.shuffle and isinstance(dataset, Sequence), seed=config.seed,
+                               epochs=config.epochs)
+        )
+        if buffer is None:
+            buffer = TrajectoryBuffer(StalenessController(config.max_staleness, config.batch_size,
+                                                          config.extra_running_groups))
+        c = buffer.controller
+        if (c.max_staleness, c.batch_size) != (config.max_staleness, config.batch_size):
+            raise ValueError(
+                f"buffer's staleness controller (max_staleness={c.max_staleness}, batch_size={c.batch_size}) "
+                f"disagrees with the rollout config ({config.max_staleness}, {config.batch_size})"
+            )
+        self.buffer = buffer
+        self.controller = c
+        self.sink = metrics
+        self.m = RolloutMetrics()
+        self.eval_m = RolloutMetrics()
+        buffer.on_taken.append(self._on_taken)
+        buffer.on_refused.append(self._on_refused)
+
+        self._pending: deque[Draw] = deque()  # re-drawn before the cursor (resume, refused groups)
+        self._groups: dict[str, _GroupRun] = {}  # running
+        self._buffered: dict[str, Draw] = {}  # accepted into the buffer, not yet handed to the trainer
+        self._episode_slots = 0  # episodes reserved by running groups (concurrency cap)
+        self._engine_open = asyncio.Event()
+        self._engine_open.set()
+        self._paused = False
+        self._stopping = False
+        self._loop_task: asyncio.Task[None] | None = None
+        self._rid = itertools.count()
+        self.drawn = 0
+        self.trained = 0
+        self.outcomes: list[tuple[str, str]] = []  # (uid, outcome) when config.record_outcomes
+        self.trained_uids: set[str] = set()
+
+    # ================================================================ lifecycle
+    @property
+    def version(self) -> int:
+        return self.controller.version
+
+    async def start(self) -> None:
+        """Start admitting groups (returns at once; work runs in the background on this loop)."""
+        if self._loop_task is not None:
+            raise RuntimeError("orchestrator already started")
+        self._stopping = False
+        self._loop_task = asyncio.create_task(self._admission_loop(), name="rollout-admission")
+
+    async def stop(self) -> None:
+        """Cancel running groups (they stay in flight: re-drawn on resume) and stop admitting."""
+        self._stopping = True
+        self.controller.notify()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        tasks = [g.task for g in self._groups.values() if g.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._engine_open.set()  # nobody waits forever on a pause that will never be lifted
+        await self.buffer.set_exhausted(True)
+
+    # ================================================================ admission
+    def _next_draw(self) -> Draw | None:
+        if self._pending:
+            return self._pending.popleft()
+        d = self.cursor.next()
+        if d is not None:
+            self.drawn += 1
+        return d
+
+    def _has_work(self) -> bool:
+        return bool(self._pending) or not self.cursor.exhausted
+
+    async def _admission_loop(self) -> None:
+        ctl, n = self.controller, self.cfg.group_size
+        while not self._stopping:
+            ctl.changed.clear()  # cleared before checking: no wake-up is lost (single event loop)
+            blocked = (
+                self._paused
+                or self._episode_slots + n > self.cfg.max_concurrency
+                or ctl.capacity() <= 0
+            )
+            draw = None if blocked else self._next_draw()
+            if draw is None:
+                if not blocked and not self._groups and not self._has_work():
+                    await self.buffer.set_exhausted(True)  # nothing left: get_batch must not hang
+                await ctl.changed.wait()
+                continue
+            if not ctl.try_start():  # cannot happen after capacity() > 0; keep the draw
+                self._pending.appendleft(draw)
+                continue
+            self._episode_slots += n
+            g = _GroupRun(draw, ctl.version)
+            self._groups[draw.uid] = g
+            g.task = asyncio.create_task(self._run_group(g), name=f"group-{draw.uid}")
+
+    # ================================================================ groups
+    async def _run_group(self, g: _GroupRun) -> None:
+        uid = g.draw.uid
+        try:
+            trajs = list(await asyncio.gather(*(self._run_member(g, i) for i in range(self.cfg.group_size))))
+            kept, reason = self._judge(trajs)
+            if kept is None:
+                self._drop(g.draw, reason)
+                return
+            self._buffered[uid] = g.draw
+            if await self.buffer.put_group(Group(uid, kept, g.start_version)):
+                return  # accepted (the buffer told the controller)
+            # Rule 2 of agentrl.buffer: it would be trained too stale (a straggler, or an over-sampled
+            # surplus). Hand the task back to be re-run from scratch once admission allows.
+            del self._buffered[uid]
+            g.draw.stale_requeues += 1
+            self.m.count("stale_group_requeues")
+            if g.draw.stale_requeues > self.cfg.max_stale_restarts:
+                self._drop(g.draw, "stale")
+                return
+            self._pending.appendleft(g.draw)
+            self.controller.finish(accepted=False)
+        except asyncio.CancelledError:
+            if self._stopping:  # stays in flight: re-drawn on resume
+                self._buffered.pop(uid, None)
+                self._pending.append(g.draw)
+                self.controller.finish(accepted=False)
+            raise
+        except Exception as err:  # a bug in this file or a user callback; never kill the loop
+            log.exception("group %s crashed", uid)
+            self.m.failure("internal")
+            self._drop(g.draw, f"internal:{type(err).__name__}")
+        finally:
+            self._groups.pop(uid, None)
+            self._episode_slots -= self.cfg.group_size
+            self.controller.notify()
+
+    def _judge(self, trajs: list[Trajectory]) -> tuple[list[Trajectory] | None, str]:
+        """Failure policy, then dynamic filtering. Returns (kept, "") or (None, drop reason)."""
+        failed = [t for t in trajs if t.status == Status.FAILED]
+        kept = trajs
+        if failed:
+            if self.cfg.failed_member_policy == "drop_group":
+                return None, "failed"
+            kept = [t for t in trajs if t.status != Status.FAILED]
+            self.m.count("failed_members_removed", len(failed))
+            if len(kept) < self.cfg.min_group_size:
+                return None, "failed"
+        aborted = [t for t in kept if t.status == Status.ABORTED]
+        if aborted:
+            return None, "aborted"
+        if self.cfg.filter_zero_variance and self.cfg.group_size > 1:
+            rewards = {t.reward for t in kept}
+            if len(rewards) <= 1:
+                return None, "zero_variance"
+        return kept, ""
+
+    def _drop(self, draw: Draw, reason: str) -> None:
+        self.m.drop(reason)
+        self.controller.finish(accepted=False)  # frees its capacity: dropping never deadlocks
+        if self.cfg.record_outcomes:
+            self.outcomes.append((draw.uid, f"dropped:{reason}"))
+
+    def _on_taken(self, groups: list[Group]) -> None:
+        for grp in groups:
+            self._buffered.pop(grp.uid, None)
+            self.trained += 1
+            if grp.uid in self.trained_uids:  # would be a duplicate; loud, it must never happen
+                log.error("group %s handed to the trainer twice", grp.uid)
+                self.m.count("duplicate_groups")
+            self.trained_uids.add(grp.uid)
+            if self.cfg.record_outcomes:
+                self.outcomes.append((grp.uid, TRAINED))
+
+    def _on_refused(self, grp: Group) -> None:
+        # Rule 3 fired (should not happen): re-run the task; it is still in flight.
+        draw = self._buffered.pop(grp.uid, None) or Draw(grp.uid, {})
+        self._pending.appendleft(draw)
+        self.m.count("refused_stale_requeued")
+        self.buffer.mark_producing()
+        self.controller.notify()
+
+    # ================================================================ episodes
+    async def _run_member(self, g: _GroupRun, i: int) -> Trajectory:
+        attempt = stale = 0
+        while True:
+            try:
+                traj = await self._episode(g, i, self.cfg.sampling, self.m, train=True)
+            except _Restart as why:
+                if why.args and why.args[0] == "too stale":
+                    stale += 1
+                    if stale > self.cfg.max_stale_restarts:
+                        # e.g. an engine that still reports old weights after an update
+                        self.m.failure("stale")
+                        return Trajectory(
+                            task_id=g.draw.task_id, group_id=g.draw.uid, prompt_ids=[], sample_index=i,
+                            label=g.draw.task.get("label"), status=Status.FAILED,
+                            error=f"stale: restarted {stale - 1} times and still more than "
+                            f"{self.controller.max_staleness} versions behind version {self.controller.version} "
+                            "(does the engine report the updated weight_version?)",
+                        )
+                continue
+            if traj.status != Status.FAILED or attempt >= self.cfg.max_retries:
+                traj.info["attempts"] = attempt + 1
+                return traj
+            attempt += 1
+            self.m.count("episode_retries")
+
+    def _doomed(self, versions: Iterable[int]) -> bool:
+        """Tokens this old can never be trained within the bound: re-run instead of finishing."""
+        floor = self.controller.version - self.controller.max_staleness
+        return any(v < floor for v in versions if v >= 0)
+
+    async def _env_call(self, aw: Awaitable[T]) -> T:
+        if self.cfg.env_step_timeout is None:
+            return await aw
+        return await asyncio.wait_for(aw, self.cfg.env_step_timeout)
+
+    async def _episode(self, g: _GroupRun, i: int, sampling: SamplingParams, m: RolloutMetrics,
+                       train: bool) -> Trajectory:
+        task, uid = g.draw.task, g.draw.uid
+        t0 = time.monotonic()
+        env: Env | None = None
+        traj = Trajectory(task_id=g.draw.task_id, group_id=uid, prompt_ids=[], sample_index=i,
+                          label=task.get("label"))
+        phase = "env"
+        try:
+            env = self.env_factory()
+            messages = await self._env_call(env.reset(dict(task)))
+            phase = "tokenizer"
+            traj.prompt_ids = self.chat.prompt_ids(messages, getattr(env, "tools", None))
+            stop = [*sampling.stop, *(getattr(env, "stop", None) or [])]
+            limit = self.cfg.token_limit
+            status = Status.TRUNCATED  # max_turns reached unless something below ends it first
+            tool_time = 0.0
+            for _turn in range(self.cfg.max_turns):
+                room = limit - len(traj.prompt_ids) - len(traj.response_ids)
+                if room <= 0:
+                    break
+                phase = "engine"
+                ids, lps, vers = await self._generate_turn(g, traj, sampling, stop, room, m, train)
+                phase = "tokenizer"
+                text = self.chat.action_text(ids)
+                traj.append_model_tokens(ids, lps, vers, text)
+                m.turn(len(ids))
+                if len(traj.prompt_ids) + len(traj.response_ids) >= limit:
+                    break
+                phase = "env"
+                ts = time.monotonic()
+                res = await self._env_call(env.step(text))
+                dt = time.monotonic() - ts
+                tool_time += dt
+                m.tool(dt)
+                if res.info:
+                    traj.info.update(res.info)
+                if res.reward is not None:
+                    traj.reward = float(res.reward)
+                if res.terminated:
+                    status = Status.COMPLETED
+                    break
+                if res.truncated:
+                    break
+                if res.observation:
+                    phase = "tokenizer"
+                    fmt = getattr(res, "observation_format", "message")
+                    obs = self.chat.observation_ids(res.observation, ids[-1] if ids else None, fmt,
+                                                    res.observation_role)
+                    if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
+                        break  # the observation does not fit the context: truncated
+                    traj.append_observation_tokens(obs, res.observation)
+                    m.observation(len(obs))
+            traj.status = status
+            traj.timings["tool_s"] = tool_time
+            if traj.reward is None:
+                phase = "verifier"
+                if self.cfg.verifier is None:
+                    traj.status = Status.FAILED
+                    traj.error = "no reward: the env gave none and RolloutConfig.verifier is not set"
+                    m.failure("reward")
+                elif not await run_verifier(self.cfg.verifier, traj, traj.label, self.cfg.verifier_timeout):
+                    m.failure("verifier")
+        except (_Restart, asyncio.CancelledError):
+            raise
+        except Exception as err:
+            kind = "engine" if isinstance(err, EngineError) else phase
+            traj.status = Status.FAILED
+            traj.error = f"{kind}: {type(err).__name__}: {err}"
+            m.failure(kind)
+        finally:
+            if env is not None:
+                try:
+                    await env.close()
+                except Exception:
+                    m.failure("env_close")
+        traj.timings["episode_s"] = time.monotonic() - t0
+        m.episode(traj.status.value, len(traj.response_ids), traj.num_turns)
+        return traj
+
+    async def _generate_turn(self, g: _GroupRun, traj: Trajectory, sampling: SamplingParams, stop: list[str],
+                             room: int, m: RolloutMetrics, train: bool) -> tuple[list[int], list[float], list[int]]:
+        """One model turn; survives interruptions (resubmits the tokens so far) and engine restarts."""
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        errors = aborts = 0
+        while True:
+            if not self._engine_open.is_set():
+                await self._engine_open.wait()
+            if train and self._doomed(itertools.chain(traj.policy_versions, vers)):
+                m.count("stale_episode_restarts")
+                raise _Restart("too stale")
+            max_new = min(sampling.max_new_tokens - len(ids), room - len(ids))
+            if max_new <= 0:
+                return ids, lps, vers
+            sp = sampling.model_copy(update={"max_new_tokens": max_new, "stop": stop})
+            sent_version = self.controller.version
+            m.request_started(len(traj.prompt_ids) + len(traj.response_ids) + len(ids))
+            t = time.monotonic()
+            try:
+                res = await self.engine.generate(traj.prompt_ids + traj.response_ids + ids, sp,
+                                                 rid=f"{g.draw.uid}/{traj.sample_index}/{next(self._rid)}")
+            except EngineRequestError:
+                raise  # the engine rejected the request: re-sending the same one will not help
+            except EngineError:
+                errors += 1
+                m.count("engine_errors")
+                if errors > self.cfg.engine_retries:
+                    raise
+                await asyncio.sleep(min(self.cfg.engine_retry_backoff * 2 ** (errors - 1), 4.0))
+                continue
+            finally:
+                m.request_ended(time.monotonic() - t)
+            v = _parse_version(res.weight_version, sent_version)
+            ids += res.output_ids
+            lps += res.logprobs
+            vers += [v] * len(res.output_ids)
+            if not res.aborted:
+                return ids, lps, vers
+            aborts += 1
+            m.count("interrupted_requests")
+            if aborts > 10_000:
+                raise EngineError("a request was aborted 10000 times in a row")
+            if train and self.cfg.interrupt_mode == "restart":
+                m.count("interrupt_restarts")
+                raise _Restart("interrupted")
+            # continue: resubmit prompt + everything sampled so far, under the new version
+
+    # ================================================================ weight updates
+    async def pause_for_update(self) -> None:
+        """Stop admitting, pause the engines (abort mode) and wait for in-flight requests to come back."""
+        self._paused = True
+        self._engine_open.clear()
+        await self.engine.pause(mode="abort")
+        deadline = time.monotonic() + self.cfg.pause_timeout
+        next_abort = time.monotonic() + 0.5
+        while self.m.inflight_requests + self.eval_m.inflight_requests > 0 and time.monotonic() < deadline:
+            if time.monotonic() >= next_abort:  # a request that reached the engine after the pause
+                await self.engine.abort(None)
+                next_abort = time.monotonic() + 1.0
+            await asyncio.sleep(0.005)
+
+    async def resume_after_update(self, version: int) -> None:
+        """The engines now serve ``version``: continue generation and admission under it."""
+        self.controller.set_version(version)
+        await self.engine.continue_generation()
+        self._paused = False
+        self._engine_open.set()
+        self.controller.notify()
+
+    # ================================================================ evaluation
+    async def evaluate(self, tasks: Sequence[dict[str, Any]], sampling: SamplingParams | None = None,
+                       concurrency: int | None = None) -> list[Trajectory]:
+        """Held-out evaluation: one episode per task (greedy by default), no staleness gating, in order."""
+        sp = sampling or self.cfg.eval_sampling
+        sem = asyncio.Semaphore(concurrency or self.cfg.max_concurrency)
+
+        async def one(idx: int, task: dict[str, Any]) -> Trajectory:
+            g = _GroupRun(Draw(f"eval:{idx}", task), self.controller.version)
+            async with sem:
+                attempt = 0
+                while True:
+                    traj = await self._episode(g, 0, sp, self.eval_m, train=False)
+                    if traj.status != Status.FAILED or attempt >= self.cfg.max_retries:
+                        return traj
+                    attempt += 1
+
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+    # ================================================================ accounting, metrics, state
+    def accounting(self) -> dict[str, int]:
+        """drawn == trained + dropped + in_flight, always (in_flight = running + buffered + pending)."""
+        dropped = sum(self.m.dropped.values())
+        running, buffered, pending = len(self._groups), len(self._buffered), len(self._pending)
+        return {"drawn": self.drawn, "trained": self.trained, "dropped": dropped, "running": running,
+                "buffered": buffered, "pending": pending, "in_flight": running + buffered + pending,
+                "balanced": int(self.drawn == self.trained + dropped + running + buffered + pending)}
+
+    def stats(self, reset_window: bool = True) -> dict[str, float]:
+        """Rollout metrics (rates since the last call), accounting and buffer/staleness figures."""
+        acc = self.accounting()
+        out = self.m.snapshot(
+            reset_window,
+            running_groups=acc["running"], running_episode_slots=self._episode_slots,
+            pending_groups=acc["pending"], drawn=acc["drawn"], trained_groups=acc["trained"],
+            dataset_epoch=self.cursor.epoch,
+        )
+        out.update(self.buffer.stats())
+        return out
+
+    def log_metrics(self, step: int) -> dict[str, float]:
+        stats = self.stats()
+        if self.sink is not None:
+            self.sink.log(stats, step)
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cursor, every task in flight (buffered first, then running, then pending), counters."""
+        in_flight = [*self._buffered.values(), *(g.draw for g in self._groups.values()), *self._pending]
+        return {
+            "version": self.controller.version,
+            "cursor": self.cursor.state_dict(),
+            "pending": [{"uid": d.uid, "task": d.task, "stale_requeues": d.stale_requeues} for d in in_flight],
+            "drawn": self.drawn,
+            "trained": self.trained,
+            "metrics": self.m.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], version: int | None = None) -> None:
+        """Restore before :meth:`start`; ``version`` is the trainer's resumed policy version."""
+        if self._loop_task is not None:
+            raise RuntimeError("load_state_dict must be called before start()")
+        self.cursor.load_state_dict(state["cursor"])
+        self._pending = deque(Draw(p["uid"], p["task"], int(p.get("stale_requeues", 0)))
+                              for p in state.get("pending", []))
+        self._groups.clear()
+        self._buffered.clear()
+        self.drawn = int(state.get("drawn", 0))
+        self.trained = int(state.get("trained", 0))
+        self.m.load_state_dict(state.get("metrics", {}))
+        self.controller.on_resume(int(state["version"] if version is None else version))

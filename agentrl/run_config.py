@@ -1,0 +1,139 @@
+"""RunConfig: the one validated config of a ``train_async.py`` run, composed of the components' configs.
+
+Loaded from one YAML file plus ``key=value`` overrides (``rollout.group_size=4 trainer.lr=1e-4``); any
+unknown or invalid field fails with its dotted path. ``trainer.model_path`` defaults to the run's
+``model_path``; ``model_path: auto`` means "the Search-R1 bootstrap's SFT checkpoint" (the CPU demo).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from agentrl.config import ConfigModel
+from agentrl.engine.launcher import SGLangConfig
+from agentrl.examples.search_r1.bootstrap import BootstrapConfig
+from agentrl.rollout.config import RolloutConfig
+from agentrl.trainer.trainer import TrainerConfig
+
+
+class DataConfig(ConfigModel):
+    """Where tasks come from (Search-R1 parquet: ``<path>/train.parquet`` and ``<path>/test.parquet``)."""
+
+    path: str = Field("auto", description="directory or parquet file; auto = the bootstrap's synthetic world")
+    corpus: str = Field("auto", description="retrieval corpus jsonl; auto = the bootstrap's world corpus")
+    train_split: str = Field("train", description="split name of the training tasks")
+    test_split: str = Field("test", description="split name of the held-out tasks")
+    max_train_tasks: int | None = Field(None, ge=1, description="use at most this many training tasks")
+
+
+class EnvConfig(ConfigModel):
+    """Which registered env every episode gets, and its constructor arguments."""
+
+    name: str = Field("search", description="registered env name (agentrl.envs.make_env)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments of the env")
+
+
+class RetrievalConfig(ConfigModel):
+    """The Search-R1 /retrieve server (started when the env needs one)."""
+
+    enabled: bool = Field(True, description="start a local retrieval server over data.corpus")
+    url: str | None = Field(None, description="use this running server instead of starting one")
+    topk: int = Field(3, ge=1, description="passages per search")
+
+
+class EngineSetupConfig(ConfigModel):
+    """Inference engines: the embedded engine (CPU or one GPU each) or SGLang servers."""
+
+    backend: Literal["embedded", "sglang", "external"] = Field(
+        "embedded",
+        description="embedded: agentrl.engine.local_server; sglang: launch SGLang; external: use urls",
+    )
+    num_engines: int = Field(
+        1, ge=1, description="engine servers to start (each behind least-loaded routing)"
+    )
+    device: str = Field("cpu", description="embedded engine device: cpu or cuda")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="embedded engine dtype")
+    max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together at most")
+    gpus_per_engine: float = Field(0, ge=0, description="GPUs Ray reserves per engine actor")
+    urls: list[str] = Field(default_factory=list, description="external: engine or sglang-router URLs")
+    api_key: str | None = Field(None, description="API key of the engines (admin endpoints check it)")
+    sglang: SGLangConfig | None = Field(
+        None, description="backend sglang: the launch settings (model_path filled in)"
+    )
+
+
+class EvalConfig(ConfigModel):
+    """Held-out evaluation (greedy, one sample per task)."""
+
+    interval: int = Field(0, ge=0, description="evaluate every N steps (0: only before and after training)")
+    num_tasks: int | None = Field(None, ge=1, description="held-out tasks used (None: all)")
+    before: bool = Field(True, description="evaluate before the first step")
+    after: bool = Field(True, description="evaluate after the last step")
+
+
+class CheckpointConfig(ConfigModel):
+    """Trainer + rollout checkpoints under ``<output_dir>/checkpoints``."""
+
+    interval: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+
+
+class RayConfig(ConfigModel):
+    """Where the actors run."""
+
+    address: str | None = Field(None, description="an existing Ray cluster (None: start a local one)")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray instance (None: all)")
+
+
+class RunConfig(ConfigModel):
+    """One training run of ``train_async.py``."""
+
+    output_dir: str = Field(
+        "runs/search_r1", description="metrics, checkpoints, plot, weights for the engines"
+    )
+    seed: int = Field(0, description="seed of the run (rollout order, trainer init)")
+    steps: int = Field(20, ge=0, description="training steps; each one is a weight sync (version + 1)")
+    model_path: str = Field("auto", description="HF model dir; auto = the bootstrap's SFT checkpoint")
+    bootstrap: BootstrapConfig | None = Field(
+        default_factory=BootstrapConfig, description="Search-R1 CPU demo: world, tiny model, SFT warm start"
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="tasks")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="the env of every episode")
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig, description="retrieval server")
+    engine: EngineSetupConfig = Field(default_factory=EngineSetupConfig, description="inference engines")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated",
+        description="colocated: engines and trainer share a device, so generation pauses while training; "
+        "disaggregated: they run on separate devices and overlap",
+    )
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "distributed", description="disk: HF safetensors + update_weights_from_disk; distributed: broadcast"
+    )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="orchestrator")
+    trainer: TrainerConfig = Field(description="Megatron trainer (model_path defaults to the run's)")
+    trainer_world_size: int = Field(1, ge=1, description="trainer ranks (tp * pp * dp), one Ray actor each")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trainer_model_path(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            trainer = data.get("trainer")
+            trainer = dict(trainer) if isinstance(trainer, dict) else ({} if trainer is None else trainer)
+            if isinstance(trainer, dict):
+                trainer.setdefault("model_path", data.get("model_path", "auto"))
+            data = {**data, "trainer": trainer}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.model_path == "auto" and self.bootstrap is None:
+            raise ValueError("model_path is 'auto' but bootstrap is off: give model_path (an HF model dir)")
+        if self.data.path == "auto" and self.bootstrap is None:
+            raise ValueError("data.path is 'auto' but bootstrap is off: give data.path (Search-R1 parquet)")
+        if self.engine.backend == "external" and not self.engine.urls:
+            raise ValueError("engine.urls: backend 'external' needs at least one URL")
+        return self

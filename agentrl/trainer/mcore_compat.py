@@ -1,0 +1,51 @@
+"""The one place where agentrl bends megatron-core so that it runs on CPU (gloo) as well as on GPU.
+
+megatron-core is written for CUDA. The parts agentrl uses (``GPTModel`` with the local layer spec,
+tensor-parallel linears/embeddings, ``parallel_state``) run unchanged on CPU except for these spots, and
+:func:`apply_cpu_patches` handles exactly them. It is a no-op when CUDA is available, and idempotent.
+
+1. ``torch.cuda.current_device()`` is used as the *device* of freshly allocated tensors in the
+   tensor-parallel layers (all-gather / reduce-scatter output buffers in
+   ``tensor_parallel.mappings``), the rotary embedding, the global memory buffer and a few inits. On a
+   machine without CUDA the call raises. The patch makes it return ``"cpu"`` there, so those
+   allocations land on the CPU, where gloo expects them. Nothing else in torch calls
+   ``current_device()`` on a CUDA-less machine, so the patch cannot mask a real CUDA bug.
+
+2. Megatron's default core attention (``DotProductAttention``) preallocates its score matrix from the
+   CUDA-only global memory buffer and runs dropout inside the CUDA RNG tracker. agentrl does not patch
+   it: the layer spec swaps in :class:`agentrl.trainer.model.SDPACoreAttention` (torch SDPA, causal,
+   GQA), which is also the faster kernel on GPU. Mentioned here so that the whole story is in one place.
+
+3. ``model_parallel_cuda_manual_seed`` (the CUDA RNG tracker) is never called on CPU: dropout is 0
+   and weights are loaded from checkpoints, so the tracker is not needed there (see ``trainer.py``).
+
+What is *not* patched, and therefore stays GPU-only: megatron's ``DistributedDataParallel`` and
+distributed optimizer (CUDA streams and buffers) and the pipeline schedules (they allocate with
+``device="cuda"`` literally). On CPU the trainer uses a plain ``torch.optim.AdamW`` with an explicit
+data-parallel gradient all-reduce and its own micro-batch loop (pipeline size 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED = False
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def apply_cpu_patches() -> bool:
+    """Apply the CPU patches when CUDA is unavailable; returns whether they are active."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if not _APPLIED:
+        torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+        _APPLIED = True
+    return True
+
+
+def cpu_patches_active() -> bool:
+    return _APPLIED

@@ -1,0 +1,524 @@
+"""The trainer's model: a megatron-core ``GPTModel`` built from a Hugging Face config, and the weight
+mapping between the two naming schemes, both ways, with tensor- and pipeline-parallel sharding.
+
+Supported families: Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm, no qkv bias) and Llama; all with
+GQA, RoPE (theta from the config), RMSNorm (eps from the config), SwiGLU, tied or untied embeddings.
+The layer spec is megatron-core's *local* spec (no Transformer Engine) with the core attention swapped
+for :class:`SDPACoreAttention` (torch ``scaled_dot_product_attention``, causal, GQA), which runs on CPU
+and uses the flash/efficient kernels on GPU.
+
+Layouts (why the conversion is more than renaming):
+
+- ``linear_qkv`` stacks, per KV group ``g``, the group's query heads then its key head then its value
+  head: ``[q_g0 .. q_g(r-1), k_g, v_g]`` over ``g``; tensor parallelism splits whole groups.
+- ``linear_fc1`` is ``[gate; up]`` *per TP rank*: rank ``t`` holds ``[gate_t; up_t]``.
+- The vocabulary is padded to a multiple of ``tp * make_vocab_size_divisible_by`` and split in rows;
+  padded rows are zero and their logits are masked out by the loss code (``true_vocab_size``).
+- Pipeline stage ``p`` owns layers ``[p*L/pp, (p+1)*L/pp)`` under local names starting at 0; with tied
+  embeddings and ``pp > 1`` the last stage holds a copy of the embedding as ``output_layer.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+# ---- architecture ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape facts of a supported HF causal LM, read from its config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any] | Any) -> ModelArch:
+        """Read a config.json dict (or a transformers config object); unsupported features raise."""
+        c = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        mt = c.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
+        if c.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (plain RoPE only)")
+        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        head_dim = c.get("head_dim") or hidden // heads
+        if mt == "llama":
+            qkv_bias = bool(c.get("attention_bias", False))
+            if qkv_bias:
+                raise ValueError("llama attention_bias=True (o_proj bias) is not supported")
+        else:
+            qkv_bias = mt == "qwen2"
+        if c.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        return cls(
+            model_type=mt,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=mt == "qwen3",
+        )
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str | Path) -> ModelArch:
+        return cls.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 1) -> int:
+        m = tp * divisible_by
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    def layer_range(self, pp_rank: int, pp: int) -> tuple[int, int]:
+        """Global layer indices [start, end) held by pipeline stage ``pp_rank``."""
+        if self.num_layers % pp:
+            raise ValueError(f"{self.num_layers} layers do not split evenly into {pp} pipeline stages")
+        n = self.num_layers // pp
+        return pp_rank * n, (pp_rank + 1) * n
+
+    def num_params(self) -> int:
+        """Parameter count of the HF model (tied embedding counted once)."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        mlp = 3 * h * self.ffn_hidden_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- model ----------------------------------------------------------------------------------------
+class SDPACoreAttention(torch.nn.Module):
+    """Core attention through ``torch.nn.functional.scaled_dot_product_attention``: causal, GQA.
+
+    Same constructor keywords and call signature as megatron's ``DotProductAttention`` (its
+    ``CoreAttention`` protocol): q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
+    Sequences are right-padded, so causal masking alone keeps real tokens from seeing padding.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention takes padded batches (no packed_seq_params)")
+        sq, b, nh, hd = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        if k.shape[1] != nh:  # GQA: repeat KV heads (cheap views on the fused kernels' side)
+            rep = nh // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+        )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
+
+
+def transformer_config(
+    arch: ModelArch,
+    tp: int = 1,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    recompute: bool = False,
+) -> Any:
+    """The megatron ``TransformerConfig`` of ``arch`` for the given parallel sizes."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    bf16 = params_dtype == torch.bfloat16
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=params_dtype,
+        # the fusions need TE/apex/CUDA kernels; the local spec runs the plain torch ops
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights always come from a checkpoint
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: ModelArch) -> Any:
+    """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` as core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_gpt_model(
+    arch: ModelArch,
+    tp: int = 1,
+    pp: int = 1,
+    pp_rank: int = 0,
+    params_dtype: torch.dtype = torch.float32,
+    vocab_divisible_by: int = 1,
+    recompute: bool = False,
+) -> Any:
+    """A megatron ``GPTModel`` for this rank (megatron's ``parallel_state`` must be initialized)."""
+    from megatron.core.models.gpt import GPTModel
+
+    cfg = transformer_config(arch, tp, pp, params_dtype, recompute)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(arch),
+        vocab_size=arch.padded_vocab_size(tp, vocab_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+    )
+    mark_tensor_parallel_params(model)
+    return model
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Tag TP-sharded weights with megatron's ``tensor_model_parallel`` attributes.
+
+    Megatron sets them inside its weight initializers, which ``perform_initialization=False`` skips
+    (weights come from checkpoints). Gradient-norm clipping, DDP and the distributed optimizer read
+    them to count TP-duplicated parameters (norms) once.
+    """
+    from megatron.core.tensor_parallel import layers as tpl
+
+    for mod in model.modules():
+        if isinstance(mod, tpl.ColumnParallelLinear | tpl.VocabParallelEmbedding):
+            dim, params = 0, [mod.weight, getattr(mod, "bias", None)]
+        elif isinstance(mod, tpl.RowParallelLinear):
+            dim, params = 1, [mod.weight]  # its bias (none here) is not sharded
+        else:
+            continue
+        for i, p in enumerate(params):
+            if p is None or not isinstance(p, torch.nn.Parameter) or hasattr(p, "tensor_model_parallel"):
+                continue
+            tpl.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0 if i else dim, stride=1)
+
+
+# ---- HF <-> Megatron weights ----------------------------------------------------------------------
+def _hf_layer(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _mc_layer(i: int) -> str:
+    return f"decoder.layers.{i}."
+
+
+def _split_rows(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    return [x.contiguous() for x in torch.chunk(t, tp, dim=0)]
+
+
+def _split_cols(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    return [x.contiguous() for x in torch.chunk(t, tp, dim=1)]
+
+
+def _qkv_to_mcore(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """HF q/k/v (weights [out, in] or biases [out]) -> per-TP-rank interleaved ``linear_qkv`` shards."""
+    ng, hd = arch.num_kv_heads, arch.head_dim
+    r = arch.num_attention_heads // ng
+    if ng % tp:
+        raise ValueError(f"{ng} KV heads do not split over tensor parallel size {tp}")
+    rest = q.shape[1:]
+    qg = q.reshape(ng, r * hd, *rest)
+    kg = k.reshape(ng, hd, *rest)
+    vg = v.reshape(ng, hd, *rest)
+    fused = torch.cat([qg, kg, vg], dim=1)  # [ng, (r+2)*hd, ...]
+    return [x.reshape(-1, *rest).contiguous() for x in torch.chunk(fused, tp, dim=0)]
+
+
+def _qkv_to_hf(arch: ModelArch, shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, hd = arch.num_kv_heads, arch.head_dim
+    r = arch.num_attention_heads // ng
+    full = torch.cat(shards, dim=0)
+    rest = full.shape[1:]
+    g = full.reshape(ng, (r + 2) * hd, *rest)
+    q, k, v = torch.split(g, [r * hd, hd, hd], dim=1)
+    return (
+        q.reshape(-1, *rest).contiguous(),
+        k.reshape(-1, *rest).contiguous(),
+        v.reshape(-1, *rest).contiguous(),
+    )
+
+
+def _pad_vocab(w: torch.Tensor, padded: int) -> torch.Tensor:
+    if w.shape[0] == padded:
+        return w
+    pad = torch.zeros(padded - w.shape[0], *w.shape[1:], dtype=w.dtype)
+    return torch.cat([w, pad], dim=0)
+
+
+def hf_to_mcore_shards(
+    hf: dict[str, torch.Tensor],
+    arch: ModelArch,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_divisible_by: int = 1,
+    ranks: list[tuple[int, int]] | None = None,
+) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """HF state dict -> ``{(pp_rank, tp_rank): megatron local state dict}`` (only ``ranks`` if given)."""
+    wanted = set(ranks) if ranks is not None else {(p, t) for p in range(pp) for t in range(tp)}
+    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {key: {} for key in wanted}
+    padded = arch.padded_vocab_size(tp, vocab_divisible_by)
+
+    def put(p: int, name: str, shards: list[torch.Tensor] | torch.Tensor) -> None:
+        for t in range(tp):
+            if (p, t) in wanted:
+                out[(p, t)][name] = shards if isinstance(shards, torch.Tensor) else shards[t]
+
+    emb = hf["model.embed_tokens.weight"]
+    put(0, "embedding.word_embeddings.weight", _split_rows(_pad_vocab(emb, padded), tp))
+    last = pp - 1
+    put(last, "decoder.final_layernorm.weight", hf["model.norm.weight"])
+    if not arch.tie_word_embeddings:
+        put(last, "output_layer.weight", _split_rows(_pad_vocab(hf["lm_head.weight"], padded), tp))
+    elif pp > 1:  # the last stage keeps its own copy of the tied embedding
+        put(last, "output_layer.weight", _split_rows(_pad_vocab(emb, padded), tp))
+
+    for p in range(pp):
+        if not any(key[0] == p for key in wanted):
+            continue
+        start, end = arch.layer_range(p, pp)
+        for i in range(start, end):
+            h, m = _hf_layer(i), _mc_layer(i - start)
+            a = h + "self_attn."
+            put(p, m + "input_layernorm.weight", hf[h + "input_layernorm.weight"])
+            put(p, m + "pre_mlp_layernorm.weight", hf[h + "post_attention_layernorm.weight"])
+            put(p, m + "self_attention.linear_qkv.weight",
+                _qkv_to_mcore(arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], tp))
+            if arch.qkv_bias:
+                put(p, m + "self_attention.linear_qkv.bias",
+                    _qkv_to_mcore(arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], tp))
+            if arch.qk_norm:
+                put(p, m + "self_attention.q_layernorm.weight", hf[a + "q_norm.weight"])
+                put(p, m + "self_attention.k_layernorm.weight", hf[a + "k_norm.weight"])
+            put(p, m + "self_attention.linear_proj.weight", _split_cols(hf[a + "o_proj.weight"], tp))
+            gate = _split_rows(hf[h + "mlp.gate_proj.weight"], tp)
+            up = _split_rows(hf[h + "mlp.up_proj.weight"], tp)
+            put(p, m + "mlp.linear_fc1.weight", [torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)])
+            put(p, m + "mlp.linear_fc2.weight", _split_cols(hf[h + "mlp.down_proj.weight"], tp))
+    return out
+
+
+def mcore_to_hf(
+    shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch
+) -> dict[str, torch.Tensor]:
+    """``{(pp_rank, tp_rank): local state dict}`` (all ranks) -> HF state dict with HF names."""
+    pp = 1 + max(p for p, _ in shards)
+    tp = 1 + max(t for _, t in shards)
+    hf: dict[str, torch.Tensor] = {}
+    V = arch.vocab_size
+
+    def cat_rows(p: int, name: str) -> torch.Tensor:
+        return torch.cat([shards[(p, t)][name] for t in range(tp)], dim=0)
+
+    def cat_cols(p: int, name: str) -> torch.Tensor:
+        return torch.cat([shards[(p, t)][name] for t in range(tp)], dim=1)
+
+    hf["model.embed_tokens.weight"] = cat_rows(0, "embedding.word_embeddings.weight")[:V].contiguous()
+    hf["model.norm.weight"] = shards[(pp - 1, 0)]["decoder.final_layernorm.weight"]
+    if not arch.tie_word_embeddings:
+        hf["lm_head.weight"] = cat_rows(pp - 1, "output_layer.weight")[:V].contiguous()
+    for p in range(pp):
+        start, end = arch.layer_range(p, pp)
+        for i in range(start, end):
+            h, m = _hf_layer(i), _mc_layer(i - start)
+            a = h + "self_attn."
+            first = shards[(p, 0)]
+            hf[h + "input_layernorm.weight"] = first[m + "input_layernorm.weight"]
+            hf[h + "post_attention_layernorm.weight"] = first[m + "pre_mlp_layernorm.weight"]
+            q, k, v = _qkv_to_hf(arch, [shards[(p, t)][m + "self_attention.linear_qkv.weight"] for t in range(tp)])
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"] = q, k, v
+            if arch.qkv_bias:
+                q, k, v = _qkv_to_hf(arch, [shards[(p, t)][m + "self_attention.linear_qkv.bias"] for t in range(tp)])
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"] = q, k, v
+            if arch.qk_norm:
+                hf[a + "q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
+                hf[a + "k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
+            hf[a + "o_proj.weight"] = cat_cols(p, m + "self_attention.linear_proj.weight")
+            gates, ups = [], []
+            for t in range(tp):
+                g, u = torch.chunk(shards[(p, t)][m + "mlp.linear_fc1.weight"], 2, dim=0)
+                gates.append(g)
+                ups.append(u)
+            hf[h + "mlp.gate_proj.weight"] = torch.cat(gates, dim=0).contiguous()
+            hf[h + "mlp.up_proj.weight"] = torch.cat(ups, dim=0).contiguous()
+            hf[h + "mlp.down_proj.weight"] = cat_cols(p, m + "mlp.linear_fc2.weight")
+    return hf
+
+
+def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of ``arch`` (what a full HF checkpoint must hold)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = _hf_layer(i)
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (arch.ffn_hidden_size, h),
+            p + "mlp.up_proj.weight": (arch.ffn_hidden_size, h),
+            p + "mlp.down_proj.weight": (h, arch.ffn_hidden_size),
+        }
+        if arch.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        if arch.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+# ---- safetensors I/O ------------------------------------------------------------------------------
+def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF dir (single ``model.safetensors`` or an indexed, sharded checkpoint)."""
+    from safetensors.torch import load_file
+
+    d = Path(hf_dir)
+    index = d / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(d / f)))
+    if "lm_head.weight" in sd and "model.embed_tokens.weight" in sd:
+        arch_tied = json.loads((d / "config.json").read_text()).get("tie_word_embeddings", False)
+        if arch_tied:
+            sd.pop("lm_head.weight")  # some tied checkpoints store the alias too
+    return sd
+
+
+HF_AUX_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def save_hf_dir(
+    hf: dict[str, torch.Tensor], out_dir: str | Path, template_dir: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Write ``hf`` as ``model.safetensors`` plus the template's config/tokenizer files."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in HF_AUX_FILES:
+        src = Path(template_dir) / name
+        if src.is_file() and src.resolve() != (out / name).resolve():
+            shutil.copyfile(src, out / name)
+    tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in hf.items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")  # atomic: an engine never reads a half-written file
+    stale_index = out / "model.safetensors.index.json"
+    if stale_index.exists():
+        stale_index.unlink()
+    return out

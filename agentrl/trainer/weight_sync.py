@@ -1,0 +1,164 @@
+"""Pushing trainer weights to inference engines by distributed broadcast (SGLang's protocol, sender side).
+
+Protocol (``/work``'s reference: SGLang's native API; the receiver is any SGLang server or the embedded
+engine, both built on :mod:`agentrl.engine.dist`):
+
+1. ``init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
+   backend}`` on every engine, *concurrently* with the trainer joining the same group as rank 0
+   (:func:`agentrl.engine.dist.init_custom_process_group`, a TCP rendezvous; the one helper both sides
+   import). The group is separate from the trainer's own torch.distributed world.
+2. Per bucket: ``update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version}``
+   on every engine, concurrently with rank 0 broadcasting each tensor of the bucket, in ``names``
+   order, one ``broadcast(src=0)`` per tensor (the receiver allocates ``empty(shape, dtype)`` and
+   receives into it). ``weight_version`` goes with the last bucket only, so an engine never reports the
+   new version while holding half-updated weights.
+
+Tensors are HF-named full (unsharded) weights; gloo needs them on CPU, NCCL on the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Announce = Callable[[list[str], list[str], list[list[int]], bool], Awaitable[None]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's receiver passes to ``getattr(torch, ...)``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    cur: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nbytes
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+@dataclass
+class BroadcastStats:
+    num_tensors: int = 0
+    num_buckets: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _broadcast_bucket(bucket: list[tuple[str, torch.Tensor]], group: Any) -> None:
+    for _, t in bucket:
+        dist.broadcast(t.contiguous(), src=0, group=group)
+
+
+async def broadcast_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    group: Any,
+    bucket_bytes: int = 512 << 20,
+    announce: Announce | None = None,
+) -> BroadcastStats:
+    """Broadcast ``named_tensors`` from rank 0 of ``group``, bucket by bucket.
+
+    ``announce(names, dtypes, shapes, is_last)`` (e.g. an ``EngineClient.update_weights_from_distributed``
+    call) runs concurrently with each bucket's broadcasts, because the receiver only returns once it
+    has received them. Without ``announce`` the receivers must know the names in advance.
+    """
+    t0 = time.perf_counter()
+    stats = BroadcastStats()
+    buckets = plan_buckets(named_tensors, bucket_bytes)
+    for i, bucket in enumerate(buckets):
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        send = asyncio.to_thread(_broadcast_bucket, bucket, group)
+        if announce is not None:
+            await asyncio.gather(announce(names, dtypes, shapes, i == len(buckets) - 1), send)
+        else:
+            await send
+        stats.num_tensors += len(bucket)
+        stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    stats.num_buckets = len(buckets)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def receive_weights(
+    group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], device: str | torch.device = "cpu"
+) -> list[tuple[str, torch.Tensor]]:
+    """The receiver's half of one bucket (what an engine does; used by tests and the embedded engine)."""
+    from agentrl.engine.dist import parse_dtype
+
+    out = []
+    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+        t = torch.empty(shape, dtype=parse_dtype(dt), device=device)
+        dist.broadcast(t, src=0, group=group)
+        out.append((name, t))
+    return out
+
+
+class WeightBroadcaster:
+    """The trainer side of a distributed weight-sync group with a set of engines (an EngineClient)."""
+
+    def __init__(self, client: Any, group_name: str = "agentrl_weight_sync", bucket_bytes: int = 512 << 20) -> None:
+        self.client = client
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        self.group: Any = None
+
+    async def connect(
+        self, master_address: str, master_port: int, num_engine_ranks: int, backend: str, timeout: float = 600.0
+    ) -> None:
+        """Create the group (trainer = rank 0, engines from rank 1) with every engine joining concurrently."""
+        from agentrl.engine.dist import init_custom_process_group
+
+        world = 1 + num_engine_ranks
+        join = asyncio.to_thread(
+            init_custom_process_group,
+            backend=backend,
+            init_method=f"tcp://{master_address}:{master_port}",
+            world_size=world,
+            rank=0,
+            group_name=self.group_name,
+            timeout=timeout,
+        )
+        ask = self.client.init_weights_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=1,
+            world_size=world,
+            group_name=self.group_name,
+            backend=backend,
+        )
+        self.group, _ = await asyncio.gather(join, ask)
+
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> BroadcastStats:
+        if self.group is None:
+            raise RuntimeError("WeightBroadcaster.connect() first")
+
+        async def announce(names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool) -> None:
+            await self.client.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self.group_name, weight_version=weight_version if last else None
+            )
+
+        return await broadcast_weights(named_tensors, self.group, self.bucket_bytes, announce=announce)
+
+    def close(self) -> None:
+        from agentrl.engine.dist import destroy_process_group
+
+        if self.group is not None:
+            destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,177 @@
+"""Throughput of the embedded engine (over HTTP, through EngineClient) against HF ``generate``.
+
+For each concurrency C in ``--concurrency`` (default 1,16,64) it runs 2*C requests with at most C in
+flight against ``python -m agentrl.engine.local_server`` and reports generated tokens/s; then, in the same
+run and on the same device, HF ``model.generate`` on batches of C prompts of the same length and the same
+number of new tokens (sampling at temperature 1, EOS ignored). Prints ONE JSON line.
+
+CPU (default): the tiny test model. GPU: ``--device cuda --shape qwen2.5-0.5b --dtype bfloat16`` builds a
+randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from agentrl.engine.client import EngineClient
+from agentrl.engine.local_server import start_local_server
+from agentrl.engine.types import SamplingParams
+from agentrl.models.tiny import build_tiny_model
+
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def build_model(shape: str, dtype: str, out: Path) -> Path:
+    """A model directory: the tiny test model, or a random model of Qwen2.5-0.5B's shape."""
+    if shape == "tiny":
+        return build_tiny_model(out, arch="qwen2", dtype=dtype)
+    if shape != "qwen2.5-0.5b":
+        raise SystemExit(f"unknown --shape {shape!r}")
+    import transformers
+
+    build_tiny_model(out / "tok", arch="qwen2")  # only for its tokenizer files
+    cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(out / "tok" / f, out / f)
+    return out
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 600), (n, length), generator=g).tolist()
+
+
+async def engine_round(
+    url: str, conc: int, prompt_len: int, new_tokens: int, vocab: int
+) -> tuple[int, float]:
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    sem = asyncio.Semaphore(conc)
+    async with EngineClient(url, timeout=3600) as client:
+
+        async def one(p: list[int]) -> int:
+            async with sem:
+                return len((await client.generate(p, sp)).output_ids)
+
+        await asyncio.gather(*(one(p) for p in prompts(min(conc, 4), prompt_len, vocab, seed=1)))  # warm-up
+        batch = prompts(2 * conc, prompt_len, vocab, seed=conc)
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in batch))
+        return sum(counts), time.perf_counter() - t0
+
+
+@torch.no_grad()
+def hf_round(
+    model, conc: int, prompt_len: int, new_tokens: int, vocab: int, device: str
+) -> tuple[int, float]:
+    def run(batch: list[list[int]]) -> int:
+        ids = torch.tensor(batch, device=device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=None,
+            top_p=None,
+            pad_token_id=0,
+        )
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+    run(prompts(min(conc, 4), prompt_len, vocab, seed=1))  # warm-up
+    batch = prompts(2 * conc, prompt_len, vocab, seed=conc)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    total = sum(run(batch[i : i + conc]) for i in range(0, len(batch), conc))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return total, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"])
+    p.add_argument("--model", default=None, help="use this HF model directory instead of building one")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    a = p.parse_args(argv)
+    concs = [int(c) for c in a.concurrency.split(",")]
+
+    tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
+    model_dir = Path(a.model) if a.model else build_model(a.shape, a.dtype, tmp / "model")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+
+    engine: dict[int, tuple[int, float]] = {}
+    server = start_local_server(
+        model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
+        log_file=tmp / "server.log",
+    )  # fmt: skip
+    try:
+        for c in concs:
+            engine[c] = asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab))
+    finally:
+        server.stop()  # frees the device before the baseline runs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
+    hf = {c: hf_round(model, c, a.prompt_len, a.max_new_tokens, vocab, a.device) for c in concs}
+
+    results = {}
+    for c in concs:
+        e_tok, e_s = engine[c]
+        h_tok, h_s = hf[c]
+        results[str(c)] = {
+            "engine_tok_s": round(e_tok / e_s, 1),
+            "hf_generate_tok_s": round(h_tok / h_s, 1),
+            "ratio_engine_over_hf": round((e_tok / e_s) / (h_tok / h_s), 3),
+            "requests": 2 * c,
+        }
+    print(
+        json.dumps(
+            {
+                "bench": "engine_throughput",
+                "device": a.device,
+                "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None,
+                "dtype": a.dtype,
+                "shape": a.shape if not a.model else str(a.model),
+                "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "prompt_len": a.prompt_len,
+                "max_new_tokens": a.max_new_tokens,
+                "results": results,
+                "note": "engine: HTTP + continuous batching, 2*C requests with C in flight; hf: generate on batches of C",
+            }
+        )
+    )
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

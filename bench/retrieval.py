@@ -1,0 +1,171 @@
+"""Benchmark: Search-R1 /retrieve throughput over loopback HTTP against raw bm25s in-process, same run.
+
+Builds a synthetic-world corpus (``--passages``, 10k by default), then measures queries/s for
+  * raw bm25s in-process (``bm25s.tokenize`` + ``BM25.retrieve``), one batched call and one call per query
+    (the baseline),
+  * agentrl's ``RetrievalIndex.search`` in-process (adds passage lookup from the memory-mapped corpus),
+  * the HTTP server (child process): batched requests (``--batch`` queries each) and single-query
+    requests, each with one request in flight and with ``--concurrency`` in flight,
+and prints ONE JSON line with the figures and their ratios to raw bm25s. Queries are the world's
+question texts (what a model typically sends). Client and server share the machine's cores.
+
+    python bench/retrieval.py [--passages 10000] [--queries 2000] [--concurrency 16] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import bm25s
+
+from agentrl.examples.search_r1.data import write_corpus
+from agentrl.examples.search_r1.retrieval_server import RetrievalIndex, start_retrieval_server
+from agentrl.examples.search_r1.world import generate_world
+
+
+def make_corpus(passages: int, seed: int, out: Path) -> tuple[Path, list[str]]:
+    """A world with at least ``passages`` passages (cut to exactly that many) and its questions."""
+    rate = 0.5
+    world = generate_world(seed, num_entities=math.ceil(passages / (1 + rate) * 1.05), num_syllables=240,
+                           distractor_rate=rate)  # fmt: skip
+    if len(world.corpus) < passages:
+        raise RuntimeError(f"world has {len(world.corpus)} passages < {passages}")
+    path = write_corpus(out / "corpus.jsonl", world.corpus[:passages])
+    return path, [t["prompt"] for t in world.train + world.test]
+
+
+def qps(n: int, seconds: float) -> float:
+    return round(n / seconds, 1)
+
+
+async def http_bench(
+    url: str, queries: list[str], topk: int, batch: int, concurrency: int
+) -> dict[str, float]:
+    """Queries/s for batched and single-query requests, sequential and concurrent."""
+    lat: list[float] = []
+
+    async def post(session: aiohttp.ClientSession, qs: list[str]) -> None:
+        t = time.perf_counter()
+        async with session.post(
+            f"{url}/retrieve", json={"queries": qs, "topk": topk, "return_scores": True}
+        ) as r:
+            r.raise_for_status()
+            body = await r.json()
+            assert len(body["result"]) == len(qs)
+        lat.append(time.perf_counter() - t)
+
+    async def run(chunks: list[list[str]], inflight: int) -> float:
+        sem = asyncio.Semaphore(inflight)
+
+        async def one(qs: list[str]) -> None:
+            async with sem:
+                await post(session, qs)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(one(c) for c in chunks))
+        return time.perf_counter() - t
+
+    out: dict[str, float] = {}
+    connector = aiohttp.TCPConnector(limit=max(concurrency, 1))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await run([[q] for q in queries[:50]], concurrency)  # warm up connections
+        batches = [queries[i : i + batch] for i in range(0, len(queries), batch)]
+        singles = [[q] for q in queries]
+        out["http_batched_seq_qps"] = qps(len(queries), await run(batches, 1))
+        out[f"http_batched_c{concurrency}_qps"] = qps(len(queries), await run(batches, concurrency))
+        n_seq = min(len(singles), 500)
+        lat.clear()
+        out["http_single_seq_qps"] = qps(n_seq, await run(singles[:n_seq], 1))
+        out["http_single_seq_p50_ms"] = round(statistics.median(lat) * 1000, 2)
+        lat.clear()
+        out[f"http_single_c{concurrency}_qps"] = qps(len(singles), await run(singles, concurrency))
+        out[f"http_single_c{concurrency}_p50_ms"] = round(statistics.median(lat) * 1000, 2)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--passages", type=int, default=10_000)
+    p.add_argument("--queries", type=int, default=2000)
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32, help="queries per batched HTTP request")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight for the concurrent runs")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-retrieval-") as tmp:
+        corpus, questions = make_corpus(a.passages, a.seed, Path(tmp))
+        queries = (questions * math.ceil(a.queries / len(questions)))[: a.queries]
+        texts = [json.loads(line)["contents"] for line in corpus.read_text().splitlines()]
+
+        # Baseline: raw bm25s, in-process, single-threaded.
+        t = time.perf_counter()
+        raw = bm25s.BM25(method="lucene")
+        raw.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+        raw_index_s = time.perf_counter() - t
+        t = time.perf_counter()
+        raw.retrieve(
+            bm25s.tokenize(queries, stopwords="en", show_progress=False), k=a.topk, show_progress=False
+        )
+        raw_batched = qps(len(queries), time.perf_counter() - t)
+        n_single = min(len(queries), 500)
+        t = time.perf_counter()
+        for q in queries[:n_single]:
+            raw.retrieve(
+                bm25s.tokenize([q], stopwords="en", show_progress=False), k=a.topk, show_progress=False
+            )
+        raw_single = qps(n_single, time.perf_counter() - t)
+
+        # agentrl's index in-process: cold build (writes the cache), cache load, search.
+        t = time.perf_counter()
+        RetrievalIndex(corpus).close()
+        build_s = time.perf_counter() - t
+        t = time.perf_counter()
+        index = RetrievalIndex(corpus)
+        load_s = time.perf_counter() - t
+        assert index.cache_hit
+        t = time.perf_counter()
+        index.search(queries, a.topk)
+        index_qps = qps(len(queries), time.perf_counter() - t)
+        index.close()
+
+        with start_retrieval_server(corpus) as server:
+            http = asyncio.run(http_bench(server.url, queries, a.topk, a.batch, a.concurrency))
+
+    c = a.concurrency
+    result = {
+        "bench": "retrieval",
+        "passages": a.passages,
+        "queries": len(queries),
+        "topk": a.topk,
+        "batch": a.batch,
+        "concurrency": c,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "bm25s": bm25s.__version__,
+        "raw_bm25s_index_s": round(raw_index_s, 3),
+        "index_build_s": round(build_s, 3),
+        "index_cache_load_s": round(load_s, 3),
+        "raw_bm25s_batched_qps": raw_batched,
+        "raw_bm25s_single_qps": raw_single,
+        "index_search_qps": index_qps,
+        **http,
+        "ratio_index_vs_raw_batched": round(index_qps / raw_batched, 3),
+        "ratio_http_batched_vs_raw_batched": round(http[f"http_batched_c{c}_qps"] / raw_batched, 3),
+        "ratio_http_single_vs_raw_single": round(http[f"http_single_c{c}_qps"] / raw_single, 3),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

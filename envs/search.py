@@ -1,0 +1,144 @@
+"""SearchEnv: Search-R1's multi-turn retrieval format, byte for byte, against a ``/retrieve`` server.
+
+The prompt is Search-R1's (typo "as your want" included, because trained checkpoints expect it). Each
+model turn ends at ``</search>`` or ``</answer>`` (``stop``); the first ``<search>`` or ``<answer>``
+block decides:
+
+* search: the query goes to the retrieval server; ``\\n\\n<information>{docs}</information>\\n\\n`` is
+  appended with each passage as ``Doc {i}(Title: {title}) {text}\\n``;
+* answer: the episode ends (the ``exact_match`` verifier scores the last ``<answer>`` of the response);
+* neither: the invalid-action message is appended.
+
+After ``max_turns`` searching turns the model gets one final turn in which searches are no longer run.
+Observations continue the assistant's own text (``observation_format="raw"``, as Search-R1 does); set
+``observation_format="message"`` to send them as user messages instead. The action text must contain the
+stop string (SGLang ``no_stop_trim=True``); when an engine trimmed it, the open tag at the very end is
+closed again (``complete_trimmed_stop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import weakref
+from typing import Any, Literal
+
+from agentrl.tools.parsers import parse_search_r1
+from agentrl.tools.search import RetrievalClient
+
+from .base import Env, Message, StepResult
+from .registry import register_env
+
+PROMPT = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. "
+    "You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+    "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n"
+)
+INVALID_ACTION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+STOP = ["</search>", "</answer>"]
+_TRIMMED = re.compile(r"<(search|answer)>(?:(?!</\1>|<search>|<answer>).)*\Z", re.DOTALL)
+
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, RetrievalClient]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shared_client(url: str, topk: int, timeout: float) -> RetrievalClient:
+    """One HTTP connection pool per event loop and server, shared by all episodes."""
+    per_loop = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    key = (url, topk, timeout)
+    if key not in per_loop:
+        per_loop[key] = RetrievalClient(url, topk=topk, timeout=timeout)
+    return per_loop[key]
+
+
+def format_prompt(question: str) -> str:
+    return PROMPT.format(question=question.strip())
+
+
+def search_r1_label(task: dict[str, Any]) -> Any:
+    """The gold answers of a task: ``label`` or the Search-R1 parquet ``reward_model.ground_truth``."""
+    if task.get("label") is not None:
+        return task["label"]
+    rm = task.get("reward_model") or {}
+    return rm.get("ground_truth") if isinstance(rm, dict) else None
+
+
+@register_env("search")
+class SearchEnv(Env):
+    """Search-R1 tool use. Task: ``{"question": str}`` or a Search-R1 parquet row (``prompt`` messages)."""
+
+    stop = STOP
+    verifier = "exact_match"
+
+    def __init__(
+        self,
+        retrieval_url: str = "http://127.0.0.1:8000",
+        topk: int = 3,
+        max_turns: int = 4,
+        observation_format: Literal["raw", "message"] = "raw",
+        timeout: float = 30.0,
+        complete_trimmed_stop: bool = True,
+        retriever: RetrievalClient | None = None,
+    ) -> None:
+        if max_turns < 0 or topk < 1:
+            raise ValueError(f"need max_turns >= 0 and topk >= 1, got {max_turns}, {topk}")
+        self.retrieval_url, self.topk, self.max_turns, self.timeout = retrieval_url, topk, max_turns, timeout
+        self.observation_format = observation_format
+        self.complete_trimmed_stop = complete_trimmed_stop
+        self._retriever = retriever
+        self.turn = 0
+        self.num_searches = 0
+
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        self.turn = 0
+        self.num_searches = 0
+        question = task.get("question")
+        prompt = task.get("prompt")
+        if question is None and isinstance(prompt, list):
+            return [dict(m) for m in prompt]  # a Search-R1 parquet row: the prompt is already formatted
+        question = question if question is not None else prompt
+        if not isinstance(question, str):
+            raise ValueError(f"SearchEnv task needs a 'question' (str) or 'prompt'; got keys {sorted(task)}")
+        return [{"role": "user", "content": format_prompt(question)}]
+
+    def _observe(self, text: str, info: dict[str, Any]) -> StepResult:
+        role = "user"
+        return StepResult(text, info=info, observation_role=role, observation_format=self.observation_format)
+
+    async def step(self, action_text: str) -> StepResult:
+        t = self.turn
+        self.turn += 1
+        action = parse_search_r1(action_text)
+        if action.kind == "invalid" and self.complete_trimmed_stop and isinstance(action_text, str):
+            m = _TRIMMED.search(action_text)
+            if m:  # the engine trimmed the stop string: close the tag the model was in
+                action = parse_search_r1(action_text + f"</{m.group(1)}>")
+        info: dict[str, Any] = {"action": action.kind, "turn": t, "num_searches": self.num_searches}
+        if action.kind == "answer":
+            info["answer"] = action.content
+            return StepResult(None, terminated=True, info=info)
+        if t >= self.max_turns:  # the final turn: no more searches
+            info["reason"] = "max_turns"
+            return StepResult(None, truncated=True, info=info)
+        if action.kind == "invalid":
+            return self._observe(INVALID_ACTION, info)
+        retriever = self._retriever or _shared_client(self.retrieval_url, self.topk, self.timeout)
+        try:
+            docs = await retriever.search(action.content, self.topk)
+        except Exception as err:  # the episode goes on; the model sees the failure, the info records it
+            info["tool_error"] = f"{type(err).__name__}: {err}"
+            docs = f"Search failed: {type(err).__name__}: {err}"
+        self.num_searches += 1
+        info["num_searches"] = self.num_searches
+        info["query"] = action.content
+        return self._observe(f"\n\n<information>{docs.strip()}</information>\n\n", info)

@@ -1,0 +1,137 @@
+"""ToolEnv: a multi-turn env over any list of tools called in the Hermes/Qwen ``<tool_call>`` format;
+PythonToolEnv: the code-interpreter case (a sandboxed ``python`` tool, then an answer).
+
+Each model turn is parsed; every call runs (concurrently) and comes back as one ``tool`` message per
+call. Malformed calls, unknown tools, bad arguments, tool exceptions and timeouts all come back as error
+text for the model; nothing escapes the episode. A turn without any call is the final answer. The env
+passes the tools' OpenAI schemas as ``env.tools`` so the chat template can render them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from agentrl.sandboxes.base import Sandbox
+from agentrl.sandboxes.shared import shared_sandbox
+from agentrl.tools.base import Tool, ToolResult, ToolSet, truncate
+from agentrl.tools.parsers import HermesParser
+
+from .base import Env, Message, StepResult
+from .registry import register_env
+
+
+def task_messages(task: dict[str, Any], system_prompt: str | None = None) -> list[Message]:
+    """Initial messages from ``task["prompt"]`` (str or messages), with an optional system prompt first."""
+    prompt = task.get("prompt", task.get("question"))
+    if isinstance(prompt, str):
+        msgs = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        msgs = [dict(m) for m in prompt]
+    else:
+        raise ValueError(f"task needs 'prompt' as str or a list of messages; got keys {sorted(task)}")
+    if system_prompt and msgs[0].get("role") != "system":
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+@register_env("tool")
+class ToolEnv(Env):
+    """Multi-turn tool use over ``tools`` (Tool objects or typed functions)."""
+
+    def __init__(
+        self,
+        tools: Iterable[Tool | Callable[..., Any]] = (),
+        system_prompt: str | None = None,
+        max_turns: int = 8,
+        max_calls_per_turn: int = 8,
+        max_output_chars: int = 8000,
+        verifier: str | None = None,
+    ) -> None:
+        self.toolset = ToolSet(tools)
+        self.tools = self.toolset.schemas or None
+        self.system_prompt = system_prompt
+        self.max_turns = max_turns
+        self.max_output_chars = max_output_chars
+        self.parser = HermesParser(max_calls=max_calls_per_turn)
+        if verifier is not None:
+            self.verifier = verifier
+        self.turn = 0
+
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        self.turn = 0
+        return task_messages(task, self.system_prompt)
+
+    async def step(self, action_text: str) -> StepResult:
+        self.turn += 1
+        parsed = self.parser.parse(action_text)
+        info: dict[str, Any] = {"turn": self.turn}
+        if not parsed.has_calls:
+            info["answer"] = parsed.content
+            return StepResult(None, terminated=True, info=info)
+        if self.turn >= self.max_turns:
+            info["reason"] = "max_turns"
+            return StepResult(None, truncated=True, info=info)
+        results = [ToolResult("parser", f"Error: {e}", True) for e in parsed.errors]
+        results += await self.toolset.execute_all(parsed.calls)
+        info["tool_calls"] = len(parsed.calls)
+        info["tool_errors"] = sum(r.is_error for r in results)
+        messages: list[Message] = []
+        for r in results:
+            msg: Message = {
+                "role": "tool",
+                "content": truncate(r.content, self.max_output_chars),
+                "name": r.name,
+            }
+            if r.call_id:
+                msg["tool_call_id"] = r.call_id
+            messages.append(msg)
+        observation = "\n".join(m["content"] for m in messages)
+        return StepResult(observation, info=info, observation_role="tool", messages=messages)
+
+
+PYTHON_SYSTEM_PROMPT = (
+    "You can run Python code with the `python` tool; it returns what the code prints. Use it to compute "
+    "and check your work. When you are done, give the final answer inside \\boxed{} without calling a tool."
+)
+
+
+@register_env("python")
+class PythonToolEnv(ToolEnv):
+    """Code-interpreter tool use: a ``python`` tool running in a sandbox; the answer is scored by ``verifier``.
+
+    ``sandbox``: a shared :class:`~agentrl.sandboxes.Sandbox` (one warm pool for all episodes); None takes
+    the process-wide shared sandbox of ``backend`` (docker | process | auto). The env never closes a
+    sandbox it did not create.
+    """
+
+    verifier = "math"
+
+    def __init__(
+        self,
+        sandbox: Sandbox | None = None,
+        backend: str | None = None,
+        timeout: float = 10.0,
+        system_prompt: str | None = PYTHON_SYSTEM_PROMPT,
+        max_turns: int = 6,
+        max_output_chars: int = 4000,
+        extra_tools: Iterable[Tool | Callable[..., Any]] = (),
+        verifier: str | None = None,
+    ) -> None:
+        self._sandbox = sandbox
+        self._backend = backend
+        self._timeout = timeout
+
+        async def python(code: str) -> str:
+            """Run Python code in a fresh sandbox and return its stdout and stderr. Use print() to see values.
+
+            Args:
+                code: the Python source to run
+            """
+            sb = self._sandbox or shared_sandbox(self._backend)
+            return (await sb.run(code, timeout=self._timeout)).as_text()
+
+        tool = Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)
+        super().__init__([tool, *extra_tools], system_prompt, max_turns, max_output_chars=max_output_chars)
+        if verifier is not None:
+            self.verifier = verifier

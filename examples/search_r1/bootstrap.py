@@ -1,0 +1,241 @@
+"""Bootstrap for the CPU demo: a synthetic world, a tiny model with a tokenizer trained on it, and an SFT
+warm start on gold search-and-answer demonstrations, cached so that a second run skips all of it.
+
+Steps (each keyed by a hash of the config, so changing the config rebuilds only what depends on it):
+
+1. ``world/``: :func:`generate_world` writes ``corpus.jsonl``, ``train.parquet``, ``test.parquet``.
+2. ``base/``: :func:`agentrl.models.tiny.build_tiny_model` trains a byte-level BPE tokenizer on the world's
+   text plus the Search-R1 prompt and writes a random model (a standard HF directory).
+3. ``sft/``: a short supervised warm start on :func:`gold_demo` trajectories, tokenized exactly the way
+   the orchestrator builds a rollout (chat-templated prompt, then each model segment and each observation
+   tokenized on its own; observations carry loss_mask 0). It is deliberately short: it teaches the format
+   and a first, unreliable version of the skill; reinforcement learning is what has to make it reliable.
+
+The SFT loop here is plain PyTorch on the transformers model: the warm start is a fixed preprocessing
+step of this example, not part of the training system (``agentrl.trainer`` also has an SFT loss mode for
+users who warm-start with Megatron).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from agentrl.config import ConfigModel
+
+from .data import load_tasks, make_prompt
+from .retrieval_server import RetrievalIndex
+from .world import WORLD_FORMAT_VERSION, WorldConfig, generate_world, gold_demo
+
+
+class TinyModelConfig(ConfigModel):
+    """Shape of the demo model (any transformers Qwen2/Qwen3/Llama shape works)."""
+
+    arch: str = Field("qwen2", description="qwen2, qwen3 or llama")
+    vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size")
+    hidden_size: int = Field(128, ge=16, description="model width")
+    num_hidden_layers: int = Field(4, ge=1, description="transformer layers")
+    num_attention_heads: int = Field(4, ge=1, description="query heads")
+    num_key_value_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
+    intermediate_size: int = Field(384, ge=16, description="SwiGLU width")
+    seed: int = Field(0, description="init seed")
+
+
+class SFTConfig(ConfigModel):
+    """The supervised warm start on gold demonstrations."""
+
+    steps: int = Field(300, ge=0, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, description="demonstrations per step")
+    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (cosine decay, 5% warm-up)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_tasks: int = Field(4000, ge=1, description="train tasks turned into demonstrations at most")
+    think: bool = Field(True, description="include <think> reasoning in the demonstrations")
+    seed: int = Field(0, description="data order and dropout seed")
+
+
+class BootstrapConfig(ConfigModel):
+    """Everything the demo needs before RL starts."""
+
+    cache_dir: str = Field(".cache/search_r1", description="where bootstrap artifacts are cached")
+    world: WorldConfig = Field(default_factory=WorldConfig, description="synthetic world")
+    model: TinyModelConfig = Field(default_factory=TinyModelConfig, description="tiny model shape")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="warm start")
+    topk: int = Field(3, ge=1, description="passages per search (must match the env)")
+
+
+@dataclass
+class BootstrapResult:
+    world_dir: Path
+    corpus_path: Path
+    base_model_dir: Path
+    sft_model_dir: Path
+    cached: bool
+    seconds: float
+
+
+def _key(*parts: Any) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _done(path: Path) -> bool:
+    return (path / "DONE").is_file()
+
+
+def _mark_done(path: Path, info: dict[str, Any]) -> None:
+    (path / "DONE").write_text(json.dumps(info, indent=2))
+
+
+def demo_token_rows(
+    tokenizer: Any, tasks: list[dict[str, Any]], search_fn: Any, think: bool
+) -> list[dict[str, list[int]]]:
+    """Gold demonstrations as (input_ids, loss_mask) rows, tokenized the way a rollout is built."""
+    rows = []
+    for task in tasks:
+        demo = gold_demo(task, search_fn, think=think)
+        if not demo.grounded:
+            continue  # retrieval missed the needed passage: the demo would teach guessing
+        prompt = [{"role": "user", "content": make_prompt(task["prompt"])}]
+        ids = list(
+            tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        mask = [0] * len(ids)
+        for text, is_model in demo.segments:
+            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += seg
+            mask += [1 if is_model else 0] * len(seg)
+        rows.append({"input_ids": ids, "loss_mask": mask})
+    return rows
+
+
+def sft(model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: SFTConfig) -> dict[str, float]:
+    """Cross-entropy on loss_mask-1 tokens; writes an HF directory to ``out_dir``."""
+    import math
+
+    import torch
+    import transformers
+
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    warm = max(1, cfg.steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    losses: list[float] = []
+    order: list[int] = []
+    for step in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            perm = list(range(len(rows)))
+            rng.shuffle(perm)
+            order += perm
+        batch = [rows[order.pop()] for _ in range(cfg.batch_size)]
+        n = max(len(r["input_ids"]) for r in batch)
+        ids = torch.tensor([r["input_ids"] + [pad] * (n - len(r["input_ids"])) for r in batch])
+        mask = torch.tensor(
+            [r["loss_mask"] + [0] * (n - len(r["loss_mask"])) for r in batch], dtype=torch.float32
+        )
+        attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in batch])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        m = mask[:, 1:]
+        loss = (nll * m).sum() / m.sum().clamp(min=1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    # keep the exact tokenizer files of the base model (save_pretrained may re-serialize them)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = model_dir / name
+        if src.is_file():
+            (out_dir / name).write_bytes(src.read_bytes())
+    tail = losses[-20:] or [float("nan")]
+    return {
+        "sft/final_loss": sum(tail) / len(tail),
+        "sft/steps": float(cfg.steps),
+        "sft/demos": float(len(rows)),
+    }
+
+
+def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
+    """Build (or reuse from the cache) the world, the base model and the SFT warm start."""
+    from agentrl.models.tiny import build_tiny_model
+
+    t0 = time.monotonic()
+    root = Path(cfg.cache_dir)
+    world_key = _key(WORLD_FORMAT_VERSION, cfg.world.model_dump())
+    world_dir = root / f"world-{world_key}"
+    base_dir = root / f"base-{_key(world_key, cfg.model.model_dump())}"
+    sft_dir = root / f"sft-{_key(world_key, cfg.model.model_dump(), cfg.sft.model_dump(), cfg.topk)}"
+    cached = _done(sft_dir)
+    if cached:
+        log(f"bootstrap: cached SFT model at {sft_dir}")
+        return BootstrapResult(
+            world_dir, world_dir / "corpus.jsonl", base_dir, sft_dir, True, time.monotonic() - t0
+        )
+
+    world = None
+    if not _done(world_dir):
+        log("bootstrap: generating the synthetic world")
+        world = generate_world(**cfg.world.model_dump())
+        world_dir.mkdir(parents=True, exist_ok=True)
+        world.write(world_dir)
+        _mark_done(world_dir, world.stats())
+    if not _done(base_dir):
+        log("bootstrap: training the tokenizer and writing the tiny base model")
+        world = world or generate_world(**cfg.world.model_dump())
+        texts = world.corpus_text() + world.questions_for_vocab() + [make_prompt("x")]
+        m = cfg.model
+        build_tiny_model(
+            base_dir,
+            arch=m.arch,
+            vocab_corpus=texts,
+            seed=m.seed,
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads,
+            intermediate_size=m.intermediate_size,
+        )
+        _mark_done(base_dir, m.model_dump())
+    import transformers
+
+    log("bootstrap: SFT warm start on gold demonstrations")
+    tok = transformers.AutoTokenizer.from_pretrained(base_dir)
+    tasks = load_tasks(world_dir, split="train")[: cfg.sft.max_tasks]
+    index = RetrievalIndex(world_dir / "corpus.jsonl")
+    try:
+        rows = demo_token_rows(tok, tasks, index.search_fn(topk=cfg.topk), cfg.sft.think)
+    finally:
+        index.close()
+    if not rows:
+        raise RuntimeError("bootstrap: no grounded demonstrations; check the world and retrieval config")
+    stats = sft(base_dir, sft_dir, rows, cfg.sft)
+    _mark_done(sft_dir, stats)
+    log(f"bootstrap: SFT done ({stats['sft/demos']:.0f} demos, final loss {stats['sft/final_loss']:.3f})")
+    return BootstrapResult(
+        world_dir, world_dir / "corpus.jsonl", base_dir, sft_dir, False, time.monotonic() - t0
+    )

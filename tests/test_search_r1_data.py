@@ -1,0 +1,280 @@
+"""The Search-R1 example's data: the synthetic world (determinism, split by entity, answerability through
+retrieval, gold demonstrations) and the real-format parquet/jsonl loader it shares with real data."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from agentrl.examples.search_r1.data import (
+    SEARCH_R1_TEMPLATE,
+    extract_question,
+    format_docs,
+    iter_corpus,
+    load_tasks,
+    make_prompt,
+    split_contents,
+)
+from agentrl.examples.search_r1.retrieval_server import RetrievalIndex
+from agentrl.examples.search_r1.world import INFORMATION_TEMPLATE, generate_world, gold_demo
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(seed=0)
+
+
+@pytest.fixture(scope="module")
+def index(world):
+    return RetrievalIndex(world.corpus)
+
+
+def _names_in(task) -> set[str]:
+    info = task["info"]
+    return {x for x in (info["subject"], info["bridge"], info["answer_entity"]) if x}
+
+
+# ---- world generation
+
+
+def test_world_is_deterministic_by_seed(world):
+    again = generate_world(seed=0)
+    assert again.digest() == world.digest()
+    assert again.corpus == world.corpus and again.train == world.train and again.test == world.test
+    assert generate_world(seed=1).digest() != world.digest()
+    # Also across interpreters with a different string-hash seed (no set/dict-order dependence).
+    code = (
+        "from agentrl.examples.search_r1.world import generate_world; print(generate_world(seed=0).digest())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == world.digest()
+
+
+def test_world_default_size_and_mix(world):
+    stats = world.stats()
+    assert 100 <= sum(stats["entities"].values()) <= 300
+    assert len(world.train) >= 300 and len(world.test) >= 80
+    for split in ("train", "test"):
+        assert stats["hops"][split]["1"] > 0 and stats["hops"][split]["2"] > 0
+    ids = [t["task_id"] for t in world.train + world.test]
+    assert len(ids) == len(set(ids))
+    assert len({p["id"] for p in world.corpus}) == len(world.corpus)
+    # Short passages (1-3 sentences) with a title line.
+    for p in world.corpus:
+        title, text = split_contents(p["contents"])
+        assert title and 1 <= text.count(".") <= 3, p
+
+
+def test_split_by_entity_leaves_no_test_entity_in_train(world):
+    train_entities = set().union(*(_names_in(t) for t in world.train))
+    test_entities = set().union(*(_names_in(t) for t in world.test))
+    assert test_entities and train_entities
+    assert not train_entities & test_entities
+    # Stronger: no entity name that a test question names or answers with occurs in any train question
+    # or train answer, so nothing about a test answer can be memorised from the train split.
+    train_text = " ".join(t["prompt"] + " " + " ".join(t["label"]) for t in world.train)
+    train_words = set(re.findall(r"\w+", train_text))
+    for t in world.test:
+        for eid in _names_in(t):
+            for word in world.entities[eid].name.split():
+                if word not in ("Works", "Trading", "Mills", "Foundry", "Company"):
+                    assert word not in train_words, (t["task_id"], word)
+
+
+def test_answers_are_short_and_verbatim_in_the_subject_passage(world):
+    by_title = {}
+    for p in world.corpus:
+        title, text = split_contents(p["contents"])
+        by_title[title] = text
+    for t in world.train + world.test:
+        (answer,) = t["label"]
+        assert 1 <= len(answer.split()) <= 2
+        info = t["info"]
+        last_subject = info["bridge_name"] or info["subject_name"]
+        assert answer in by_title[last_subject], t
+
+
+def test_single_hop_recall_at_3(world, index):
+    """The demo's query (the entity named in the question) retrieves the answer in the top 3."""
+    single = [t for t in world.train + world.test if t["info"]["hops"] == 1]
+    hits = index.search([t["info"]["queries"][0] for t in single], topk=3)
+    found = [
+        any(t["label"][0] in h["document"]["contents"] for h in hs)
+        for t, hs in zip(single, hits, strict=True)
+    ]
+    recall = sum(found) / len(found)
+    assert recall >= 0.95, recall
+
+
+def test_two_hop_questions_are_answerable_by_two_searches(world, index):
+    two = [t for t in world.train + world.test if t["info"]["hops"] == 2]
+    assert two
+    ok = 0
+    for t in two:
+        info = t["info"]
+        first = " ".join(h["document"]["contents"] for h in index.search([info["subject_name"]], 3)[0])
+        if info["bridge_name"] not in first:
+            continue
+        second = " ".join(h["document"]["contents"] for h in index.search([info["bridge_name"]], 3)[0])
+        ok += t["label"][0] in second
+        # Not answerable by the first search alone: the answer is in the bridge passage, not the subject's.
+    assert ok / len(two) >= 0.95, ok / len(two)
+
+
+def test_size_and_vocabulary_knobs():
+    small = generate_world(seed=3, num_entities=40, num_syllables=10, distractor_rate=0.0, hops=[1])
+    big = generate_world(seed=3, num_entities=600)
+    assert sum(small.stats()["entities"].values()) < 60 < 500 < sum(big.stats()["entities"].values())
+    assert all(t["info"]["hops"] == 1 for t in small.train + small.test)
+    assert len(small.corpus) == len(small.entities)  # no distractors
+    # A 10-syllable inventory means few distinct name pieces.
+    names = " ".join(e.name for e in small.entities.values()).lower()
+    assert len(set(re.findall(r"[^aeiou\s]*[aeiou]+", names))) <= 40
+    with pytest.raises(ValueError, match="num_entities"):
+        generate_world(seed=0, num_entities=3)
+
+
+def test_vocab_helpers_cover_the_text(world):
+    qs = world.questions_for_vocab()
+    assert any("<search>" in q for q in qs)  # the prompt template
+    prompts = {make_prompt(t["prompt"]) for t in world.train + world.test}
+    assert prompts <= set(qs)
+    assert world.corpus_text() == [p["contents"] for p in world.corpus]
+
+
+# ---- gold demonstrations
+
+
+def test_gold_demo_format_and_grounding(world, index):
+    search_fn = index.search_fn(topk=3)
+    answer_re = re.compile(r"<answer>(.*?)</answer>", re.S)
+    demos = [gold_demo(t, search_fn) for t in world.test]
+    assert sum(d.grounded for d in demos) / len(demos) >= 0.95
+    for t, d in zip(world.test, demos, strict=True):
+        assert d.text == "".join(s for s, _ in d.segments)
+        flags = [m for _, m in d.segments]
+        assert flags == [True, False] * t["info"]["hops"] + [True]
+        for hop, query in enumerate(t["info"]["queries"]):
+            model_text, obs = d.segments[2 * hop][0], d.segments[2 * hop + 1][0]
+            assert model_text.startswith("<think> ") and model_text.endswith(f"<search> {query} </search>")
+            assert obs == INFORMATION_TEMPLATE.format(docs=search_fn(query).strip())
+            assert obs.startswith('\n\n<information>Doc 1(Title: "') and obs.endswith(".</information>\n\n")
+        assert answer_re.findall(d.text)[-1].strip() == t["label"][0]
+    no_think = gold_demo(world.test[0], search_fn, think=False)
+    assert no_think.segments[0][0] == f"<search> {world.test[0]['info']['queries'][0]} </search>"
+
+
+def test_gold_demo_reports_ungrounded_retrieval(world):
+    task = next(t for t in world.test if t["info"]["hops"] == 1)
+    demo = gold_demo(task, lambda q: "Doc 1(Title: Nothing) nothing here\n")
+    assert not demo.grounded and demo.answer == task["label"][0]
+    real = {"task_id": "nq-1", "prompt": "who?", "label": ["x"], "data_source": "nq", "info": {}}
+    with pytest.raises(ValueError, match="synthetic-world task"):
+        gold_demo(real, lambda q: "")
+
+
+# ---- real-format loader
+
+
+def test_world_round_trips_through_the_real_format_loader(world, tmp_path):
+    paths = world.write(tmp_path)
+    assert load_tasks(tmp_path, "train") == world.train
+    assert load_tasks(paths["test"]) == world.test
+    assert list(iter_corpus(paths["corpus"])) == world.corpus
+    rows = pq.read_table(paths["train"]).to_pylist()
+    row = rows[0]
+    assert row["data_source"] == "synthetic_world"
+    assert row["prompt"][0]["role"] == "user"
+    assert row["prompt"][0]["content"] == make_prompt(row["extra_info"]["question"])
+    assert row["reward_model"] == {"style": "rule", "ground_truth": {"target": world.train[0]["label"]}}
+    meta = json.loads(paths["meta"].read_text())
+    assert meta["digest"] == world.digest() and meta["train"] == len(world.train)
+    assert load_tasks(tmp_path, "train", limit=5) == world.train[:5]
+
+
+def test_loader_reads_real_search_r1_rows(tmp_path):
+    q = "who got the first nobel prize in physics?"
+    rows = [
+        {  # nq_search.py layout: question/golden_answers columns, numpy-ish list answers
+            "id": "train_0", "question": q, "golden_answers": ["Wilhelm Conrad Röntgen"], "data_source": "nq",
+            "prompt": [{"role": "user", "content": make_prompt(q)}], "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": ["Wilhelm Conrad Röntgen"]}},
+            "extra_info": {"split": "train", "index": 0},
+        },
+        {  # no question column: recovered from the prompt; answers only in golden_answers
+            "id": "train_1", "question": None, "golden_answers": ["Paris", "Paris, France"], "data_source": "hotpotqa",
+            "prompt": [{"role": "user", "content": make_prompt("capital of France?")}], "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": []}},
+            "extra_info": {"split": "train", "index": 1},
+        },
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    tasks = load_tasks(tmp_path, "train")
+    assert tasks[0]["task_id"] == "nq-train_0" and tasks[0]["prompt"] == q
+    assert tasks[0]["label"] == ["Wilhelm Conrad Röntgen"] and tasks[0]["data_source"] == "nq"
+    assert tasks[1]["prompt"] == "capital of France?" and tasks[1]["label"] == ["Paris", "Paris, France"]
+    assert tasks[1]["info"] == {"split": "train", "index": 1}
+    hotpot = load_tasks(tmp_path / "train.parquet", data_sources=["hotpotqa"])
+    assert [t["task_id"] for t in hotpot] == ["hotpotqa-train_1"]
+    # Merged files repeat ids; task ids stay unique (they key GRPO groups).
+    pq.write_table(pa.Table.from_pylist(rows + rows), tmp_path / "dup.parquet")
+    ids = [t["task_id"] for t in load_tasks(tmp_path / "dup.parquet")]
+    assert len(set(ids)) == 4 and ids[:2] == ["nq-train_0", "hotpotqa-train_1"]
+    with pytest.raises(ValueError, match="split"):
+        load_tasks(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        load_tasks(tmp_path, "test")
+
+
+def test_loader_names_rows_without_answers(tmp_path):
+    row = {"data_source": "nq", "prompt": [{"role": "user", "content": make_prompt("q?")}],
+           "reward_model": {"style": "rule", "ground_truth": {"target": []}}}  # fmt: skip
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="row 0: no gold answers"):
+        load_tasks(tmp_path / "x.parquet")
+
+
+def test_prompt_helpers():
+    assert extract_question(make_prompt("  Where is X? ")) == "Where is X?"
+    assert extract_question("no template here") == "no template here"
+    assert SEARCH_R1_TEMPLATE.endswith("Question: {question}\n")
+    assert split_contents('"A title"\nSome text.') == ("A title", "Some text.")
+    docs = [
+        {"document": {"id": "1", "contents": '"T1"\nx.'}, "score": 1.0},
+        {"id": "2", "contents": '"T2"\ny.'},
+    ]
+    assert format_docs(docs) == 'Doc 1(Title: "T1") x.\nDoc 2(Title: "T2") y.\n'  # quotes kept, as Search-R1
+
+
+def test_iter_corpus_gz_and_errors(tmp_path):
+    good = tmp_path / "c.jsonl.gz"
+    with gzip.open(good, "wt") as f:
+        f.write(json.dumps({"id": 1, "contents": '"T"\nx'}) + "\n\n")
+    assert list(iter_corpus(good)) == [{"id": "1", "contents": '"T"\nx'}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "1", "contents": "a"}) + "\n" + json.dumps({"id": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        list(iter_corpus(bad))
+
+
+def test_world_cli(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.examples.search_r1.world", "--out", str(tmp_path), "--seed", "3",
+         "--num-entities", "60"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout)
+    assert summary["digest"] == generate_world(seed=3, num_entities=60).digest()
+    for name in ("corpus.jsonl", "train.parquet", "test.parquet", "world.json"):
+        assert (Path(tmp_path) / name).is_file()
+    assert len(load_tasks(tmp_path, "test")) == summary["test"] > 0

@@ -1,0 +1,29 @@
+"""The ``python`` tool: runs model-written code in a sandbox and returns what it printed."""
+
+from __future__ import annotations
+
+from agentrl.sandboxes.base import Sandbox
+
+from .base import DEFAULT_MAX_OUTPUT_CHARS, Tool
+
+
+def python_tool(
+    sandbox: Sandbox, timeout: float = 10.0, max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS
+) -> Tool:
+    """A ``python(code)`` tool that runs in ``sandbox`` (a :class:`DockerSandbox` or :class:`ProcessSandbox`).
+
+    The code's own failures (exceptions, timeouts, memory) are part of the returned text, as the model
+    should see them; only a broken sandbox makes the call an error result.
+    """
+
+    async def python(code: str) -> str:
+        """Run Python code in a fresh sandbox and return its stdout and stderr. Use print() to see values.
+
+        Args:
+            code: the Python source to run
+        """
+        result = await sandbox.run(code, timeout=timeout)
+        return result.as_text()
+
+    # The tool's own timeout is a backstop above the sandbox's, which kills the code itself.
+    return Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)

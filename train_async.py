@@ -1,0 +1,359 @@
+"""train_async.py: the main job. Asynchronous agentic RL, top to bottom in one file.
+
+    python train_async.py                                  # Search-R1 CPU demo (examples/search_r1/config.yaml)
+    python train_async.py --config my.yaml rollout.group_size=8 trainer.lr=1e-5
+    python train_async.py --resume                         # continue from <output_dir>/checkpoints
+    python train_async.py --ray-address auto               # an existing Ray cluster
+
+What runs where (Ray actors): tool servers (the /retrieve server), inference engines (the embedded
+engine, or SGLang servers), the rollout orchestrator (async actor with the staleness-bounded buffer) and
+the Megatron trainer (one actor per rank). The loop below: take a batch from the buffer, train, sync
+weights to the engines (policy version + 1), log, evaluate and checkpoint at intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.cluster import TrainerGroup, start_service, stop_all
+from agentrl.config import ConfigError, dump_config, load_config
+from agentrl.metrics import MetricsLogger, Progress
+from agentrl.run_config import RunConfig
+from agentrl.types import Status, Trajectory
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "examples" / "search_r1" / "config.yaml"
+
+
+# ---- building blocks (each small; the loop is in main()) ---------------------------------------------
+def prepare_model_and_data(cfg: RunConfig) -> tuple[str, str, str]:
+    """The model dir, the task data and the corpus; the Search-R1 demo bootstraps them (cached)."""
+    model, data, corpus = cfg.model_path, cfg.data.path, cfg.data.corpus
+    if cfg.bootstrap is not None and "auto" in (model, data, corpus):
+        from agentrl.examples.search_r1.bootstrap import bootstrap
+
+        boot = bootstrap(cfg.bootstrap)
+        model = str(boot.sft_model_dir) if model == "auto" else model
+        data = str(boot.world_dir) if data == "auto" else data
+        corpus = str(boot.corpus_path) if corpus == "auto" else corpus
+    return model, data, corpus
+
+
+def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[str]:
+    """Engine URLs: embedded engines or SGLang servers, each owned by a Ray actor; or external URLs."""
+    import ray
+
+    e = cfg.engine
+    if e.backend == "external":
+        return list(e.urls)
+    urls = []
+    for i in range(e.num_engines):
+        if e.backend == "embedded":
+            from agentrl.engine.local_server import start_local_server
+
+            start = functools.partial(
+                start_local_server,
+                model_dir,
+                device=e.device,
+                dtype=e.dtype,
+                api_key=e.api_key,
+                max_batch_size=e.max_batch_size,
+                log_file=str(Path(cfg.output_dir) / f"engine_{i}.log"),
+            )
+        else:
+            from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
+
+            sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(update={"model_path": model_dir})
+            start = functools.partial(lambda c: SGLangLauncher(c).start(), sg)
+        services.append(start_service(f"engine_{i}", start, num_gpus=e.gpus_per_engine))
+        urls.append(ray.get(services[-1].url.remote()))
+    return urls
+
+
+def build_orchestrator(
+    cfg: RunConfig,
+    engine_urls: list[str],
+    model_dir: str,
+    env_kwargs: dict[str, Any],
+    tasks: list[dict[str, Any]],
+) -> Any:
+    """Runs inside the rollout actor: engine client, tokenizer, env factory, dataset, orchestrator."""
+    import transformers
+
+    from agentrl.engine.client import EngineClient
+    from agentrl.envs import make_env
+    from agentrl.rollout.orchestrator import Orchestrator
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    client = EngineClient(engine_urls, api_key=cfg.engine.api_key)
+    return Orchestrator(
+        cfg.rollout,
+        client,
+        tokenizer,
+        env_factory=lambda: make_env(cfg.env.name, **env_kwargs),
+        dataset=tasks,
+    )
+
+
+def exact_match(trajs: list[Trajectory]) -> float:
+    """Held-out accuracy: the share of episodes whose reward is 1 (a failed episode counts as wrong)."""
+    return sum(1.0 for t in trajs if t.status != Status.FAILED and (t.reward or 0) >= 1.0) / max(
+        1, len(trajs)
+    )
+
+
+def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
+    rewards = [t.reward or 0.0 for t in batch]
+    stale = [version - t.min_policy_version for t in batch if t.min_policy_version is not None]
+    return {
+        "rollout/reward": sum(rewards) / max(1, len(rewards)),
+        "rollout/turns": sum(t.num_turns for t in batch) / max(1, len(batch)),
+        "rollout/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
+        "rollout/staleness_mean": sum(stale) / max(1, len(stale)),
+        "rollout/staleness_max": float(max(stale, default=0)),
+    }
+
+
+def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], path: Path) -> None:
+    """Reward (train batches) and held-out exact match against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = [r for r in history if "rollout/reward" in r]
+    ax.plot([r["step"] for r in rows], [r["rollout/reward"] for r in rows], label="train reward (batch mean)")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="held-out exact match")
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
+    import ray
+
+    from agentrl.examples.search_r1.data import load_tasks
+    from agentrl.examples.search_r1.retrieval_server import start_retrieval_server
+    from agentrl.rollout.ray_actor import make_rollout_actor
+
+    t_start = time.monotonic()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    ckpt_dir = out / "checkpoints"
+    logger = MetricsLogger(out)
+
+    # 1. model and data (the Search-R1 demo: synthetic world, tiny model, SFT warm start; cached)
+    model_dir, data_path, corpus = prepare_model_and_data(cfg)
+    train_tasks = load_tasks(data_path, cfg.data.train_split, limit=cfg.data.max_train_tasks)
+    test_tasks = load_tasks(data_path, cfg.data.test_split, limit=cfg.eval.num_tasks)
+    print(f"model {model_dir}; {len(train_tasks)} train / {len(test_tasks)} held-out tasks", flush=True)
+
+    ray.init(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    services: list[Any] = []
+    trainer: TrainerGroup | None = None
+    rollout: Any = None
+    try:
+        # 2. tool servers the env needs, then the engines
+        env_kwargs = dict(cfg.env.kwargs)
+        if cfg.env.name == "search":
+            env_kwargs.setdefault("topk", cfg.retrieval.topk)
+            if cfg.retrieval.url:
+                env_kwargs.setdefault("retrieval_url", cfg.retrieval.url)
+            elif cfg.retrieval.enabled:
+                services.append(start_service("retrieval", functools.partial(start_retrieval_server, corpus)))
+                env_kwargs.setdefault("retrieval_url", ray.get(services[-1].url.remote()))
+        engine_urls = start_engines(cfg, model_dir, services)
+
+        # 3. the trainer (one actor per rank) and the rollout orchestrator (async actor)
+        trainer_cfg = cfg.trainer.model_copy(
+            update={"model_path": model_dir, "seed": cfg.trainer.seed + cfg.seed}
+        )
+        if trainer_cfg.max_staleness is None:
+            trainer_cfg = trainer_cfg.model_copy(update={"max_staleness": cfg.rollout.max_staleness})
+        trainer = TrainerGroup(
+            trainer_cfg.model_dump(),
+            cfg.trainer_world_size,
+            engine_urls,
+            cfg.engine.api_key,
+            num_gpus=1 if trainer_cfg.device == "cuda" else 0,
+        )
+        rollout = make_rollout_actor(
+            functools.partial(build_orchestrator, cfg, engine_urls, model_dir, env_kwargs, train_tasks)
+        )
+        if cfg.weight_sync == "distributed":
+            await trainer.call("init_weight_sync_group", len(engine_urls))
+
+        # 4. resume: trainer state, rollout state (dataset cursor, tasks in flight), engine weights
+        start_step, version = 0, 0
+        latest = ckpt_dir / "latest"
+        if resume and latest.is_file():
+            start_step = await trainer.call("load_checkpoint", str(ckpt_dir))
+            version = await trainer.call("policy_version")
+            state = pickle.loads((ckpt_dir / f"rollout_{start_step:08d}.pkl").read_bytes())
+            await rollout.load_state_dict.remote(state, version)
+            await trainer.call(
+                "set_policy_version", version - 1
+            )  # the sync below re-pushes version `version`
+            version = await sync(cfg, trainer, out)
+            print(f"resumed at step {start_step}, policy version {version}", flush=True)
+
+        evals: list[tuple[int, float]] = []
+
+        async def evaluate(step: int) -> float:
+            trajs = await rollout.evaluate.remote(test_tasks)
+            em = exact_match(trajs)
+            evals.append((step, em))
+            logger.log({"eval/exact_match": em, "eval/num_tasks": len(trajs)}, step)
+            return em
+
+        em_before = await evaluate(start_step) if cfg.eval.before else float("nan")
+        print(f"held-out exact match before RL: {em_before:.3f}", flush=True)
+
+        # 5. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
+        await rollout.start.remote()
+        progress = Progress(
+            cfg.steps,
+            keys={
+                "reward": "rollout/reward",
+                "em": "eval/exact_match",
+                "stale": "rollout/staleness_mean",
+                "tok/s": "trainer/tokens_per_s",
+            },
+        )
+        last: dict[str, float] = {}
+        for step in range(start_step, cfg.steps):
+            t0 = time.monotonic()
+            batch = await rollout.get_batch.remote()
+            t_wait = time.monotonic() - t0
+            if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
+                await rollout.pause_for_update.remote()
+            train_metrics = await trainer.call("train_step", batch)
+            if cfg.placement == "disaggregated":
+                await rollout.pause_for_update.remote()
+            t1 = time.monotonic()
+            version = await sync(cfg, trainer, out)
+            await rollout.resume_after_update.remote(version)
+            last = {
+                **batch_metrics(batch, version - 1),
+                **train_metrics,
+                **(await rollout.stats.remote()),
+                "time/wait_batch_s": t_wait,
+                "time/sync_s": time.monotonic() - t1,
+                "time/step_s": time.monotonic() - t0,
+                "policy_version": version,
+            }
+            if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and step + 1 < cfg.steps:
+                last["eval/exact_match"] = await evaluate(step + 1)
+            logger.log(last, step + 1)
+            progress.update(step + 1, {**last, "eval/exact_match": evals[-1][1] if evals else None})
+            if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+                await checkpoint(trainer, rollout, ckpt_dir, step + 1)
+        progress.close()
+        if cfg.steps > start_step:
+            await checkpoint(trainer, rollout, ckpt_dir, cfg.steps)
+
+        em_after = await evaluate(cfg.steps) if cfg.eval.after else float("nan")
+        accounting = await rollout.accounting.remote()
+    finally:
+        # 6. shutdown: rollout, trainer, engines, tool servers, Ray -- also on Ctrl-C and errors
+        if rollout is not None:
+            try:
+                await asyncio.wait_for(rollout.stop.remote(), 60)
+            except Exception as err:  # keep shutting the rest down
+                print(f"rollout stop failed: {err}", file=sys.stderr)
+        if trainer is not None:
+            trainer.kill()
+        stop_all(services)
+        ray.shutdown()
+        logger.close()
+
+    write_plot(logger.history, evals, out / "reward_em.png")
+    result = {
+        "em_before": em_before,
+        "em_after": em_after,
+        "steps": cfg.steps,
+        "policy_version": version,
+        "wall_s": time.monotonic() - t_start,
+        "accounting": accounting,
+    }
+    print(
+        "\nsummary\n"
+        + summary_table(
+            [
+                ("held-out exact match before", f"{em_before:.3f}"),
+                ("held-out exact match after", f"{em_after:.3f}"),
+                ("steps / policy version", f"{cfg.steps} / {version}"),
+                ("final train reward", f"{last.get('rollout/reward', float('nan')):.3f}"),
+                ("wall time", f"{result['wall_s']:.0f} s"),
+                (
+                    "tasks trained / dropped",
+                    f"{accounting.get('trained', 0)} / {accounting.get('dropped', 0)}",
+                ),
+                ("outputs", f"{out}/ (metrics.jsonl, tb/, reward_em.png, checkpoints/)"),
+            ]
+        ),
+        flush=True,
+    )
+    return result
+
+
+async def sync(cfg: RunConfig, trainer: TrainerGroup, out: Path) -> int:
+    """Push the trainer's weights to every engine; returns the new policy version."""
+    if cfg.weight_sync == "distributed":
+        return await trainer.call("sync_weights_distributed")
+    return await trainer.call("sync_weights_from_disk", str(out / "weights"))
+
+
+async def checkpoint(trainer: TrainerGroup, rollout: Any, ckpt_dir: Path, step: int) -> None:
+    """Rollout state first, then the trainer's (which moves ``latest`` last, atomically)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    state = await rollout.state_dict.remote()
+    (ckpt_dir / f"rollout_{step:08d}.pkl").write_bytes(pickle.dumps(state))
+    await trainer.call("save_checkpoint", str(ckpt_dir))
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(description="agentrl: asynchronous agentic RL (Search-R1 demo by default)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config")
+    p.add_argument("--resume", action="store_true", help="continue from <output_dir>/checkpoints/latest")
+    p.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. rollout.group_size=8")
+    args = p.parse_args(argv)
+    overrides = list(args.overrides) + ([f"ray.address={args.ray_address}"] if args.ray_address else [])
+    return load_config(RunConfig, args.config, overrides), args
+
+
+if __name__ == "__main__":
+    try:
+        config, cli = parse_args()
+    except ConfigError as err:
+        sys.exit(str(err))
+    try:
+        asyncio.run(main(config, resume=cli.resume))
+    except KeyboardInterrupt:
+        sys.exit("interrupted: everything was shut down")
