@@ -26,7 +26,9 @@ def _rank_dir(root: Path, tp_rank: int, pp_rank: int) -> Path:
     return root / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, vocab_divisible_by: int = 1) -> Path:
+def hf_to_mcore(
+    hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, vocab_divisible_by: int = 1
+) -> Path:
     """Convert an HF dir into a Megatron dir sharded for ``tp`` x ``pp``."""
     from safetensors.torch import save_file
 
@@ -37,7 +39,11 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     for (p, t), sd in shards.items():
         d = _rank_dir(out, t, p)
         d.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in sd.items()},
+            str(d / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
     meta = {"tp": tp, "pp": pp, "vocab_divisible_by": vocab_divisible_by, "hf_config": config}
     (out / META).write_text(json.dumps(meta, indent=2))
     return out
@@ -50,7 +56,9 @@ def read_meta(mcore_dir: str | Path) -> dict:
     return json.loads(f.read_text())
 
 
-def load_mcore_shard(mcore_dir: str | Path, pp_rank: int, tp_rank: int, tp: int, pp: int) -> dict[str, torch.Tensor]:
+def load_mcore_shard(
+    mcore_dir: str | Path, pp_rank: int, tp_rank: int, tp: int, pp: int
+) -> dict[str, torch.Tensor]:
     """One rank's local state dict; the dir must have been written for the same ``tp`` and ``pp``."""
     from safetensors.torch import load_file
 
@@ -68,7 +76,9 @@ def mcore_to_hf_dir(mcore_dir: str | Path, hf_template: str | Path, out_dir: str
     meta = read_meta(mcore_dir)
     arch = ModelArch.from_hf_config(meta["hf_config"])
     shards = {
-        (p, t): load_mcore_shard(mcore_dir, p, t, meta["tp"], meta["pp"]) for p in range(meta["pp"]) for t in range(meta["tp"])
+        (p, t): load_mcore_shard(mcore_dir, p, t, meta["tp"], meta["pp"])
+        for p in range(meta["pp"])
+        for t in range(meta["tp"])
     }
     return save_hf_dir(mcore_to_hf(shards, arch), out_dir, hf_template)
 

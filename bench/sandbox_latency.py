@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import subprocess
 import time
@@ -110,7 +111,7 @@ async def main() -> dict:
         "bench": "sandbox_latency",
         "code": CODE,
         "host": platform.node(),
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
     }
 
     async with ProcessSandbox(max_concurrency=c) as sb:
@@ -119,7 +120,8 @@ async def main() -> dict:
             "c1": await measure(sb, args.n, 1),
             f"c{c}": await measure(sb, args.n, c),
         }
-    res["process"]["bare_python_baseline"] = bare_process(min(args.n, 30))
+        python = sb._python  # the same interpreter, unsandboxed, is the baseline
+    res["process"]["bare_python_baseline"] = bare_process(python, min(args.n, 30))
     res["process"]["overhead_vs_bare_p50"] = round(
         res["process"]["c1"]["p50_ms"] / res["process"]["bare_python_baseline"]["p50_ms"], 2
     )

@@ -36,5 +36,52 @@ def free_port() -> int:
 
 def dist_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
+
+
+def run_training_job(model_dir: str, ckpt_dir: str, total_steps: int, out: str, resume: bool) -> None:
+    """A tiny training job (one process, gloo): a checkpoint after every step, a disk weight sync every
+    other step, data a function of the step number. Prints ``CKPT <step>`` after each checkpoint."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    dist_env(0, 1, free_port())
+    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+
+    cfg = TrainerConfig(
+        model_path=model_dir,
+        lr=1e-3,
+        micro_batch_size=2,
+        num_mini_batches=2,
+        lr_warmup_steps=2,
+        lr_decay_steps=8,
+        lr_decay_style="cosine",
+        weight_decay=0.01,
+    )
+    tr = MegatronTrainer(cfg)
+    if resume and MegatronTrainer.latest_checkpoint(ckpt_dir) is not None:
+        tr.load_checkpoint(ckpt_dir)
+    while tr.step < total_steps:
+        trajs = make_trajectories(tr.arch.vocab_size, seed=100 + tr.step, version=tr.policy_version)
+        # rollout logprobs perturbed by RNG draws: a resumed run must restore the RNG state to match
+        for t in trajs:
+            t.rollout_logprobs = [(-1.0 + 0.1 * torch.rand(()).item()) * m for m in t.loss_mask]
+        tr.train_step(trajs)
+        if tr.step % 2 == 0:
+            import asyncio
+
+            asyncio.run(tr.sync_weights_from_disk(None, f"{ckpt_dir}/hf_latest"))
+        tr.save_checkpoint(ckpt_dir)
+        print(f"CKPT {tr.step}", flush=True)
+    torch.save(
+        {"weights": tr.hf_state_dict(), "version": tr.policy_version, "step": tr.step, "lr": tr.current_lr()},
+        out,
+    )
+    tr.shutdown()

@@ -169,8 +169,13 @@ async def test_custom_env_example_episode():
     assert r.observation == "higher"
     r = await env.step("<guess>42")  # stop string trimmed
     assert r.terminated and r.reward == 1.0
-    source = Path(__import__("agentrl.examples.custom_env", fromlist=["x"]).__file__)
-    assert len(source.read_text().splitlines()) <= 60  # noqa: ASYNC240
+    assert _example_lines() <= 60
+
+
+def _example_lines() -> int:
+    return len(
+        Path(__import__("agentrl.examples.custom_env", fromlist=["x"]).__file__).read_text().splitlines()
+    )
 
 
 # ---- SearchEnv ----------------------------------------------------------------------------------

@@ -11,19 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from _trainer_helpers import free_port
 
 from agentrl.engine.client import EngineClient
 from agentrl.engine.local_server import start_local_server
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
-from _trainer_helpers import free_port
-
 
 @pytest.fixture
 def trainer(tiny_model_dir: Path):
     warnings.filterwarnings("ignore")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), lr=1e-2, micro_batch_size=3, weight_sync_bucket_mb=1)
@@ -38,10 +39,14 @@ async def _rollouts(client: EngineClient, n: int, version: int, seed: int) -> li
     for i in range(n):
         prompt = torch.randint(3, 600, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
         t = Trajectory(task_id=f"t{i}", group_id=f"g{i // 2}", prompt_ids=prompt)
-        res = await client.generate(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed + i))
+        res = await client.generate(
+            prompt, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed + i)
+        )
         t.append_model_tokens(res.output_ids, res.logprobs, version)
         t.append_observation_tokens([5, 6, 7])
-        res2 = await client.generate(t.input_ids, SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=seed + 100 + i))
+        res2 = await client.generate(
+            t.input_ids, SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=seed + 100 + i)
+        )
         t.append_model_tokens(res2.output_ids, res2.logprobs, version)
         t.reward = float(i % 2)
         t.info["weight_version"] = res2.weight_version
@@ -58,7 +63,9 @@ def _max_abs_diff(trainer, trajs: list[Trajectory]) -> float:
     return worst
 
 
-async def test_trainer_engine_consistency_and_weight_sync(trainer, tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_trainer_engine_consistency_and_weight_sync(
+    trainer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     server = start_local_server(tiny_model_dir)
     client = EngineClient(server.url)
     try:

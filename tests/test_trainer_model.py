@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _trainer_helpers import free_port
 
 from agentrl.trainer.model import (
     ModelArch,
@@ -20,8 +21,6 @@ from agentrl.trainer.model import (
     load_hf_state_dict,
     mcore_to_hf,
 )
-
-from _trainer_helpers import free_port
 
 ARCHS = ["qwen2", "qwen3", "llama"]
 
@@ -95,9 +94,19 @@ def test_hf_mcore_hf_round_trip_bit_exact(tiny_model_factory, arch: str, tp: int
 def test_convert_cli_round_trip(tiny_model_factory, tmp_path: Path) -> None:
     model_dir = tiny_model_factory("llama")
     mc, out = tmp_path / "mcore", tmp_path / "hf"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "agentrl.convert", *a], check=True, capture_output=True, text=True)  # noqa: E731
+
+    def run(*args: str) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "agentrl.convert", *args], check=True, capture_output=True, text=True
+        )
+
     run("hf-to-mcore", "--hf", str(model_dir), "--out", str(mc), "--tp", "2", "--pp", "2")
-    assert sorted(p.name for p in mc.iterdir() if p.is_dir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert sorted(p.name for p in mc.iterdir() if p.is_dir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     run("mcore-to-hf", "--mcore", str(mc), "--hf-template", str(model_dir), "--out", str(out))
     a, b = load_hf_state_dict(model_dir), load_hf_state_dict(out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -108,8 +117,15 @@ def test_convert_cli_round_trip(tiny_model_factory, tmp_path: Path) -> None:
 
 
 def test_unsupported_configs_are_refused() -> None:
-    base = dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1)
+    base = dict(
+        model_type="qwen2",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     ModelArch.from_hf_config(base)
     with pytest.raises(ValueError, match="model_type"):
         ModelArch.from_hf_config({**base, "model_type": "gpt2"})

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
 from _trainer_helpers import dist_env, free_port, make_trajectories
 
 
@@ -25,12 +24,16 @@ def _train_once(rank: int, world: int, model_dir: str) -> dict:
     from agentrl.trainer.model import mcore_to_hf
     from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
 
-    cfg = TrainerConfig(model_path=model_dir, tp=world, lr=1e-3, grad_clip=0.0, micro_batch_size=2, vocab_divisible_by=4)
+    cfg = TrainerConfig(
+        model_path=model_dir, tp=world, lr=1e-3, grad_clip=0.0, micro_batch_size=2, vocab_divisible_by=4
+    )
     tr = MegatronTrainer(cfg)
     trajs = make_trajectories(tr.arch.vocab_size, seed=3)
     # rollout logprobs slightly off the trainer's, so TIS weights and mismatch metrics are non-trivial
     for t, lp in zip(trajs, tr.compute_logprobs(trajs), strict=True):
-        t.rollout_logprobs = [(x + 0.05 * ((i % 3) - 1)) * m for i, (x, m) in enumerate(zip(lp, t.loss_mask, strict=True))]
+        t.rollout_logprobs = [
+            (x + 0.05 * ((i % 3) - 1)) * m for i, (x, m) in enumerate(zip(lp, t.loss_mask, strict=True))
+        ]
     metrics = tr.train_step(trajs)
     # gradients of the (last) mini-batch, gathered over TP and renamed to HF names
     grads = {k: p.grad.detach().clone() for k, p in tr.module.named_parameters()}
@@ -45,7 +48,9 @@ def _train_once(rank: int, world: int, model_dir: str) -> dict:
 
 
 def _run(world: int, model_dirs: list[Path], out: Path) -> list[dict]:
-    mp.spawn(_worker, args=(world, free_port(), [str(d) for d in model_dirs], str(out)), nprocs=world, join=True)
+    mp.spawn(
+        _worker, args=(world, free_port(), [str(d) for d in model_dirs], str(out)), nprocs=world, join=True
+    )
     return torch.load(out, weights_only=False)
 
 

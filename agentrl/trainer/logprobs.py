@@ -25,7 +25,9 @@ def _all_reduce(t: Tensor, op: Any, group: Any) -> Tensor:
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: Any) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: Any
+    ) -> tuple[Tensor, Tensor]:
         # logits [N, V_local] fp32, target [N] global ids
         m = logits.max(dim=-1).values
         _all_reduce(m, dist.ReduceOp.MAX, group)
@@ -69,8 +71,14 @@ def vocab_parallel_logprobs(
     v_local = logits.shape[-1]
     vocab_start = tp_rank * v_local
     valid = max(0, min(v_local, true_vocab_size - vocab_start))
-    lg = logits[..., :valid].float().reshape(-1, valid) if valid < v_local else logits.float().reshape(-1, v_local)
+    lg = (
+        logits[..., :valid].float().reshape(-1, valid)
+        if valid < v_local
+        else logits.float().reshape(-1, v_local)
+    )
     if valid == 0:
-        raise ValueError(f"TP rank {tp_rank} holds only vocabulary padding; lower make_vocab_size_divisible_by")
+        raise ValueError(
+            f"TP rank {tp_rank} holds only vocabulary padding; lower make_vocab_size_divisible_by"
+        )
     lp, ent = _VocabParallelLogprobs.apply(lg, target.reshape(-1), vocab_start, tp_group)
     return lp.reshape(target.shape), ent.reshape(target.shape)

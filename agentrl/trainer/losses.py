@@ -39,7 +39,8 @@ class LossConfig(ConfigModel):
     """How advantages and the policy loss are computed."""
 
     mode: Literal["ppo", "gspo", "sft"] = Field(
-        "ppo", description="ppo: token-ratio clipped surrogate; gspo: sequence-ratio; sft: cross entropy on loss_mask tokens"
+        "ppo",
+        description="ppo: token-ratio clipped surrogate; gspo: sequence-ratio; sft: cross entropy on loss_mask tokens",
     )
     advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline"] = Field(
         "grpo",
@@ -49,27 +50,45 @@ class LossConfig(ConfigModel):
     normalize_advantage_std: bool = Field(True, description="grpo: divide by the group's reward std")
     advantage_eps: float = Field(1e-6, gt=0, description="added to std denominators")
     eps_clip_low: float = Field(0.2, ge=0, description="lower clip: ratio >= 1 - eps_clip_low")
-    eps_clip_high: float = Field(0.28, ge=0, description="upper clip: ratio <= 1 + eps_clip_high (asymmetric, DAPO)")
-    dual_clip: float | None = Field(None, gt=1.0, description="dual-clip constant c (> 1) for negative advantages; None = off")
+    eps_clip_high: float = Field(
+        0.28, ge=0, description="upper clip: ratio <= 1 + eps_clip_high (asymmetric, DAPO)"
+    )
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="dual-clip constant c (> 1) for negative advantages; None = off"
+    )
     aggregation: Literal["token_mean", "seq_mean_token_mean", "token_sum"] = Field(
         "token_mean", description="how per-token losses are reduced (see module docstring)"
     )
-    token_sum_norm: float = Field(1.0, gt=0, description="token_sum: constant divisor per sequence (Dr.GRPO: max response length)")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient (0 = off)")
-    kl_coef: float = Field(0.0, ge=0, description="KL(π_θ‖π_ref) loss coefficient (0 = off; > 0 builds a reference model)")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator for the reference KL")
-    off_policy: Literal["decoupled", "bypass"] = Field(
-        "decoupled", description="decoupled: recompute π_old and correct π_old/μ; bypass: π_old := μ (no recompute)"
+    token_sum_norm: float = Field(
+        1.0, gt=0, description="token_sum: constant divisor per sequence (Dr.GRPO: max response length)"
     )
-    tis: Literal["none", "token", "sequence"] = Field("token", description="truncated importance sampling on ρ = π_old/μ")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient (0 = off)")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL(π_θ‖π_ref) loss coefficient (0 = off; > 0 builds a reference model)"
+    )
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "low_var_kl", description="KL estimator for the reference KL"
+    )
+    off_policy: Literal["decoupled", "bypass"] = Field(
+        "decoupled",
+        description="decoupled: recompute π_old and correct π_old/μ; bypass: π_old := μ (no recompute)",
+    )
+    tis: Literal["none", "token", "sequence"] = Field(
+        "token", description="truncated importance sampling on ρ = π_old/μ"
+    )
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C in min(ρ, C)")
     mis: Literal["none", "token", "sequence"] = Field(
-        "none", description="masked importance sampling (IcePop): drop tokens / sequences whose ρ leaves [mis_low, mis_high]"
+        "none",
+        description="masked importance sampling (IcePop): drop tokens / sequences whose ρ leaves [mis_low, mis_high]",
     )
     mis_low: float = Field(0.5, ge=0, description="MIS lower bound α")
     mis_high: float = Field(2.0, gt=0, description="MIS upper bound β")
-    geo_reject_low: float | None = Field(None, ge=0, description="reject sequences with exp(mean log ρ) below this (None = off)")
-    geo_reject_high: float | None = Field(None, gt=0, description="reject sequences with exp(mean log ρ) above this (None = off)")
+    geo_reject_low: float | None = Field(
+        None, ge=0, description="reject sequences with exp(mean log ρ) below this (None = off)"
+    )
+    geo_reject_high: float | None = Field(
+        None, gt=0, description="reject sequences with exp(mean log ρ) above this (None = off)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
@@ -161,7 +180,11 @@ class OffPolicyWeights:
 
 
 def off_policy_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, cfg: LossConfig, metrics: MetricSums | None = None
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    metrics: MetricSums | None = None,
 ) -> OffPolicyWeights:
     """TIS weights and MIS / rejection masks; logs the mismatch metrics into ``metrics``."""
     mask = loss_mask.to(old_logprobs.dtype)
@@ -324,8 +347,16 @@ def policy_loss(
         lr_tok = (logprobs - old_logprobs) * mask
         metrics.add("ppo_kl", (-lr_tok).sum(), n_tok)  # k1 of KL(π_old‖π_θ); exactly 0 at the first step
         metrics.add("ppo_clip_frac", ((pg2 > pg1).to(mask.dtype) * mask).sum(), n_tok)
-        metrics.add("ppo_clip_frac_low", ((ratio < 1 - cfg.eps_clip_low) & (advantages < 0)).to(mask.dtype).mul(mask).sum(), n_tok)
-        metrics.add("ppo_clip_frac_high", ((ratio > 1 + cfg.eps_clip_high) & (advantages > 0)).to(mask.dtype).mul(mask).sum(), n_tok)
+        metrics.add(
+            "ppo_clip_frac_low",
+            ((ratio < 1 - cfg.eps_clip_low) & (advantages < 0)).to(mask.dtype).mul(mask).sum(),
+            n_tok,
+        )
+        metrics.add(
+            "ppo_clip_frac_high",
+            ((ratio > 1 + cfg.eps_clip_high) & (advantages > 0)).to(mask.dtype).mul(mask).sum(),
+            n_tok,
+        )
         metrics.add("dual_clip_frac", (dual.to(mask.dtype) * mask).sum(), n_tok)
         metrics.add("ratio_mean", (ratio.detach() * mask).sum(), n_tok)
         metrics.add("pg_loss", (pg.detach() * opw.weights * keep).sum(), keep.sum())

@@ -58,7 +58,9 @@ class ModelArch:
         c = cfg if isinstance(cfg, dict) else cfg.to_dict()
         mt = c.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
         if c.get("mlp_bias"):
@@ -162,6 +164,7 @@ class SDPACoreAttention(torch.nn.Module):
         attn_mask_type: Any = None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
+        **_: Any,  # keywords newer megatron-core versions may add
     ) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("SDPACoreAttention takes padded batches (no packed_seq_params)")
@@ -308,7 +311,9 @@ def _split_cols(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [x.contiguous() for x in torch.chunk(t, tp, dim=1)]
 
 
-def _qkv_to_mcore(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int) -> list[torch.Tensor]:
+def _qkv_to_mcore(
+    arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int
+) -> list[torch.Tensor]:
     """HF q/k/v (weights [out, in] or biases [out]) -> per-TP-rank interleaved ``linear_qkv`` shards."""
     ng, hd = arch.num_kv_heads, arch.head_dim
     r = arch.num_attention_heads // ng
@@ -322,7 +327,9 @@ def _qkv_to_mcore(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return [x.reshape(-1, *rest).contiguous() for x in torch.chunk(fused, tp, dim=0)]
 
 
-def _qkv_to_hf(arch: ModelArch, shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_to_hf(
+    arch: ModelArch, shards: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ng, hd = arch.num_kv_heads, arch.head_dim
     r = arch.num_attention_heads // ng
     full = torch.cat(shards, dim=0)
@@ -379,18 +386,32 @@ def hf_to_mcore_shards(
             a = h + "self_attn."
             put(p, m + "input_layernorm.weight", hf[h + "input_layernorm.weight"])
             put(p, m + "pre_mlp_layernorm.weight", hf[h + "post_attention_layernorm.weight"])
-            put(p, m + "self_attention.linear_qkv.weight",
-                _qkv_to_mcore(arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], tp))
+            put(
+                p,
+                m + "self_attention.linear_qkv.weight",
+                _qkv_to_mcore(
+                    arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], tp
+                ),
+            )
             if arch.qkv_bias:
-                put(p, m + "self_attention.linear_qkv.bias",
-                    _qkv_to_mcore(arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], tp))
+                put(
+                    p,
+                    m + "self_attention.linear_qkv.bias",
+                    _qkv_to_mcore(
+                        arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], tp
+                    ),
+                )
             if arch.qk_norm:
                 put(p, m + "self_attention.q_layernorm.weight", hf[a + "q_norm.weight"])
                 put(p, m + "self_attention.k_layernorm.weight", hf[a + "k_norm.weight"])
             put(p, m + "self_attention.linear_proj.weight", _split_cols(hf[a + "o_proj.weight"], tp))
             gate = _split_rows(hf[h + "mlp.gate_proj.weight"], tp)
             up = _split_rows(hf[h + "mlp.up_proj.weight"], tp)
-            put(p, m + "mlp.linear_fc1.weight", [torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)])
+            put(
+                p,
+                m + "mlp.linear_fc1.weight",
+                [torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)],
+            )
             put(p, m + "mlp.linear_fc2.weight", _split_cols(hf[h + "mlp.down_proj.weight"], tp))
     return out
 
@@ -422,10 +443,14 @@ def mcore_to_hf(
             first = shards[(p, 0)]
             hf[h + "input_layernorm.weight"] = first[m + "input_layernorm.weight"]
             hf[h + "post_attention_layernorm.weight"] = first[m + "pre_mlp_layernorm.weight"]
-            q, k, v = _qkv_to_hf(arch, [shards[(p, t)][m + "self_attention.linear_qkv.weight"] for t in range(tp)])
+            q, k, v = _qkv_to_hf(
+                arch, [shards[(p, t)][m + "self_attention.linear_qkv.weight"] for t in range(tp)]
+            )
             hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"] = q, k, v
             if arch.qkv_bias:
-                q, k, v = _qkv_to_hf(arch, [shards[(p, t)][m + "self_attention.linear_qkv.bias"] for t in range(tp)])
+                q, k, v = _qkv_to_hf(
+                    arch, [shards[(p, t)][m + "self_attention.linear_qkv.bias"] for t in range(tp)]
+                )
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"] = q, k, v
             if arch.qk_norm:
                 hf[a + "q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
@@ -461,7 +486,11 @@ def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (h, arch.ffn_hidden_size),
         }
         if arch.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
         if arch.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     shapes["model.norm.weight"] = (h,)
@@ -477,7 +506,11 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
     d = Path(hf_dir)
     index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update(load_file(str(d / f)))
@@ -501,7 +534,10 @@ HF_AUX_FILES = (
 
 
 def save_hf_dir(
-    hf: dict[str, torch.Tensor], out_dir: str | Path, template_dir: str | Path, dtype: torch.dtype | None = None
+    hf: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    template_dir: str | Path,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``hf`` as ``model.safetensors`` plus the template's config/tokenizer files."""
     import shutil

@@ -67,20 +67,32 @@ class TrainerConfig(ConfigModel):
     """Model, parallelism, optimizer, batching and loss of the Megatron trainer."""
 
     model_path: str = Field(..., description="HF model directory the weights (and shape) are loaded from")
-    mcore_path: str | None = Field(None, description="optional agentrl.convert Megatron dir to load instead of model_path's weights")
+    mcore_path: str | None = Field(
+        None, description="optional agentrl.convert Megatron dir to load instead of model_path's weights"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype (bf16: fp32 main weights in the GPU optimizer)")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameter dtype (bf16: fp32 main weights in the GPU optimizer)"
+    )
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     pp: int = Field(1, ge=1, description="pipeline-parallel size (GPU only)")
-    vocab_divisible_by: int = Field(1, ge=1, description="pad the vocabulary to a multiple of tp * this (128 is GPU-friendly)")
-    recompute_activations: bool = Field(False, description="full activation recomputation (memory for compute)")
+    vocab_divisible_by: int = Field(
+        1, ge=1, description="pad the vocabulary to a multiple of tp * this (128 is GPU-friendly)"
+    )
+    recompute_activations: bool = Field(
+        False, description="full activation recomputation (memory for compute)"
+    )
     seed: int = Field(1234, description="seed of torch / numpy / python RNGs")
 
     lr: float = Field(1e-6, gt=0, description="peak learning rate")
     min_lr: float = Field(0.0, ge=0, description="final learning rate of the decay")
     lr_warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps")
-    lr_decay_steps: int | None = Field(None, ge=1, description="decay length in optimizer steps (None: constant after warmup)")
-    lr_decay_style: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warmup")
+    lr_decay_steps: int | None = Field(
+        None, ge=1, description="decay length in optimizer steps (None: constant after warmup)"
+    )
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR decay after warmup"
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2")
@@ -96,9 +108,13 @@ class TrainerConfig(ConfigModel):
     )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
-    max_staleness: int | None = Field(None, ge=0, description="assert policy_version - min token version <= this")
+    max_staleness: int | None = Field(
+        None, ge=0, description="assert policy_version - min token version <= this"
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
-    weight_sync_bucket_mb: int = Field(512, ge=1, description="bucket size of the distributed weight broadcast")
+    weight_sync_bucket_mb: int = Field(
+        512, ge=1, description="bucket size of the distributed weight broadcast"
+    )
 
 
 # ---- distributed setup ----------------------------------------------------------------------------
@@ -134,7 +150,10 @@ def init_distributed(cfg: TrainerConfig, device: torch.device) -> None:
     if dist.get_world_size() % (cfg.tp * cfg.pp):
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp*pp = {cfg.tp * cfg.pp}")
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != cfg.tp or ps.get_pipeline_model_parallel_world_size() != cfg.pp:
+        if (
+            ps.get_tensor_model_parallel_world_size() != cfg.tp
+            or ps.get_pipeline_model_parallel_world_size() != cfg.pp
+        ):
             raise RuntimeError("megatron parallel_state is already initialized with other sizes")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp)
@@ -188,13 +207,23 @@ class MicroBatch:
             return None if t is None else t.to(device, non_blocking=True)
 
         return MicroBatch(
-            mv(self.tokens), mv(self.targets), mv(self.loss_mask), mv(self.rollout_logprobs), mv(self.advantages),
-            self.traj_index, mv(self.old_logprobs), mv(self.ref_logprobs),
+            mv(self.tokens),
+            mv(self.targets),
+            mv(self.loss_mask),
+            mv(self.rollout_logprobs),
+            mv(self.advantages),
+            self.traj_index,
+            mv(self.old_logprobs),
+            mv(self.ref_logprobs),
         )  # type: ignore[arg-type]
 
 
 def make_micro_batch(
-    trajs: list[Trajectory], index: list[int], advantages: list[torch.Tensor], pad_id: int = 0, seq_len: int | None = None,
+    trajs: list[Trajectory],
+    index: list[int],
+    advantages: list[torch.Tensor],
+    pad_id: int = 0,
+    seq_len: int | None = None,
     num_rows: int | None = None,
 ) -> MicroBatch:
     """Pack trajectories ``index`` into one right-padded micro-batch (``advantages[i]``: per response token)."""
@@ -269,7 +298,9 @@ class MegatronTrainer:
         self.arch = ModelArch.from_hf_dir(cfg.model_path)
         self.params_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         self.pad_id = 0
-        self.use_megatron_optim = cfg.optimizer == "megatron" or (cfg.optimizer == "auto" and self.device.type == "cuda")
+        self.use_megatron_optim = cfg.optimizer == "megatron" or (
+            cfg.optimizer == "auto" and self.device.type == "cuda"
+        )
         if self.use_megatron_optim and self.device.type != "cuda":
             raise ValueError("optimizer=megatron needs CUDA; use optimizer=torch on CPU")
         if cfg.pp > 1 and not self.use_megatron_optim:
@@ -289,8 +320,13 @@ class MegatronTrainer:
     # ---- construction ---------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
         return build_gpt_model(
-            self.arch, tp=self.cfg.tp, pp=self.cfg.pp, pp_rank=self.pp_rank, params_dtype=self.params_dtype,
-            vocab_divisible_by=self.cfg.vocab_divisible_by, recompute=self.cfg.recompute_activations,
+            self.arch,
+            tp=self.cfg.tp,
+            pp=self.cfg.pp,
+            pp_rank=self.pp_rank,
+            params_dtype=self.params_dtype,
+            vocab_divisible_by=self.cfg.vocab_divisible_by,
+            recompute=self.cfg.recompute_activations,
         )
 
     def _local_shard(self) -> dict[str, torch.Tensor]:
@@ -300,7 +336,9 @@ class MegatronTrainer:
 
             return load_mcore_shard(self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp)
         hf = load_hf_state_dict(self.cfg.model_path)
-        return hf_to_mcore_shards(hf, self.arch, self.cfg.tp, self.cfg.pp, self.cfg.vocab_divisible_by, ranks=[key])[key]
+        return hf_to_mcore_shards(
+            hf, self.arch, self.cfg.tp, self.cfg.pp, self.cfg.vocab_divisible_by, ranks=[key]
+        )[key]
 
     def _load_initial_weights(self, module: torch.nn.Module | None = None) -> None:
         module = self.model if module is None else module
@@ -332,9 +370,14 @@ class MegatronTrainer:
         if not self.use_megatron_optim:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
-                lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay,
+                lr=c.lr,
+                betas=(c.adam_beta1, c.adam_beta2),
+                eps=c.adam_eps,
+                weight_decay=c.weight_decay,
             )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self._lr_at(s) / c.lr)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda s: self._lr_at(s) / c.lr
+            )
             return
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -342,21 +385,39 @@ class MegatronTrainer:
 
         tf_config = self.model.config
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True, check_for_nan_in_grad=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=True,
+            check_for_nan_in_grad=False,
         )
         self.model = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=self.model)
         opt_cfg = OptimizerConfig(
-            optimizer="adam", lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
-            adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.grad_clip, bf16=self.params_dtype == torch.bfloat16,
-            params_dtype=self.params_dtype, use_distributed_optimizer=True,
+            optimizer="adam",
+            lr=c.lr,
+            min_lr=c.min_lr,
+            weight_decay=c.weight_decay,
+            adam_beta1=c.adam_beta1,
+            adam_beta2=c.adam_beta2,
+            adam_eps=c.adam_eps,
+            clip_grad=c.grad_clip,
+            bf16=self.params_dtype == torch.bfloat16,
+            params_dtype=self.params_dtype,
+            use_distributed_optimizer=True,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
         decay_steps = c.lr_decay_steps or 10**9
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if c.lr_warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
-            lr_warmup_steps=c.lr_warmup_steps, lr_decay_steps=max(decay_steps, c.lr_warmup_steps + 1),
-            lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
-            wd_incr_steps=1, wd_incr_style="constant",
+            self.optimizer,
+            init_lr=0.0 if c.lr_warmup_steps else c.lr,
+            max_lr=c.lr,
+            min_lr=c.min_lr,
+            lr_warmup_steps=c.lr_warmup_steps,
+            lr_decay_steps=max(decay_steps, c.lr_warmup_steps + 1),
+            lr_decay_style=c.lr_decay_style,
+            start_wd=c.weight_decay,
+            end_wd=c.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
         )
 
     @property
@@ -382,7 +443,9 @@ class MegatronTrainer:
         lengths = [len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajectories]
         out: list[list[float]] = [[] for _ in trajectories]
         self.model.eval()
-        for idx in split_micro_batches(lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch):
+        for idx in split_micro_batches(
+            lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        ):
             mb = make_micro_batch(trajectories, idx, zero, self.pad_id).to(self.device)
             lp, _ = self._forward_logprobs(self.model, mb)
             for row, i in enumerate(idx):
@@ -408,8 +471,11 @@ class MegatronTrainer:
         t_start = time.perf_counter()
         cfg, lcfg = self.cfg, self.cfg.loss
         usable = [
-            t for t in trajectories
-            if t.status != Status.FAILED and len(t.prompt_ids) >= 1 and (t.reward is not None or lcfg.mode == "sft")
+            t
+            for t in trajectories
+            if t.status != Status.FAILED
+            and len(t.prompt_ids) >= 1
+            and (t.reward is not None or lcfg.mode == "sft")
         ]
         dropped = len(trajectories) - len(usable)
         if not usable:
@@ -444,9 +510,17 @@ class MegatronTrainer:
             groups = split_micro_batches(lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
             if cfg.pp > 1:  # fixed p2p shapes: one length and row count for the whole mini-batch
                 seq = max(lengths) if lengths else 1
-                mbs = [make_micro_batch(usable, [local[g] for g in grp], advantages, self.pad_id, seq, cfg.micro_batch_size) for grp in groups]
+                mbs = [
+                    make_micro_batch(
+                        usable, [local[g] for g in grp], advantages, self.pad_id, seq, cfg.micro_batch_size
+                    )
+                    for grp in groups
+                ]
             else:
-                mbs = [make_micro_batch(usable, [local[g] for g in grp], advantages, self.pad_id) for grp in groups]
+                mbs = [
+                    make_micro_batch(usable, [local[g] for g in grp], advantages, self.pad_id)
+                    for grp in groups
+                ]
             plan.append((denom, [mb.to(self.device) for mb in mbs]))
 
         # π_old (and π_ref) with the weights of this step, before any update
@@ -489,7 +563,9 @@ class MegatronTrainer:
             staleness_max=float(staleness),
             num_trajectories=float(len(usable)),
             dropped_trajectories=float(dropped),
-            reward_mean=float(np.mean([t.reward for t in usable if t.reward is not None])) if lcfg.mode != "sft" else 0.0,
+            reward_mean=float(np.mean([t.reward for t in usable if t.reward is not None]))
+            if lcfg.mode != "sft"
+            else 0.0,
             response_tokens=float(resp_mask.sum()),
             tokens_per_s=total_tokens / max(train_seconds, 1e-9),
             old_logprob_seconds=old_seconds,
@@ -507,11 +583,25 @@ class MegatronTrainer:
         model.train(was_training)
         return lp.float().detach()
 
-    def _micro_loss(self, mb: MicroBatch, logits_or_lp: tuple[torch.Tensor, torch.Tensor], denom: Denominators, metrics: MetricSums) -> torch.Tensor:
+    def _micro_loss(
+        self,
+        mb: MicroBatch,
+        logits_or_lp: tuple[torch.Tensor, torch.Tensor],
+        denom: Denominators,
+        metrics: MetricSums,
+    ) -> torch.Tensor:
         lp, ent = logits_or_lp
         return policy_loss(
-            lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.cfg.loss, denom,  # type: ignore[arg-type]
-            rollout_logprobs=mb.rollout_logprobs, entropy=ent, ref_logprobs=mb.ref_logprobs, metrics=metrics,
+            lp,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            self.cfg.loss,
+            denom,  # type: ignore[arg-type]
+            rollout_logprobs=mb.rollout_logprobs,
+            entropy=ent,
+            ref_logprobs=mb.ref_logprobs,
+            metrics=metrics,
         )
 
     def _update(self, mbs: list[MicroBatch], denom: Denominators, metrics: MetricSums) -> tuple[float, float]:
@@ -583,25 +673,36 @@ class MegatronTrainer:
         names = sorted(metrics.sums)
         group = self.ps.get_data_parallel_group()
         if dist.get_world_size(group) > 1 and names:
-            t = torch.tensor([[metrics.sums[k], metrics.counts[k]] for k in names], dtype=torch.float64, device=self._comm_device())
+            t = torch.tensor(
+                [[metrics.sums[k], metrics.counts[k]] for k in names],
+                dtype=torch.float64,
+                device=self._comm_device(),
+            )
             dist.all_reduce(t, group=group)
             for k, row in zip(names, t.cpu().tolist(), strict=True):
                 metrics.sums[k], metrics.counts[k] = row
             mx = sorted(metrics.maxes)
             if mx:
-                m = torch.tensor([metrics.maxes[k] for k in mx], dtype=torch.float64, device=self._comm_device())
+                m = torch.tensor(
+                    [metrics.maxes[k] for k in mx], dtype=torch.float64, device=self._comm_device()
+                )
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
                 metrics.maxes.update(zip(mx, m.cpu().tolist(), strict=True))
         out = metrics.means()
         if self.cfg.pp > 1:  # metrics live on the last stage; broadcast them to every stage
             obj = [out]
-            dist.broadcast_object_list(obj, src=dist.get_global_rank(self.ps.get_pipeline_model_parallel_group(), self.cfg.pp - 1),
-                                       group=self.ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(
+                obj,
+                src=dist.get_global_rank(self.ps.get_pipeline_model_parallel_group(), self.cfg.pp - 1),
+                group=self.ps.get_pipeline_model_parallel_group(),
+            )
             out = obj[0]
         return out
 
     # ---- GPU path: megatron DDP + distributed optimizer (+ pipeline schedule) -----------------------
-    def _update_megatron(self, mbs: list[MicroBatch], denom: Denominators, metrics: MetricSums) -> tuple[float, float]:
+    def _update_megatron(
+        self, mbs: list[MicroBatch], denom: Denominators, metrics: MetricSums
+    ) -> tuple[float, float]:
         from megatron.core.distributed import finalize_model_grads
 
         self.model.zero_grad_buffer()
@@ -624,7 +725,14 @@ class MegatronTrainer:
         total = self._all_reduce_scalar(total, self.ps.get_data_parallel_group())
         return total, float(gnorm or 0.0)
 
-    def _pp_forward_backward(self, mbs: list[MicroBatch], denom: Denominators, metrics: MetricSums, scale: float, forward_only: bool = False) -> Any:
+    def _pp_forward_backward(
+        self,
+        mbs: list[MicroBatch],
+        denom: Denominators,
+        metrics: MetricSums,
+        scale: float,
+        forward_only: bool = False,
+    ) -> Any:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         store: list[Any] = []
@@ -637,7 +745,11 @@ class MegatronTrainer:
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
                 lp, ent = vocab_parallel_logprobs(
-                    logits, mb.targets, self.arch.vocab_size, self.tp_rank, self.ps.get_tensor_model_parallel_group()
+                    logits,
+                    mb.targets,
+                    self.arch.vocab_size,
+                    self.tp_rank,
+                    self.ps.get_tensor_model_parallel_group(),
                 )
                 if forward_only:
                     store.append(lp.float().detach())
@@ -650,8 +762,13 @@ class MegatronTrainer:
 
         fb = get_forward_backward_func()
         fb(
-            forward_step_func=step_func, data_iterator=iter(mbs), model=[self.model], num_microbatches=n_mb,
-            seq_length=mbs[0].tokens.shape[1], micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only,
+            forward_step_func=step_func,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=n_mb,
+            seq_length=mbs[0].tokens.shape[1],
+            micro_batch_size=mbs[0].tokens.shape[0],
+            forward_only=forward_only,
         )
         if forward_only:
             return store
@@ -672,7 +789,11 @@ class MegatronTrainer:
     # ---- weights out ------------------------------------------------------------------------------
     def hf_state_dict(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The full HF-named state dict, assembled on every rank (collective over TP and PP)."""
-        local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state") and v is not None}
+        local = {
+            k: v.detach()
+            for k, v in self.module.state_dict().items()
+            if not k.endswith("_extra_state") and v is not None
+        }
         shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         tp_group = self.ps.get_tensor_model_parallel_group()
         names = sorted(local)
@@ -689,8 +810,12 @@ class MegatronTrainer:
             group = self.ps.get_pipeline_model_parallel_group()
             mine = [{key: v for key, v in shards.items()}]
             gathered: list[Any] = [None] * self.cfg.pp
-            dist.all_gather_object(gathered, {k: {n: v.cpu() for n, v in d.items()} for k, d in mine[0].items()}, group=group)
-            shards = {k: {n: v.to(device) for n, v in d.items()} for part in gathered for k, d in part.items()}
+            dist.all_gather_object(
+                gathered, {k: {n: v.cpu() for n, v in d.items()} for k, d in mine[0].items()}, group=group
+            )
+            shards = {
+                k: {n: v.to(device) for n, v in d.items()} for part in gathered for k, d in part.items()
+            }
         return mcore_to_hf(shards, self.arch)
 
     def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path | None:
@@ -702,18 +827,26 @@ class MegatronTrainer:
         dist.barrier()
         return out
 
-    async def sync_weights_from_disk(self, client: Any, out_dir: str | Path, abort_all_requests: bool = False) -> int:
+    async def sync_weights_from_disk(
+        self, client: Any, out_dir: str | Path, abort_all_requests: bool = False
+    ) -> int:
         """Save HF weights to ``out_dir`` and make the engines load them; version += 1. Collective."""
         await asyncio.to_thread(self.save_hf, out_dir)
         self.policy_version += 1
         if self.rank == 0 and client is not None:
-            await client.update_weights_from_disk(str(out_dir), weight_version=str(self.policy_version),
-                                                  abort_all_requests=abort_all_requests)
+            await client.update_weights_from_disk(
+                str(out_dir), weight_version=str(self.policy_version), abort_all_requests=abort_all_requests
+            )
         return self.policy_version
 
     async def init_weight_sync_group(
-        self, client: Any, num_engine_ranks: int = 1, master_address: str = "127.0.0.1",
-        master_port: int | None = None, backend: str | None = None, group_name: str = "agentrl_weight_sync",
+        self,
+        client: Any,
+        num_engine_ranks: int = 1,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str | None = None,
+        group_name: str = "agentrl_weight_sync",
         bucket_bytes: int | None = None,
     ) -> None:
         """Rank 0 opens the broadcast group with the engines (see :mod:`agentrl.trainer.weight_sync`)."""
@@ -722,13 +855,19 @@ class MegatronTrainer:
         if self.rank != 0:
             return
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self._broadcaster = WeightBroadcaster(client, group_name, bucket_bytes or (self.cfg.weight_sync_bucket_mb << 20))
+        self._broadcaster = WeightBroadcaster(
+            client, group_name, bucket_bytes or (self.cfg.weight_sync_bucket_mb << 20)
+        )
         self._sync_backend = backend
         await self._broadcaster.connect(master_address, master_port or free_port(), num_engine_ranks, backend)
 
     async def sync_weights_distributed(self, client: Any = None) -> int:
         """Broadcast the HF weights to the engines in buckets; version += 1. Collective over ranks."""
-        device = "cpu" if self.device.type == "cpu" or getattr(self, "_sync_backend", "gloo") == "gloo" else self.device
+        device = (
+            "cpu"
+            if self.device.type == "cpu" or getattr(self, "_sync_backend", "gloo") == "gloo"
+            else self.device
+        )
         hf = await asyncio.to_thread(self.hf_state_dict, device)
         self.policy_version += 1
         if self.rank == 0:
@@ -767,8 +906,11 @@ class MegatronTrainer:
             self.optimizer.save_parameter_state(str(d / "optimizer_param_state.pt"))
         dist.barrier()
         if self.rank == 0:
-            (d / "meta.json").write_text(json.dumps({"step": self.step, "policy_version": self.policy_version,
-                                                     "world_size": self.world_size}))
+            (d / "meta.json").write_text(
+                json.dumps(
+                    {"step": self.step, "policy_version": self.policy_version, "world_size": self.world_size}
+                )
+            )
             tmp_latest = root / "latest.tmp"
             tmp_latest.write_text(d.name)
             tmp_latest.replace(root / "latest")
@@ -818,5 +960,7 @@ def load_local_state(module: torch.nn.Module, shard: dict[str, torch.Tensor]) ->
             if k.endswith("_extra_state"):
                 continue
             if own[k].shape != v.shape:
-                raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != model shape {tuple(own[k].shape)}")
+                raise ValueError(
+                    f"{k}: checkpoint shape {tuple(v.shape)} != model shape {tuple(own[k].shape)}"
+                )
             own[k].copy_(v)

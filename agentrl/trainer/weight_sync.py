@@ -35,7 +35,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     cur: list[tuple[str, torch.Tensor]] = []
@@ -97,7 +99,11 @@ async def broadcast_weights(
 
 
 def receive_weights(
-    group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], device: str | torch.device = "cpu"
+    group: Any,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    device: str | torch.device = "cpu",
 ) -> list[tuple[str, torch.Tensor]]:
     """The receiver's half of one bucket (what an engine does; used by tests and the embedded engine)."""
     from agentrl.engine.dist import parse_dtype
@@ -113,14 +119,21 @@ def receive_weights(
 class WeightBroadcaster:
     """The trainer side of a distributed weight-sync group with a set of engines (an EngineClient)."""
 
-    def __init__(self, client: Any, group_name: str = "agentrl_weight_sync", bucket_bytes: int = 512 << 20) -> None:
+    def __init__(
+        self, client: Any, group_name: str = "agentrl_weight_sync", bucket_bytes: int = 512 << 20
+    ) -> None:
         self.client = client
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
         self.group: Any = None
 
     async def connect(
-        self, master_address: str, master_port: int, num_engine_ranks: int, backend: str, timeout: float = 600.0
+        self,
+        master_address: str,
+        master_port: int,
+        num_engine_ranks: int,
+        backend: str,
+        timeout: float = 600.0,
     ) -> None:
         """Create the group (trainer = rank 0, engines from rank 1) with every engine joining concurrently."""
         from agentrl.engine.dist import init_custom_process_group
@@ -145,13 +158,19 @@ class WeightBroadcaster:
         )
         self.group, _ = await asyncio.gather(join, ask)
 
-    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> BroadcastStats:
+    async def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+    ) -> BroadcastStats:
         if self.group is None:
             raise RuntimeError("WeightBroadcaster.connect() first")
 
         async def announce(names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool) -> None:
             await self.client.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=self.group_name, weight_version=weight_version if last else None
+                names,
+                dtypes,
+                shapes,
+                group_name=self.group_name,
+                weight_version=weight_version if last else None,
             )
 
         return await broadcast_weights(named_tensors, self.group, self.bucket_bytes, announce=announce)

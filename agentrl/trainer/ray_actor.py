@@ -1,0 +1,177 @@
+"""The trainer as Ray actors: one actor per rank, each a :class:`MegatronTrainer` in its own process.
+
+``ray`` is imported lazily (GPU images may lack it). Usage (TP=1 on CPU, as ``train_async.py`` does)::
+
+    group = TrainerGroup(TrainerConfig(model_path=...), world_size=1)
+    metrics = group.train_step(trajectories)          # every rank gets the same list; rank 0's metrics
+    group.sync_weights_from_disk(engine_urls, out_dir) # or init_weight_sync_group + sync_weights_distributed
+    group.save_checkpoint(dir); group.shutdown()
+
+Every call fans out to all ranks (they are collectives) and returns rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from agentrl.trainer.trainer import TrainerConfig, free_port
+from agentrl.types import Trajectory
+
+
+class TrainerWorker:
+    """The body of one rank's actor (plain class; :class:`TrainerGroup` wraps it with ``ray.remote``)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int
+    ) -> None:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
+        )
+        os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own visible GPU
+        from agentrl.trainer.trainer import MegatronTrainer
+
+        self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg))
+
+    def train_step(self, trajectories: list[dict[str, Any]]) -> dict[str, float]:
+        return self.trainer.train_step([Trajectory.from_dict(t) for t in trajectories])
+
+    def compute_logprobs(self, trajectories: list[dict[str, Any]]) -> list[list[float]]:
+        return self.trainer.compute_logprobs([Trajectory.from_dict(t) for t in trajectories])
+
+    def policy_version(self) -> int:
+        return self.trainer.policy_version
+
+    def save_hf(self, out_dir: str) -> str | None:
+        out = self.trainer.save_hf(out_dir)
+        return None if out is None else str(out)
+
+    def sync_weights_from_disk(
+        self, engine_urls: list[str], out_dir: str, abort_all_requests: bool = False
+    ) -> int:
+        fn = lambda c: self.trainer.sync_weights_from_disk(c, out_dir, abort_all_requests)  # noqa: E731
+        return asyncio.run(_with_client(engine_urls if self.trainer.rank == 0 else [], fn))
+
+    def init_weight_sync_group(
+        self,
+        engine_urls: list[str],
+        num_engine_ranks: int,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        # the group outlives this call, so its client must too: keep one per actor
+        from agentrl.engine.client import EngineClient
+
+        self._sync_urls = engine_urls
+        self._loop = asyncio.new_event_loop()
+        self._client = EngineClient(engine_urls) if self.trainer.rank == 0 else None
+        self._loop.run_until_complete(
+            self.trainer.init_weight_sync_group(
+                self._client, num_engine_ranks, master_address, master_port, backend
+            )
+        )
+
+    def sync_weights_distributed(self) -> int:
+        return self._loop.run_until_complete(self.trainer.sync_weights_distributed(self._client))
+
+    def save_checkpoint(self, ckpt_dir: str) -> str:
+        return str(self.trainer.save_checkpoint(ckpt_dir))
+
+    def load_checkpoint(self, path: str) -> int:
+        self.trainer.load_checkpoint(path)
+        return self.trainer.step
+
+    def shutdown(self) -> None:
+        if getattr(self, "_client", None) is not None:
+            self._loop.run_until_complete(self._client.close())
+        self.trainer.shutdown()
+
+
+async def _with_client(urls: list[str], fn: Any) -> Any:
+    """Run ``fn(client)`` with a short-lived EngineClient (None when there is nothing to call).
+
+    A module function, not a method: an ``async def`` method would turn the actor into an async actor
+    whose methods run inside Ray's event loop (and then ``asyncio.run`` fails).
+    """
+    from agentrl.engine.client import EngineClient
+
+    if not urls:
+        return await fn(None)
+    client = EngineClient(urls)
+    try:
+        return await fn(client)
+    finally:
+        await client.close()
+
+
+class TrainerGroup:
+    """``world_size`` Ray actors (``num_gpus_per_rank`` each; 0 on CPU) forming one trainer."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        world_size: int = 1,
+        num_gpus_per_rank: float = 0.0,
+        num_cpus_per_rank: float = 1.0,
+        master_addr: str = "127.0.0.1",
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        port = free_port()
+        actor_cls = ray.remote(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank)(TrainerWorker)
+        self.actors = [
+            actor_cls.remote(cfg.model_dump(mode="json"), r, world_size, master_addr, port)
+            for r in range(world_size)
+        ]
+        ray.get([a.policy_version.remote() for a in self.actors])  # surface construction errors here
+
+    def _all(self, method: str, *args: Any) -> Any:
+        return self._ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        return self._all("train_step", [t.to_dict() for t in trajectories])
+
+    def compute_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        return self._all("compute_logprobs", [t.to_dict() for t in trajectories])
+
+    def policy_version(self) -> int:
+        return self._all("policy_version")
+
+    def save_hf(self, out_dir: str) -> str | None:
+        return self._all("save_hf", out_dir)
+
+    def sync_weights_from_disk(
+        self, engine_urls: list[str], out_dir: str, abort_all_requests: bool = False
+    ) -> int:
+        return self._all("sync_weights_from_disk", engine_urls, out_dir, abort_all_requests)
+
+    def init_weight_sync_group(
+        self,
+        engine_urls: list[str],
+        num_engine_ranks: int,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        self._all(
+            "init_weight_sync_group", engine_urls, num_engine_ranks, master_address, master_port, backend
+        )
+
+    def sync_weights_distributed(self) -> int:
+        return self._all("sync_weights_distributed")
+
+    def save_checkpoint(self, ckpt_dir: str) -> str:
+        return self._all("save_checkpoint", ckpt_dir)
+
+    def load_checkpoint(self, path: str) -> int:
+        return self._all("load_checkpoint", path)
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            for a in self.actors:
+                self._ray.kill(a)

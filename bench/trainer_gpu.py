@@ -1,0 +1,311 @@
+"""Megatron trainer throughput (tokens/s, MFU) and weight-sync time to the embedded engine.
+
+GPU: ``python bench/trainer_gpu.py --device cuda`` builds a randomly initialised model of Qwen2.5-0.5B's
+shape (151,936 vocab, 24 layers, hidden 896, GQA 14/2, tied embeddings), trains it in bf16 on one GPU
+(megatron-core GPTModel, DDP + distributed optimizer) with the full RL step (π_old recompute, TIS, PPO),
+and measures in the same run the baseline: transformers' model of the same shape, same micro-batches,
+forward + backward + fused AdamW. Then it starts the embedded engine (``--engine-device``, default the
+same GPU) and times a weight sync from disk (save HF safetensors + ``update_weights_from_disk``) and by
+distributed broadcast (NCCL when the engine sits on another GPU, else gloo through host memory, since
+NCCL cannot join two processes on one GPU), and checks the engine's logprobs against the trainer's.
+
+CPU: ``python bench/trainer_gpu.py`` runs the tiny test model as a smoke check. Prints ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def build_model(shape: str, dtype: str, out: Path) -> Path:
+    from agentrl.models.tiny import build_tiny_model
+
+    if shape == "tiny":
+        return build_tiny_model(out, arch="qwen2", dtype=dtype)
+    import transformers
+
+    build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
+    cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(out / "tok" / f, out / f)
+    return out
+
+
+def make_batch(n: int, prompt_len: int, resp_len: int, vocab: int, group: int, seed: int) -> list:
+    from agentrl.types import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        t = Trajectory(
+            task_id=str(i),
+            group_id=str(i // group),
+            prompt_ids=[rng.randrange(3, vocab) for _ in range(prompt_len)],
+        )
+        t.append_model_tokens(
+            [rng.randrange(3, vocab) for _ in range(resp_len)],
+            [-rng.random() * 3 for _ in range(resp_len)],
+            0,
+        )
+        t.reward = float(rng.random())
+        out.append(t)
+    return out
+
+
+def flops_per_token(arch, seq: int) -> float:
+    """Training FLOPs per token: 6 x (matmul params incl. the LM head) + causal attention (6 L s d_q)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_kv_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
+    matmul = arch.num_layers * per_layer + arch.vocab_size * h
+    return 6.0 * matmul + 6.0 * arch.num_layers * seq * q
+
+
+def hf_baseline(
+    model_dir: Path, trajs: list, micro: int, device: str, dtype: torch.dtype, steps: int
+) -> float:
+    """tokens/s of transformers' model: forward, masked token NLL, backward, AdamW, same micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.startswith("cuda"))
+    batches = []
+    for i in range(0, len(trajs), micro):
+        chunk = trajs[i : i + micro]
+        ids = torch.tensor([t.input_ids for t in chunk], device=device)
+        batches.append(ids)
+
+    def step() -> int:
+        n = 0
+        for ids in batches:
+            logits = model(ids[:, :-1]).logits.float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            (-lp.mean()).backward()
+            n += ids[:, :-1].numel()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return n
+
+    step()
+    sync(device)
+    t0 = time.perf_counter()
+    tokens = sum(step() for _ in range(steps))
+    sync(device)
+    rate = tokens / (time.perf_counter() - t0)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rate
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def weight_sync(
+    trainer, model_dir: Path, engine_device: str, dtype: str, work: Path, tokens_check: int
+) -> dict:
+    from agentrl.engine.client import EngineClient
+    from agentrl.engine.local_server import start_local_server
+    from agentrl.engine.types import SamplingParams
+    from agentrl.types import Trajectory
+
+    out: dict = {}
+    server = start_local_server(
+        model_dir,
+        device=engine_device.split(":")[0],
+        dtype=dtype,
+        timeout=900,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": engine_device.split(":")[1]}
+        if ":" in engine_device
+        else None,
+    )
+    client = EngineClient(server.url, timeout=3600)
+    try:
+        t0 = time.perf_counter()
+        await trainer.sync_weights_from_disk(client, work / "hf_sync")
+        out["sync_disk_s"] = time.perf_counter() - t0
+
+        same_gpu = (
+            trainer.device.type != "cuda"
+            or ":" not in engine_device
+            or engine_device == f"cuda:{trainer.device.index}"
+        )
+        backend = "gloo" if same_gpu else "nccl"
+        t0 = time.perf_counter()
+        await trainer.init_weight_sync_group(client, num_engine_ranks=1, backend=backend)
+        out["sync_group_init_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        version = await trainer.sync_weights_distributed(client)
+        out["sync_distributed_s"] = time.perf_counter() - t0
+        out["sync_distributed_backend"] = backend
+        out["sync_distributed_buckets"] = trainer.last_sync_stats.num_buckets
+        out["sync_bytes"] = trainer.last_sync_stats.num_bytes
+        out["disk_over_distributed"] = out["sync_disk_s"] / out["sync_distributed_s"]
+
+        # consistency after the broadcast: engine μ vs trainer π on sampled tokens
+        trajs = []
+        for i in range(4):
+            t = Trajectory(task_id=str(i), group_id="g", prompt_ids=list(range(10 + i, 42 + i)))
+            r = await client.generate(
+                t.prompt_ids, SamplingParams(max_new_tokens=tokens_check, temperature=1.0, ignore_eos=True)
+            )
+            t.append_model_tokens(r.output_ids, r.logprobs, version)
+            out["engine_weight_version"] = r.weight_version
+            trajs.append(t)
+        diffs = [
+            abs(a - b)
+            for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True)
+            for a, b in zip(lp, t.rollout_logprobs, strict=True)
+        ]
+        out["logprob_abs_diff_max"] = max(diffs)
+        out["logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
+    finally:
+        trainer.close_weight_sync_group()
+        await client.close()
+        server.stop()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--engine-device", default=None, help="engine device (default: the trainer's; cuda:1 for NCCL)"
+    )
+    p.add_argument(
+        "--shape",
+        default=None,
+        choices=["tiny", "qwen2.5-0.5b"],
+        help="default: tiny on cpu, qwen2.5-0.5b on cuda",
+    )
+    p.add_argument("--batch", type=int, default=None, help="trajectories per train step")
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--response-len", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="GPU bf16 dense peak (default: from the GPU name)"
+    )
+    p.add_argument("--skip-sync", action="store_true")
+    p.add_argument("--skip-baseline", action="store_true")
+    a = p.parse_args()
+    cuda = a.device == "cuda"
+    shape = a.shape or ("qwen2.5-0.5b" if cuda else "tiny")
+    dtype = "bfloat16" if cuda else "float32"
+    batch = a.batch or (32 if cuda else 8)
+    plen = a.prompt_len or (256 if cuda else 16)
+    rlen = a.response_len or (768 if cuda else 32)
+    engine_device = a.engine_device or ("cuda:0" if cuda else "cpu")
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig, free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    work = Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))
+    try:
+        model_dir = build_model(shape, dtype, work / "model")
+        cfg = TrainerConfig(
+            model_path=str(model_dir),
+            device=a.device,
+            dtype=dtype,
+            lr=1e-6,
+            micro_batch_size=a.micro_batch_size,
+            vocab_divisible_by=128 if cuda else 1,
+        )
+        trainer = MegatronTrainer(cfg)
+        vocab = min(trainer.arch.vocab_size, 150000)
+        trajs = make_batch(batch, plen, rlen, vocab, group=8, seed=0)
+        trainer.train_step(trajs)  # warm-up
+        sync(a.device)
+        rates, step_times, metrics = [], [], {}
+        for s in range(a.steps):
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1))
+            sync(a.device)
+            step_times.append(time.perf_counter() - t0)
+            rates.append(metrics["tokens_per_s"])
+        seq = plen + rlen - 1
+        tokens_per_step = batch * seq
+        update_rate = sum(rates) / len(rates)
+        fpt = flops_per_token(trainer.arch, seq)
+        result: dict = {
+            "bench": "trainer_gpu",
+            "device": a.device,
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "shape": shape,
+            "dtype": dtype,
+            "params": trainer.arch.num_params(),
+            "batch": batch,
+            "seq_len": seq,
+            "micro_batch_size": a.micro_batch_size,
+            "megatron_core": _mcore_version(),
+            "update_tokens_per_s": update_rate,
+            "step_tokens_per_s": tokens_per_step / (sum(step_times) / len(step_times)),
+            "step_s": sum(step_times) / len(step_times),
+            "old_logprob_s": metrics.get("old_logprob_seconds"),
+            "grad_norm": metrics.get("grad_norm"),
+        }
+        peak = a.peak_tflops or next(
+            (v for k, v in PEAK_BF16_TFLOPS.items() if cuda and k in torch.cuda.get_device_name()), None
+        )
+        if peak:
+            result["mfu"] = update_rate * fpt / (peak * 1e12)
+            result["peak_tflops"] = peak
+        result["model_tflops_per_s"] = update_rate * fpt / 1e12
+        if not a.skip_baseline:
+            hf_rate = hf_baseline(
+                model_dir,
+                trajs,
+                a.micro_batch_size,
+                f"cuda:{trainer.device.index}" if cuda else "cpu",
+                getattr(torch, dtype),
+                max(1, a.steps - 1),
+            )
+            result["hf_baseline_tokens_per_s"] = hf_rate
+            result["megatron_over_hf"] = update_rate / hf_rate
+        if not a.skip_sync:
+            result.update(asyncio.run(weight_sync(trainer, model_dir, engine_device, dtype, work, 16)))
+            result["engine_device"] = engine_device
+        trainer.shutdown()
+        print(json.dumps(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _mcore_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
