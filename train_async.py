@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.cluster import TrainerGroup, start_service, stop_all
+from agentrl.cluster import start_service, stop_all
 from agentrl.config import ConfigError, dump_config, load_config
 from agentrl.metrics import MetricsLogger, Progress
 from agentrl.run_config import RunConfig
+from agentrl.trainer.ray_actor import TrainerGroup
 from agentrl.types import Status, Trajectory
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "examples" / "search_r1" / "config.yaml"
@@ -206,20 +207,16 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             functools.partial(build_orchestrator, cfg, engine_urls, model_dir, env_kwargs, train_tasks)
         )
         if cfg.weight_sync == "distributed":
-            await trainer.call("init_weight_sync_group", len(engine_urls))
+            await asyncio.to_thread(trainer.init_weight_sync_group, engine_urls, len(engine_urls))
 
         # 4. resume: trainer state, rollout state (dataset cursor, tasks in flight), engine weights
         start_step, version = 0, 0
         latest = ckpt_dir / "latest"
         if resume and latest.is_file():
-            start_step = await trainer.call("load_checkpoint", str(ckpt_dir))
-            version = await trainer.call("policy_version")
+            start_step = await asyncio.to_thread(trainer.load_checkpoint, str(ckpt_dir))
+            version = await sync(cfg, trainer, engine_urls, out)  # engines get the checkpoint's weights
             state = pickle.loads((ckpt_dir / f"rollout_{start_step:08d}.pkl").read_bytes())
             await rollout.load_state_dict.remote(state, version)
-            await trainer.call(
-                "set_policy_version", version - 1
-            )  # the sync below re-pushes version `version`
-            version = await sync(cfg, trainer, out)
             print(f"resumed at step {start_step}, policy version {version}", flush=True)
 
         evals: list[tuple[int, float]] = []
@@ -252,11 +249,11 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             t_wait = time.monotonic() - t0
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
-            train_metrics = await trainer.call("train_step", batch)
+            train_metrics = await asyncio.to_thread(trainer.train_step, batch)
             if cfg.placement == "disaggregated":
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
-            version = await sync(cfg, trainer, out)
+            version = await sync(cfg, trainer, engine_urls, out)
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
@@ -287,7 +284,10 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             except Exception as err:  # keep shutting the rest down
                 print(f"rollout stop failed: {err}", file=sys.stderr)
         if trainer is not None:
-            trainer.kill()
+            try:
+                trainer.shutdown()
+            except Exception as err:
+                print(f"trainer shutdown failed: {err}", file=sys.stderr)
         stop_all(services)
         ray.shutdown()
         logger.close()
@@ -322,11 +322,11 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     return result
 
 
-async def sync(cfg: RunConfig, trainer: TrainerGroup, out: Path) -> int:
+async def sync(cfg: RunConfig, trainer: TrainerGroup, engine_urls: list[str], out: Path) -> int:
     """Push the trainer's weights to every engine; returns the new policy version."""
     if cfg.weight_sync == "distributed":
-        return await trainer.call("sync_weights_distributed")
-    return await trainer.call("sync_weights_from_disk", str(out / "weights"))
+        return await asyncio.to_thread(trainer.sync_weights_distributed)
+    return await asyncio.to_thread(trainer.sync_weights_from_disk, engine_urls, str(out / "weights"))
 
 
 async def checkpoint(trainer: TrainerGroup, rollout: Any, ckpt_dir: Path, step: int) -> None:
@@ -334,7 +334,7 @@ async def checkpoint(trainer: TrainerGroup, rollout: Any, ckpt_dir: Path, step: 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = await rollout.state_dict.remote()
     (ckpt_dir / f"rollout_{step:08d}.pkl").write_bytes(pickle.dumps(state))
-    await trainer.call("save_checkpoint", str(ckpt_dir))
+    await asyncio.to_thread(trainer.save_checkpoint, str(ckpt_dir))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 IMAGE="${AGENTRL_SANDBOX_IMAGE:-agentrl-sandbox:latest}"
 
 need=()
-command -v docker >/dev/null 2>&1 || need+=(docker.io)
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)  # a docker client alone is not enough
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 if [ "${#need[@]}" -gt 0 ]; then

@@ -173,6 +173,9 @@ class StalenessController:
 class TrajectoryBuffer:
     """Async FIFO of whole groups between the orchestrator and the trainer (see module docstring).
 
+    One consumer: the trainer calls ``get_batch`` for one batch at a time (its queue position
+    arithmetic, rule 2, assumes batches are formed one after another).
+
     Public API::
 
         buffer = TrajectoryBuffer(StalenessController(max_staleness=1, batch_size=32))
@@ -188,6 +191,7 @@ class TrajectoryBuffer:
         self._queue: deque[Group] = deque()
         self._cond = asyncio.Condition()
         self._exhausted = False
+        self._forming = 0  # groups already taken by a get_batch that is still waiting for the rest
         self.refused_stale = 0
         self.staleness_hist: Counter[int] = Counter()  # per trajectory, at hand-out
         self.batches = 0
@@ -210,7 +214,8 @@ class TrajectoryBuffer:
         stale at its training step; the caller re-runs it. Waits while the buffer is full."""
         async with self._cond:
             await self._cond.wait_for(lambda: len(self._queue) < self.max_groups)
-            if not self.controller.admissible(group.min_version, len(self._queue)):
+            # groups a waiting get_batch already took belong to the batch being formed: count them too
+            if not self.controller.admissible(group.min_version, len(self._queue) + self._forming):
                 return False  # not accepted; the caller frees its slot (finish) or re-runs it
             self._queue.append(group)
             self.controller.finish(accepted=True)
@@ -237,16 +242,19 @@ class TrajectoryBuffer:
                             cb(g)
                         continue
                     out.append(g)
+                    self._forming = len(out)
 
         try:
             await asyncio.wait_for(fill(), timeout)
         except BaseException:
+            self._forming = 0
             # hand back what was taken (front of the queue, original order)
             if out:
                 async with self._cond:
                     self._queue.extendleft(reversed(out))
                     self._cond.notify_all()
             raise
+        self._forming = 0
         for g in out:
             for t in g.trajectories:
                 self.staleness_hist[self.controller.staleness(t.min_policy_version)] += 1

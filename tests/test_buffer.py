@@ -145,3 +145,20 @@ async def test_exhausted_producer_raises() -> None:
     with pytest.raises(DataExhausted):
         await b.get_batch()
     assert b.queued_uids() == ["a"]
+
+
+async def test_groups_taken_by_a_waiting_get_batch_count_for_queue_position() -> None:
+    """While the trainer waits for batch v, groups it already took are part of batch v: a group arriving
+    behind a full batch's worth lands in batch v+1 and must be judged against v+1."""
+    c = StalenessController(max_staleness=0, batch_size=2, extra_running=1)  # over-sampling: 3 may run
+    b = TrajectoryBuffer(c)
+    for _ in range(3):
+        assert c.try_start()
+    waiting = asyncio.create_task(b.get_batch_groups())
+    await asyncio.sleep(0.01)
+    assert await b.put_group(group("x", 0))
+    await asyncio.sleep(0.01)  # the waiting get_batch took x
+    assert await b.put_group(group("y", 0))  # completes batch 0
+    assert not await b.put_group(group("z", 0))  # would be trained at version 1: too stale for eta=0
+    assert [g.uid for g in await waiting] == ["x", "y"]
+    assert b.refused_stale == 0

@@ -391,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if not torch.cuda.is_available():
             sys.exit("--device cuda but no CUDA device is available")
-        torch.cuda.set_device(torch.device(args.device))
+        dev = torch.device(args.device)
+        torch.cuda.set_device(dev.index if dev.index is not None else 0)  # plain "cuda" means GPU 0
     log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, args.dtype)
     asyncio.run(_serve(args))
 

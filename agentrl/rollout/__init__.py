@@ -16,7 +16,7 @@ from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.orchestrator import Orchestrator
-from agentrl.rollout.ray_actor import RolloutWorker, make_rollout_actor
+from agentrl.rollout.ray_actor import OrchestratorSpec, RolloutWorker, make_rollout_actor
 from agentrl.rollout.tokenize import ChatTemplateError, ChatTokenizer
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Draw",
     "Group",
     "Orchestrator",
+    "OrchestratorSpec",
     "RolloutConfig",
     "RolloutMetrics",
     "RolloutWorker",

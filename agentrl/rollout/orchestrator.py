@@ -319,10 +319,9 @@ class Orchestrator:
             attempt += 1
             self.m.count("episode_retries")
 
-    def _doomed(self, versions: Iterable[int]) -> bool:
+    def _doomed(self, min_version: int | None) -> bool:
         """Tokens this old can never be trained within the bound: re-run instead of finishing."""
-        floor = self.controller.version - self.controller.max_staleness
-        return any(v < floor for v in versions if v >= 0)
+        return min_version is not None and min_version < self.controller.version - self.controller.max_staleness
 
     async def _env_call(self, aw: Awaitable[T]) -> T:
         if self.cfg.env_step_timeout is None:
@@ -412,6 +411,8 @@ class Orchestrator:
     async def _generate_turn(self, g: _GroupRun, traj: Trajectory, sampling: SamplingParams, stop: list[str],
                              room: int, m: RolloutMetrics, train: bool) -> tuple[list[int], list[float], list[int]]:
         """One model turn; survives interruptions (resubmits the tokens so far) and engine restarts."""
+        # versions never decrease within an episode, so the oldest model token is the first one
+        traj_min = next((v for v, mk in zip(traj.policy_versions, traj.loss_mask, strict=True) if mk), None)
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
@@ -419,7 +420,8 @@ class Orchestrator:
         while True:
             if not self._engine_open.is_set():
                 await self._engine_open.wait()
-            if train and self._doomed(itertools.chain(traj.policy_versions, vers)):
+            oldest = min(vers[0], traj_min) if vers and traj_min is not None else (vers[0] if vers else traj_min)
+            if train and self._doomed(oldest):
                 m.count("stale_episode_restarts")
                 raise _Restart("too stale")
             max_new = min(sampling.max_new_tokens - len(ids), room - len(ids))
@@ -444,6 +446,13 @@ class Orchestrator:
             finally:
                 m.request_ended(time.monotonic() - t)
             v = _parse_version(res.weight_version, sent_version)
+            if v > self.controller.version:
+                # the engine serves weights the trainer has not announced: a setup error, never silent
+                m.count("engine_version_ahead")
+                if m.counters["engine_version_ahead"] == 1:
+                    log.warning("engine reports weight_version %s but the policy version is %d; call "
+                                "resume_after_update(version) with the version the engines were given",
+                                res.weight_version, self.controller.version)
             ids += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)

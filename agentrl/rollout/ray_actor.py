@@ -5,7 +5,7 @@ The actor builds its :class:`Orchestrator` inside its own process from a picklab
 and config are all created there, on the actor's event loop). Every method is ``async``, so Ray runs
 them concurrently on that loop: a ``get_batch`` waiting for data never blocks ``pause_for_update``.
 
-    actor = RolloutActor.options(num_cpus=2).remote(builder)   # or: make_rollout_actor(builder)
+    actor = make_rollout_actor(OrchestratorSpec(cfg, urls, model_dir, MyEnv, tasks))
     await actor.start.remote()
     batch = await actor.get_batch.remote()                     # list[Trajectory] (pickled)
     await actor.pause_for_update.remote(); ...; await actor.resume_after_update.remote(v)
@@ -14,11 +14,38 @@ them concurrently on that loop: a ``get_batch`` waiting for data never blocks ``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
+from agentrl.envs.base import Env
+from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.types import Trajectory
+
+
+@dataclass
+class OrchestratorSpec:
+    """A picklable recipe for an orchestrator (what a Ray actor receives as its ``builder``).
+
+    ``env_factory`` must be picklable too: an env class, or ``functools.partial(EnvClass, **kwargs)``.
+    """
+
+    config: RolloutConfig
+    engine_urls: str | list[str]
+    model_dir: str  # the tokenizer is loaded from here with AutoTokenizer
+    env_factory: Callable[[], Env]
+    dataset: Sequence[dict[str, Any]]
+    engine_timeout: float = 600.0
+    api_key: str | None = None
+
+    def __call__(self) -> Orchestrator:
+        from transformers import AutoTokenizer
+
+        client = EngineClient(self.engine_urls, api_key=self.api_key, timeout=self.engine_timeout)
+        tok = AutoTokenizer.from_pretrained(self.model_dir)
+        return Orchestrator(self.config, client, tok, self.env_factory, self.dataset)
 
 
 class RolloutWorker:

@@ -16,6 +16,7 @@ History is never decoded and re-tokenized: ids only ever get appended.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _MARK = "\u2063AGENTRL_ASSISTANT_MARK\u2063"
@@ -54,6 +55,10 @@ class ChatTokenizer:
         self.eot_ids = eot
         self._eot_in_tail = tail_ids[0] if tail_ids else None
         self._delta_cache: dict[str, tuple[str, str] | None] = {}
+        self._prompt_cache: dict[str, list[int]] = {}
+        self._split_cache: dict[str, tuple[list[int], str, str, list[int]] | None] = {}
+        self._added = sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True) \
+            if hasattr(tokenizer, "get_added_vocab") else []
 
     # ---- rendering ---------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any = None) -> str:
@@ -71,8 +76,22 @@ class ChatTokenizer:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render the initial messages once (with the generation prompt) and tokenize them."""
-        return self.encode(self._render(messages, add_generation_prompt=True, tools=tools))
+        """Render the initial messages once (with the generation prompt) and tokenize them.
+
+        The samples of a group share their prompt: a small cache keyed by the exact messages and tools
+        renders it once per group instead of once per sample (the result is the same list of ids).
+        """
+        try:
+            key = json.dumps([messages, tools], sort_keys=True)
+        except (TypeError, ValueError):  # not JSON-able (unusual content objects): no caching
+            return self.encode(self._render(messages, add_generation_prompt=True, tools=tools))
+        ids = self._prompt_cache.get(key)
+        if ids is None:
+            ids = self.encode(self._render(messages, add_generation_prompt=True, tools=tools))
+            if len(self._prompt_cache) >= 4096:
+                self._prompt_cache.pop(next(iter(self._prompt_cache)))  # FIFO eviction
+            self._prompt_cache[key] = ids
+        return list(ids)
 
     # ---- observations ------------------------------------------------------------------------------
     def _delta_text(self, role: str, content: str) -> str:
@@ -103,13 +122,42 @@ class ChatTokenizer:
                 return None
         return pre, post
 
+    def _segments(self, role: str) -> tuple[list[int], str, str, list[int]] | None:
+        """The delta split at its last/first added token around the content: (head ids, text before the
+        content, text after it, tail ids). A fast tokenizer encodes the text between added tokens on its
+        own anyway, so encoding only that middle segment gives the same ids as encoding the whole delta
+        (checked on probes at first use; any difference turns this off for the role)."""
+        if role in self._split_cache:
+            return self._split_cache[role]
+        result = None
+        parts = self._delta_cache.get(role)
+        if parts is not None and self._fast is not None and self._added:
+            pre, post = parts
+            k = max((pre.rfind(t) + len(t) for t in self._added if t in pre), default=-1)
+            j = min((post.find(t) for t in self._added if t in post), default=-1)
+            if k > 0 and j >= 0:
+                result = (self.encode(pre[:k]), pre[k:], post[:j], self.encode(post[j:]))
+                head, a, b, tail = result
+                for probe in ("x", " lead", "trail \n", "\n\nnl\n", "mixed <tool_call> tag", "ü ñ 中文", ""):
+                    if head + self.encode(a + probe + b) + tail != self.encode(pre + probe + post):
+                        result = None
+                        break
+        self._split_cache[role] = result
+        return result
+
     def observation_ids(self, text: str, last_token_id: int | None, fmt: str = "message", role: str = "tool") -> list[int]:
         """Token ids to append (loss_mask 0) after the model's turn ending in ``last_token_id``."""
         if fmt == "raw":
             return self.encode(text)
         if fmt != "message":
             raise ValueError(f"unknown observation format {fmt!r} (expected 'message' or 'raw')")
-        ids = self.encode(self._delta_text(role, text))
+        delta = self._delta_text(role, text)
+        seg = self._segments(role)
+        if seg is not None:
+            head, a, b, tail = seg
+            ids = head + self.encode(a + text + b) + tail
+        else:
+            ids = self.encode(delta)
         # The delta starts with the end-of-turn token; the model already sampled it when it stopped on it.
         if last_token_id is not None and last_token_id in self.eot_ids and ids and ids[0] == self._eot_in_tail:
             ids = ids[1:]

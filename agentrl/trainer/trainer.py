@@ -305,6 +305,10 @@ class MegatronTrainer:
             raise ValueError("optimizer=megatron needs CUDA; use optimizer=torch on CPU")
         if cfg.pp > 1 and not self.use_megatron_optim:
             raise ValueError("pp > 1 needs the megatron optimizer path")
+        if cfg.pp > 1 and (cfg.max_tokens_per_micro_batch is not None or cfg.loss.kl_coef > 0):
+            raise ValueError(
+                "pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch) and no KL reference model"
+            )
 
         self.model = self._build_model()
         self._load_initial_weights()
@@ -711,6 +715,7 @@ class MegatronTrainer:
         dp_scale = float(self.dp_size)
         if self.cfg.pp > 1:
             total = self._pp_forward_backward(mbs, denom, metrics, dp_scale)
+            finalize_model_grads([self.model])  # dp all-reduce + tied-embedding grads across stages
         else:
             total = 0.0
             for mb in mbs:
