@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import pickle
 import sys
 import time
@@ -197,11 +198,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         if trainer_cfg.max_staleness is None:
             trainer_cfg = trainer_cfg.model_copy(update={"max_staleness": cfg.rollout.max_staleness})
         trainer = TrainerGroup(
-            trainer_cfg.model_dump(),
-            cfg.trainer_world_size,
-            engine_urls,
-            cfg.engine.api_key,
-            num_gpus=1 if trainer_cfg.device == "cuda" else 0,
+            trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=1 if trainer_cfg.device == "cuda" else 0
         )
         rollout = make_rollout_actor(
             functools.partial(build_orchestrator, cfg, engine_urls, model_dir, env_kwargs, train_tasks)
@@ -257,7 +254,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
-                **train_metrics,
+                **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **(await rollout.stats.remote()),
                 "time/wait_batch_s": t_wait,
                 "time/sync_s": time.monotonic() - t1,
@@ -301,6 +298,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         "wall_s": time.monotonic() - t_start,
         "accounting": accounting,
     }
+    (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     print(
         "\nsummary\n"
         + summary_table(

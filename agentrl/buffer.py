@@ -117,7 +117,11 @@ class StalenessController:
     # ---- rule 2: acceptance ------------------------------------------------------------------
     def target_version(self, queued: int) -> int:
         """The version at which a group accepted now (behind ``queued`` groups) will be trained."""
-        head = self.version if self.last_batch_version is None else max(self.version, self.last_batch_version + 1)
+        head = (
+            self.version
+            if self.last_batch_version is None
+            else max(self.version, self.last_batch_version + 1)
+        )
         return head + queued // self.batch_size
 
     def admissible(self, min_version: int | None, queued: int) -> bool:
@@ -162,8 +166,13 @@ class StalenessController:
         self.notify()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "accepted": self.accepted, "consumed": self.consumed,
-                "max_staleness": self.max_staleness, "batch_size": self.batch_size}
+        return {
+            "version": self.version,
+            "accepted": self.accepted,
+            "consumed": self.consumed,
+            "max_staleness": self.max_staleness,
+            "batch_size": self.batch_size,
+        }
 
     def notify(self) -> None:
         """Wake the admission loop (counters, version, or something it also waits on, changed)."""
@@ -187,7 +196,9 @@ class TrajectoryBuffer:
         self.controller = controller
         # Default bound: everything admission can ever let through, so backpressure only bites when
         # the caller sets a tighter one.
-        self.max_groups = max_groups or (controller.max_staleness + 2) * controller.batch_size + controller.extra_running
+        self.max_groups = (
+            max_groups or (controller.max_staleness + 2) * controller.batch_size + controller.extra_running
+        )
         self._queue: deque[Group] = deque()
         self._cond = asyncio.Condition()
         self._exhausted = False
@@ -222,7 +233,9 @@ class TrajectoryBuffer:
             self._cond.notify_all()
             return True
 
-    async def get_batch_groups(self, num_groups: int | None = None, timeout: float | None = None) -> list[Group]:
+    async def get_batch_groups(
+        self, num_groups: int | None = None, timeout: float | None = None
+    ) -> list[Group]:
         """Wait for ``num_groups`` (default batch_size) groups fresh enough for the trainer's version."""
         n = num_groups or self.controller.batch_size
         out: list[Group] = []
@@ -264,7 +277,9 @@ class TrajectoryBuffer:
             cb(out)
         return out
 
-    async def get_batch(self, num_groups: int | None = None, timeout: float | None = None) -> list[Trajectory]:
+    async def get_batch(
+        self, num_groups: int | None = None, timeout: float | None = None
+    ) -> list[Trajectory]:
         """``batch_size`` (or ``num_groups``) whole groups, flattened to trajectories, in group order."""
         groups = await self.get_batch_groups(num_groups, timeout)
         return [t for g in groups for t in g.trajectories]

@@ -68,4 +68,3 @@ def stop_all(actors: list[Any], timeout: float = 60.0) -> None:
         with contextlib.suppress(Exception):
             ray.kill(actor)
     actors.clear()
-

@@ -33,9 +33,16 @@ async def run_mode(url: str, tok: Any, eta: int, a: argparse.Namespace) -> dict[
     from agentrl.rollout.testing import SyntheticEnv, lognormal
 
     cfg = RolloutConfig(
-        group_size=a.group_size, batch_size=a.batch_size, max_staleness=eta, max_concurrency=1024,
-        max_turns=4, max_total_tokens=8192, sampling=SamplingParams(max_new_tokens=a.max_tokens),
-        filter_zero_variance=False, shuffle=True, seed=0,
+        group_size=a.group_size,
+        batch_size=a.batch_size,
+        max_staleness=eta,
+        max_concurrency=1024,
+        max_turns=4,
+        max_total_tokens=8192,
+        sampling=SamplingParams(max_new_tokens=a.max_tokens),
+        filter_zero_variance=False,
+        shuffle=True,
+        seed=0,
     )
     client = EngineClient(url, timeout=120)
     await client.update_weight_version("0")  # every mode starts from version 0 on the same engine
@@ -56,9 +63,15 @@ async def run_mode(url: str, tok: Any, eta: int, a: argparse.Namespace) -> dict[
     stats = orch.stats()
     await orch.stop()
     await client.close()
-    return {"wall_s": wall, "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-            "trajectories": len(staleness), "interrupted_requests": stats["rollout/interrupted_requests"]
-            if "rollout/interrupted_requests" in stats else 0.0}
+    return {
+        "wall_s": wall,
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
+        "trajectories": len(staleness),
+        "interrupted_requests": stats["rollout/interrupted_requests"]
+        if "rollout/interrupted_requests" in stats
+        else 0.0,
+    }
 
 
 def main() -> None:
@@ -87,8 +100,13 @@ def main() -> None:
         model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="agentrl_bench_"), arch="qwen2"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     # median of uniform-free log-normal lengths = (min + max) / 2 in the stub's length model
-    srv = start_stub_server(per_token_time=a.per_token_time, min_tokens=1, max_tokens=2 * a.median_tokens - 1,
-                            length_sigma=a.length_sigma, seed=0)
+    srv = start_stub_server(
+        per_token_time=a.per_token_time,
+        min_tokens=1,
+        max_tokens=2 * a.median_tokens - 1,
+        length_sigma=a.length_sigma,
+        seed=0,
+    )
     results: dict[str, dict[str, float]] = {}
     try:
         for name, eta in (("sync", 0), ("async_eta1", 1), ("async_eta2", 2)):
@@ -96,21 +114,32 @@ def main() -> None:
     finally:
         srv.stop()
     sync = results["sync"]["wall_s"]
-    print(json.dumps({
-        "bench": "async_vs_sync",
-        "trained_trajectories_per_mode": a.steps * a.batch_size * a.group_size,
-        "train_step_s": a.train_time,
-        "wall_s": {k: round(v["wall_s"], 2) for k, v in results.items()},
-        "speedup_eta1": round(sync / results["async_eta1"]["wall_s"], 2),
-        "speedup_eta2": round(sync / results["async_eta2"]["wall_s"], 2),
-        "goal_speedup_eta2": 2.5,
-        "staleness_mean": {k: round(v["staleness_mean"], 3) for k, v in results.items()},
-        "staleness_max": {k: v["staleness_max"] for k, v in results.items()},
-        "interrupted_requests": {k: v["interrupted_requests"] for k, v in results.items()},
-        "workload": {"per_token_time": a.per_token_time, "median_tokens": a.median_tokens,
-                     "length_sigma": a.length_sigma, "tool_median_s": a.tool_median, "tool_sigma": a.tool_sigma,
-                     "batch_size": a.batch_size, "group_size": a.group_size, "steps": a.steps},
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "async_vs_sync",
+                "trained_trajectories_per_mode": a.steps * a.batch_size * a.group_size,
+                "train_step_s": a.train_time,
+                "wall_s": {k: round(v["wall_s"], 2) for k, v in results.items()},
+                "speedup_eta1": round(sync / results["async_eta1"]["wall_s"], 2),
+                "speedup_eta2": round(sync / results["async_eta2"]["wall_s"], 2),
+                "goal_speedup_eta2": 2.5,
+                "staleness_mean": {k: round(v["staleness_mean"], 3) for k, v in results.items()},
+                "staleness_max": {k: v["staleness_max"] for k, v in results.items()},
+                "interrupted_requests": {k: v["interrupted_requests"] for k, v in results.items()},
+                "workload": {
+                    "per_token_time": a.per_token_time,
+                    "median_tokens": a.median_tokens,
+                    "length_sigma": a.length_sigma,
+                    "tool_median_s": a.tool_median,
+                    "tool_sigma": a.tool_sigma,
+                    "batch_size": a.batch_size,
+                    "group_size": a.group_size,
+                    "steps": a.steps,
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

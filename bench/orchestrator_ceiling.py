@@ -24,7 +24,9 @@ import time
 import aiohttp
 
 
-async def raw_requests_per_s(url: str, concurrency: int, seconds: float, input_len: int, max_new: int) -> float:
+async def raw_requests_per_s(
+    url: str, concurrency: int, seconds: float, input_len: int, max_new: int
+) -> float:
     ids = list(range(3, 3 + input_len))
     done = 0
     stop_at = time.monotonic() + seconds
@@ -34,8 +36,13 @@ async def raw_requests_per_s(url: str, concurrency: int, seconds: float, input_l
             nonlocal done
             while time.monotonic() < stop_at:
                 # the body is built and serialized per request, as any client must
-                body = {"input_ids": ids, "return_logprob": True, "stream": False, "logprob_start_len": input_len,
-                        "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new}}
+                body = {
+                    "input_ids": ids,
+                    "return_logprob": True,
+                    "stream": False,
+                    "logprob_start_len": input_len,
+                    "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new},
+                }
                 async with session.post(url + "/generate", json=body) as r:
                     await r.json()
                 done += 1
@@ -52,9 +59,16 @@ async def orchestrator_turns_per_s(url: str, tokenizer, concurrency: int, second
     from agentrl.rollout.testing import SyntheticEnv
 
     group = 8
-    cfg = RolloutConfig(group_size=group, batch_size=concurrency // group, max_staleness=2,
-                        max_concurrency=concurrency, max_turns=4, max_total_tokens=4096,
-                        sampling=SamplingParams(temperature=1.0, max_new_tokens=16), filter_zero_variance=False)
+    cfg = RolloutConfig(
+        group_size=group,
+        batch_size=concurrency // group,
+        max_staleness=2,
+        max_concurrency=concurrency,
+        max_turns=4,
+        max_total_tokens=4096,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=16),
+        filter_zero_variance=False,
+    )
     client = EngineClient(url, timeout=60)
     tasks = [{"prompt": f"Question {i}: what is {i} + {i}?", "turns": 4} for i in range(1000)]
     orch = Orchestrator(cfg, client, tokenizer, lambda: SyntheticEnv(), tasks)
@@ -75,6 +89,7 @@ async def orchestrator_turns_per_s(url: str, tokenizer, concurrency: int, second
                         input_tokens += len(t.prompt_ids) + turn.start
             v += 1
             orch.controller.set_version(v)  # weights "updated" instantly; engine version not needed
+
     await orch.start()
     await asyncio.sleep(1.0)  # warm-up: ramp to full concurrency
     orch.stats()
@@ -90,9 +105,13 @@ async def orchestrator_turns_per_s(url: str, tokenizer, concurrency: int, second
     await orch.stop()
     await client.close()
     c = orch.m.counters
-    return {"turns_per_s": turns / dt, "mean_input_len": c["request_input_tokens"] / max(1, c["requests"]),
-            "engine_idle_frac": snap["rollout/engine_idle_frac"], "episodes": orch.m.counters["episodes"],
-            "failures": snap["rollout/failures_total"]}
+    return {
+        "turns_per_s": turns / dt,
+        "mean_input_len": c["request_input_tokens"] / max(1, c["requests"]),
+        "engine_idle_frac": snap["rollout/engine_idle_frac"],
+        "episodes": orch.m.counters["episodes"],
+        "failures": snap["rollout/failures_total"],
+    }
 
 
 def main() -> None:
@@ -100,7 +119,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1024)
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per round and side")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (shared machines are noisy)")
-    ap.add_argument("--model-dir", default=None, help="HF model dir for the tokenizer (default: build a tiny one)")
+    ap.add_argument(
+        "--model-dir", default=None, help="HF model dir for the tokenizer (default: build a tiny one)"
+    )
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -118,29 +139,38 @@ def main() -> None:
     try:
         for _ in range(a.rounds):  # alternate, so load changes on a shared machine hit both sides alike
             orch_runs.append(asyncio.run(orchestrator_turns_per_s(srv.url, tok, a.concurrency, a.seconds)))
-            raw_runs.append(asyncio.run(raw_requests_per_s(srv.url, a.concurrency, a.seconds,
-                                                           int(orch_runs[-1]["mean_input_len"]), 16)))
+            raw_runs.append(
+                asyncio.run(
+                    raw_requests_per_s(
+                        srv.url, a.concurrency, a.seconds, int(orch_runs[-1]["mean_input_len"]), 16
+                    )
+                )
+            )
     finally:
         srv.stop()
     ratios = sorted(o["turns_per_s"] / r for o, r in zip(orch_runs, raw_runs, strict=True))
     orch = max(orch_runs, key=lambda o: o["turns_per_s"])
     raw = max(raw_runs)
-    print(json.dumps({
-        "bench": "orchestrator_ceiling",
-        "concurrency": a.concurrency,
-        "orchestrator_turns_per_s": round(orch["turns_per_s"], 1),
-        "raw_aiohttp_requests_per_s": round(raw, 1),
-        "ratio": round(ratios[len(ratios) // 2], 3),  # median of the per-round ratios
-        "ratio_best_over_best": round(orch["turns_per_s"] / raw, 3),
-        "ratios_per_round": [round(r, 3) for r in ratios],
-        "goal_ratio": 0.7,
-        "mean_input_tokens": round(orch["mean_input_len"], 1),
-        "engine_idle_frac": round(orch["engine_idle_frac"], 3),
-        "episodes": orch["episodes"],
-        "failures": orch["failures"],
-        "cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "orchestrator_ceiling",
+                "concurrency": a.concurrency,
+                "orchestrator_turns_per_s": round(orch["turns_per_s"], 1),
+                "raw_aiohttp_requests_per_s": round(raw, 1),
+                "ratio": round(ratios[len(ratios) // 2], 3),  # median of the per-round ratios
+                "ratio_best_over_best": round(orch["turns_per_s"] / raw, 3),
+                "ratios_per_round": [round(r, 3) for r in ratios],
+                "goal_ratio": 0.7,
+                "mean_input_tokens": round(orch["mean_input_len"], 1),
+                "engine_idle_frac": round(orch["engine_idle_frac"], 3),
+                "episodes": orch["episodes"],
+                "failures": orch["failures"],
+                "cpus": os.cpu_count(),
+                "python": sys.version.split()[0],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_version_cannot_go_back() -> None:
 async def test_get_batch_whole_groups_fifo() -> None:
     c = StalenessController(max_staleness=1, batch_size=2)
     b = TrajectoryBuffer(c)
-    for i in range(3):
+    for _ in range(3):
         assert c.try_start()
     for i in range(3):
         assert await b.put_group(group(f"g{i}", 0, size=3))

@@ -38,28 +38,44 @@ class RecordingClient(EngineClient):
         super().__init__(*a, **kw)
         self.calls: list[tuple[list[int], SamplingParams, GenerateResult]] = []
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
-                       return_logprob: bool = True) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
         res = await super().generate(input_ids, sampling, rid, return_logprob)
         self.calls.append((list(input_ids), sampling, res))
         return res
 
 
 def cfg(**kw: Any) -> RolloutConfig:
-    base: dict[str, Any] = {"group_size": 2, "batch_size": 2, "max_staleness": 1, "max_concurrency": 16,
-                            "max_turns": 4, "max_total_tokens": 1024, "filter_zero_variance": False,
-                            "shuffle": False, "record_outcomes": True,
-                            "sampling": SamplingParams(temperature=1.0, max_new_tokens=16)}
+    base: dict[str, Any] = {
+        "group_size": 2,
+        "batch_size": 2,
+        "max_staleness": 1,
+        "max_concurrency": 16,
+        "max_turns": 4,
+        "max_total_tokens": 1024,
+        "filter_zero_variance": False,
+        "shuffle": False,
+        "record_outcomes": True,
+        "sampling": SamplingParams(temperature=1.0, max_new_tokens=16),
+    }
     base.update(kw)
     return RolloutConfig(**base)
 
 
 def tasks(n: int, **extra: Any) -> list[dict[str, Any]]:
-    return [{"id": f"task{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i), **extra} for i in range(n)]
+    return [
+        {"id": f"task{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i), **extra} for i in range(n)
+    ]
 
 
-async def run_batches(orch: Orchestrator, n: int, update_engine: EngineClient | None = None,
-                      timeout: float = 30) -> list[list[Trajectory]]:
+async def run_batches(
+    orch: Orchestrator, n: int, update_engine: EngineClient | None = None, timeout: float = 30
+) -> list[list[Trajectory]]:
     """A trainer: take n batches; after each, a weight update (pause, bump version, resume)."""
     out = []
     for _ in range(n):
@@ -90,7 +106,9 @@ async def drain_all(orch: Orchestrator, engine: EngineClient, timeout: float = 3
 async def test_token_in_token_out_exact(tok: Any) -> None:
     async with stub_engine_in_process(min_tokens=3, max_tokens=12, seed=1) as (_, url):
         client = RecordingClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=2, batch_size=1), client, tok, lambda: SyntheticEnv(turns=3), tasks(4))
+        orch = Orchestrator(
+            cfg(group_size=2, batch_size=1), client, tok, lambda: SyntheticEnv(turns=3), tasks(4)
+        )
         await orch.start()
         batch = await orch.buffer.get_batch(timeout=30)
         await orch.stop()
@@ -103,29 +121,33 @@ async def test_token_in_token_out_exact(tok: Any) -> None:
         t.validate()
         # the prompt is the chat template of the initial messages, rendered once
         msgs = [{"role": "user", "content": "What is 0 + 0?"}]
-        assert t.prompt_ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                                          add_special_tokens=False)
+        assert t.prompt_ids == tok.encode(
+            tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
         conversation = list(msgs)
         for turn in t.turns:
-            seg = t.response_ids[turn.start:turn.end]
+            seg = t.response_ids[turn.start : turn.end]
             if turn.role == "assistant":
                 # exactly what the engine sampled for exactly the ids so far: never re-tokenized
-                answers = by_prefix[tuple(t.prompt_ids + t.response_ids[:turn.start])]
-                assert any(seg == r.output_ids and t.rollout_logprobs[turn.start:turn.end] == r.logprobs
-                           for r in answers)
-                assert set(t.loss_mask[turn.start:turn.end]) == {1}
-                assert set(t.policy_versions[turn.start:turn.end]) == {0}
+                answers = by_prefix[tuple(t.prompt_ids + t.response_ids[: turn.start])]
+                assert any(
+                    seg == r.output_ids and t.rollout_logprobs[turn.start : turn.end] == r.logprobs
+                    for r in answers
+                )
+                assert set(t.loss_mask[turn.start : turn.end]) == {1}
+                assert set(t.policy_versions[turn.start : turn.end]) == {0}
                 conversation.append({"role": "assistant", "content": chat.action_text(seg)})
             else:
-                assert set(t.loss_mask[turn.start:turn.end]) == {0}
-                assert set(t.policy_versions[turn.start:turn.end]) == {OBSERVATION_VERSION}
-                assert set(t.rollout_logprobs[turn.start:turn.end]) == {0.0}
+                assert set(t.loss_mask[turn.start : turn.end]) == {0}
+                assert set(t.policy_versions[turn.start : turn.end]) == {OBSERVATION_VERSION}
+                assert set(t.rollout_logprobs[turn.start : turn.end]) == {0.0}
                 conversation.append({"role": "tool", "content": turn.text})
         # the whole token sequence decodes to the chat template of the conversation: observation deltas
         # are right and the end-of-turn token appears exactly once per assistant turn
         rendered = tok.apply_chat_template(conversation, tokenize=False)
         decoded = tok.decode(t.prompt_ids + t.response_ids, skip_special_tokens=False)
-        assert rendered.startswith(decoded) and rendered[len(decoded):].strip() == ""
+        assert rendered.startswith(decoded) and rendered[len(decoded) :].strip() == ""
         assert t.num_turns == 3 and t.status == Status.COMPLETED
 
 
@@ -137,15 +159,19 @@ def test_observation_delta_and_end_of_turn(tok: Any) -> None:
     after_stop = chat.observation_ids("hello", last_token_id=tok.convert_tokens_to_ids("</tool_call>"))
     assert after_stop == [eot, *after_eot]  # the model's end-of-turn token, added exactly once
     text = tok.decode(after_eot, skip_special_tokens=False)
-    assert text == "\n<|im_start|>user\n<tool_response>\nhello\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "\n<|im_start|>user\n<tool_response>\nhello\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     user = tok.decode(chat.observation_ids("hi", eot, role="user"), skip_special_tokens=False)
     assert user == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # the fast path (no jinja per call) renders exactly what the template renders
-    for content in ("x", "  spaced\n\ntext ", "{\"a\": 1}", ""):
+    for content in ("x", "  spaced\n\ntext ", '{"a": 1}', ""):
         assert chat._delta_text("tool", content) == chat._slow_delta("tool", content)
     # a raw observation (Search-R1 style) is the text alone, no special tokens, no end-of-turn
     assert chat.observation_ids("<information>doc</information>", eot, fmt="raw") == tok.encode(
-        "<information>doc</information>", add_special_tokens=False)
+        "<information>doc</information>", add_special_tokens=False
+    )
     with pytest.raises(ValueError, match="observation format"):
         chat.observation_ids("x", eot, fmt="html")
 
@@ -163,9 +189,7 @@ class RawEnv(Env):
         self.n += 1
         if self.n >= 2:
             return StepResult(reward=float(self.n), terminated=True)
-        r = StepResult(observation="<information>doc</information>")
-        r.observation_format = "raw"  # type: ignore[attr-defined]  # the envs engineer's field
-        return r
+        return StepResult(observation="<information>doc</information>", observation_format="raw")
 
 
 async def test_raw_observation_and_stop_strings(tok: Any) -> None:
@@ -178,8 +202,9 @@ async def test_raw_observation_and_stop_strings(tok: Any) -> None:
         await client.close()
     obs = [turn for turn in t.turns if turn.role == "observation"]
     assert len(obs) == 1
-    assert t.response_ids[obs[0].start:obs[0].end] == tok.encode("<information>doc</information>",
-                                                                add_special_tokens=False)
+    assert t.response_ids[obs[0].start : obs[0].end] == tok.encode(
+        "<information>doc</information>", add_special_tokens=False
+    )
     assert all(sp.stop == ["</search>"] for _, sp, _ in client.calls)  # env stop strings are sent
 
 
@@ -188,15 +213,25 @@ async def test_limits_truncate(tok: Any) -> None:
     async with stub_engine_in_process(min_tokens=8, max_tokens=8) as (_, url):
         client = EngineClient(url, timeout=10)
         # max_turns
-        orch = Orchestrator(cfg(group_size=1, batch_size=1, max_turns=2, verifier="rollout_len"), client, tok,
-                            lambda: SyntheticEnv(turns=10), tasks(1, turns=10))
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1, max_turns=2, verifier="rollout_len"),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=10),
+            tasks(1, turns=10),
+        )
         await orch.start()
         [t] = await orch.buffer.get_batch(timeout=30)
         await orch.stop()
         assert t.status == Status.TRUNCATED and t.num_turns == 2
         # max_total_tokens: never exceeded, the last request asks only for what fits
-        orch = Orchestrator(cfg(group_size=1, batch_size=1, max_turns=50, max_total_tokens=60, verifier="rollout_len"),
-                            client, tok, lambda: SyntheticEnv(turns=50), tasks(1))
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1, max_turns=50, max_total_tokens=60, verifier="rollout_len"),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=50),
+            tasks(1),
+        )
         await orch.start()
         [t] = await orch.buffer.get_batch(timeout=30)
         await orch.stop()
@@ -204,8 +239,13 @@ async def test_limits_truncate(tok: Any) -> None:
         assert len(t.prompt_ids) + len(t.response_ids) <= 60
         assert t.reward == len(t.response_ids)
         # the context length is a limit too
-        orch = Orchestrator(cfg(group_size=1, batch_size=1, max_turns=50, max_context_length=40,
-                                verifier="rollout_len"), client, tok, lambda: SyntheticEnv(turns=50), tasks(1))
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1, max_turns=50, max_context_length=40, verifier="rollout_len"),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=50),
+            tasks(1),
+        )
         await orch.start()
         [t] = await orch.buffer.get_batch(timeout=30)
         await orch.stop()
@@ -233,15 +273,25 @@ class NoRewardEnv(SyntheticEnv):
 async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
     async with stub_engine_in_process() as (_, url):
         client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=1, batch_size=1, verifier="rollout_len"), client, tok,
-                            lambda: NoRewardEnv(turns=1), tasks(2))
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1, verifier="rollout_len"),
+            client,
+            tok,
+            lambda: NoRewardEnv(turns=1),
+            tasks(2),
+        )
         await orch.start()
         [t] = await orch.buffer.get_batch(timeout=30)
         await orch.stop()
         assert t.reward == float(len(t.response_ids)) and t.status == Status.COMPLETED
         # a raising verifier fails the episode (never a silent 0.0); retried, then the group is dropped
-        orch = Orchestrator(cfg(group_size=1, batch_size=1, verifier="rollout_broken", max_retries=1, epochs=1),
-                            client, tok, lambda: NoRewardEnv(turns=1), tasks(3))
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1, verifier="rollout_broken", max_retries=1, epochs=1),
+            client,
+            tok,
+            lambda: NoRewardEnv(turns=1),
+            tasks(3),
+        )
         await orch.start()
         with pytest.raises(DataExhausted):
             await orch.buffer.get_batch(timeout=30)
@@ -249,8 +299,13 @@ async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
         assert orch.m.failures["verifier"] == 6 and orch.m.counters["episode_retries"] == 3
         assert orch.m.dropped["failed"] == 3
         # no verifier and no env reward: FAILED with an explicit error
-        orch = Orchestrator(cfg(group_size=1, batch_size=1, max_retries=0, epochs=1, failed_member_policy="drop_member"),
-                            client, tok, lambda: NoRewardEnv(turns=1), tasks(1))
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1, max_retries=0, epochs=1, failed_member_policy="drop_member"),
+            client,
+            tok,
+            lambda: NoRewardEnv(turns=1),
+            tasks(1),
+        )
         await orch.start()
         with pytest.raises(DataExhausted):
             await orch.buffer.get_batch(timeout=30)
@@ -280,8 +335,13 @@ async def test_zero_variance_groups_dropped_without_deadlock(tok: Any) -> None:
     ts = [{"prompt": f"p{i}", "easy": i < 30} for i in range(60)]
     async with stub_engine_in_process() as (_, url):
         client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=4, batch_size=2, max_staleness=0, filter_zero_variance=True),
-                            client, tok, lambda: ConstRewardEnv(turns=1, reward_p=0.5), ts)
+        orch = Orchestrator(
+            cfg(group_size=4, batch_size=2, max_staleness=0, filter_zero_variance=True),
+            client,
+            tok,
+            lambda: ConstRewardEnv(turns=1, reward_p=0.5),
+            ts,
+        )
         await orch.start()
         [batch] = await run_batches(orch, 1, client)
         await orch.stop()
@@ -319,9 +379,20 @@ async def test_failure_isolation_and_group_policy(tok: Any, policy: str) -> None
     ts = [{"prompt": f"p{i}", "bad": i % 2 == 1} for i in range(6)]
     async with stub_engine_in_process() as (_, url):
         client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=2, batch_size=1, max_retries=2, epochs=1, failed_member_policy=policy,
-                                min_group_size=2 if policy == "drop_group" else 1),
-                            client, tok, factory, ts)
+        orch = Orchestrator(
+            cfg(
+                group_size=2,
+                batch_size=1,
+                max_retries=2,
+                epochs=1,
+                failed_member_policy=policy,
+                min_group_size=2 if policy == "drop_group" else 1,
+            ),
+            client,
+            tok,
+            factory,
+            ts,
+        )
         await orch.start()
         got = await drain_all(orch, client)
         await orch.stop()
@@ -329,7 +400,11 @@ async def test_failure_isolation_and_group_policy(tok: Any, policy: str) -> None
     assert all(e.closed for e in made)  # env.close() ran for every episode, failed ones included
     bad_tasks = 3
     assert orch.m.failures["env"] == bad_tasks * 2 * 3  # 2 samples, 1 try + 2 retries each
-    assert orch.m.dropped["failed"] == bad_tasks, (orch.outcomes, dict(orch.m.failures), dict(orch.m.counters))
+    assert orch.m.dropped["failed"] == bad_tasks, (
+        orch.outcomes,
+        dict(orch.m.failures),
+        dict(orch.m.counters),
+    )
     assert {t.status for t in got} <= {Status.COMPLETED}
     assert orch.accounting() == {**orch.accounting(), "drawn": 6, "trained": 3, "dropped": 3, "in_flight": 0}
 
@@ -337,11 +412,22 @@ async def test_failure_isolation_and_group_policy(tok: Any, policy: str) -> None
 # ---------------------------------------------------------------- weight updates
 @pytest.mark.parametrize("mode", ["continue", "restart"])
 async def test_interrupted_episodes_resume_with_mixed_versions(tok: Any, mode: str) -> None:
-    async with stub_engine_in_process(min_tokens=40, max_tokens=60, per_token_time=0.004) as (eng, url):
+    async with stub_engine_in_process(min_tokens=40, max_tokens=60, per_token_time=0.004) as (_, url):
         client = RecordingClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=2, batch_size=4, max_staleness=2, max_turns=1, interrupt_mode=mode,
-                                sampling=SamplingParams(max_new_tokens=64)),
-                            client, tok, lambda: SyntheticEnv(turns=1), tasks(20))
+        orch = Orchestrator(
+            cfg(
+                group_size=2,
+                batch_size=4,
+                max_staleness=2,
+                max_turns=1,
+                interrupt_mode=mode,
+                sampling=SamplingParams(max_new_tokens=64),
+            ),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=1),
+            tasks(20),
+        )
         await orch.start()
         await asyncio.sleep(0.08)  # mid-generation
         await orch.pause_for_update()
@@ -352,7 +438,9 @@ async def test_interrupted_episodes_resume_with_mixed_versions(tok: Any, mode: s
         await orch.stop()
         await client.close()
     assert orch.m.counters["interrupted_requests"] > 0
-    mixed = [t for t in batch if len({v for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m}) > 1]
+    mixed = [
+        t for t in batch if len({v for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m}) > 1
+    ]
     if mode == "continue":
         assert mixed, "an interrupted episode should carry tokens of versions 0 and 1"
         for t in mixed:  # versions never go backwards within an episode
@@ -368,9 +456,19 @@ async def test_stale_stragglers_restart_not_trained(tok: Any) -> None:
     """eta=0: an episode that started before an update can never be trained; it restarts."""
     async with stub_engine_in_process(min_tokens=30, max_tokens=30, per_token_time=0.005) as (_, url):
         client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=1, batch_size=2, max_staleness=0, max_turns=1,
-                                sampling=SamplingParams(max_new_tokens=32)),
-                            client, tok, lambda: SyntheticEnv(turns=1), tasks(10))
+        orch = Orchestrator(
+            cfg(
+                group_size=1,
+                batch_size=2,
+                max_staleness=0,
+                max_turns=1,
+                sampling=SamplingParams(max_new_tokens=32),
+            ),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=1),
+            tasks(10),
+        )
         await orch.start()
         batches = await run_batches(orch, 3, client)
         await orch.stop()
@@ -386,8 +484,13 @@ async def test_checkpoint_resume_redraws_in_flight_exactly_once(tok: Any) -> Non
     ts = tasks(40)
     async with stub_engine_in_process(per_token_time=0.002) as (_, url):
         client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=2, batch_size=2, max_staleness=1, shuffle=True, epochs=1),
-                            client, tok, lambda: SyntheticEnv(turns=2), ts)
+        orch = Orchestrator(
+            cfg(group_size=2, batch_size=2, max_staleness=1, shuffle=True, epochs=1),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=2),
+            ts,
+        )
         await orch.start()
         first = await run_batches(orch, 3, client)
         state = json.loads(json.dumps(orch.state_dict()))  # serializable
@@ -396,8 +499,13 @@ async def test_checkpoint_resume_redraws_in_flight_exactly_once(tok: Any) -> Non
         assert in_flight and state["version"] == 3
         trained_before = {t.group_id for b in first for t in b}
 
-        orch2 = Orchestrator(cfg(group_size=2, batch_size=2, max_staleness=1, shuffle=True, epochs=1),
-                             client, tok, lambda: SyntheticEnv(turns=2), ts)
+        orch2 = Orchestrator(
+            cfg(group_size=2, batch_size=2, max_staleness=1, shuffle=True, epochs=1),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=2),
+            ts,
+        )
         orch2.load_state_dict(state, version=3)
         # AReaL #1388: capacity after resume at version 3 is (eta + 1) * B, not (eta + 3 + 1) * B
         assert orch2.controller.capacity() == 2 * 2
@@ -429,8 +537,9 @@ async def test_metrics_through_logger(tok: Any, tmp_path: Path) -> None:
     async with stub_engine_in_process(per_token_time=0.001) as (_, url):
         client = EngineClient(url, timeout=10)
         logger = MetricsLogger(tmp_path, tensorboard=False)
-        orch = Orchestrator(cfg(), client, tok, lambda: SyntheticEnv(turns=2, tool_latency=0.01), tasks(10),
-                            metrics=logger)
+        orch = Orchestrator(
+            cfg(), client, tok, lambda: SyntheticEnv(turns=2, tool_latency=0.01), tasks(10), metrics=logger
+        )
         await orch.start()
         await run_batches(orch, 2, client)
         stats = orch.log_metrics(step=2)
@@ -438,10 +547,19 @@ async def test_metrics_through_logger(tok: Any, tmp_path: Path) -> None:
         await client.close()
         logger.close()
     row = read_metrics(tmp_path / "metrics.jsonl")[-1]
-    for key in ("rollout/turns_per_s", "rollout/model_tokens_per_s", "rollout/episode_len_mean",
-                "rollout/episode_turns_mean", "rollout/tool_latency_mean_s", "rollout/engine_idle_frac",
-                "buffer/queued_groups", "staleness/mean", "staleness/hist_0", "rollout/dropped_groups_total",
-                "rollout/failures_total"):
+    for key in (
+        "rollout/turns_per_s",
+        "rollout/model_tokens_per_s",
+        "rollout/episode_len_mean",
+        "rollout/episode_turns_mean",
+        "rollout/tool_latency_mean_s",
+        "rollout/engine_idle_frac",
+        "buffer/queued_groups",
+        "staleness/mean",
+        "staleness/hist_0",
+        "rollout/dropped_groups_total",
+        "rollout/failures_total",
+    ):
         assert key in row, key
     assert stats["rollout/tool_latency_mean_s"] >= 0.009
     assert 0.0 <= stats["rollout/engine_idle_frac"] <= 1.0
@@ -452,3 +570,21 @@ def test_config_validation() -> None:
         RolloutConfig(group_size=8, max_concurrency=4)
     with pytest.raises(ValueError):
         RolloutConfig(max_staleness=-1)
+
+
+def test_observation_fast_paths_equal_the_template_delta(tok: Any) -> None:
+    """The split encoding (only the text between added tokens) equals encoding the whole template delta,
+    for random content full of whitespace, unicode and special-token strings."""
+    import random
+
+    chat = ChatTokenizer(tok)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    rng = random.Random(0)
+    alphabet = [*'ab \n\t<>/{}"xyzü中', "<tool_call>", "</tool_response>", "<|im_end|>", "<|im_start|>"]
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        for role in ("tool", "user"):
+            slow = chat.encode(chat._slow_delta(role, text))
+            assert chat.observation_ids(text, last_token_id=None, role=role) == slow
+            assert chat.observation_ids(text, last_token_id=eot, role=role) == slow[1:]
+    assert chat._split_cache.get("tool") is not None  # the fast path is actually in use for this template

@@ -24,19 +24,41 @@ N_TASKS = 48
 
 async def test_faults_zero_lost_zero_duplicated(tiny_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    srv = start_stub_server(fail_rate=0.03, hang_rate=0.02, hang_time=5.0, per_token_time=0.001,
-                            min_tokens=2, max_tokens=12, seed=3)
+    srv = start_stub_server(
+        fail_rate=0.03,
+        hang_rate=0.02,
+        hang_time=5.0,
+        per_token_time=0.001,
+        min_tokens=2,
+        max_tokens=12,
+        seed=3,
+    )
     try:
         # client: 5xx retried twice inside the client; a hang ends in EngineTimeout after 1 s
         client = EngineClient(srv.url, timeout=1.0, max_retries=2, backoff=0.05)
-        cfg = RolloutConfig(group_size=2, batch_size=2, max_staleness=1, max_concurrency=16, max_turns=3,
-                            max_total_tokens=512, sampling=SamplingParams(max_new_tokens=12),
-                            filter_zero_variance=False, max_retries=1, engine_retries=10,
-                            engine_retry_backoff=0.1, failed_member_policy="drop_group", epochs=1,
-                            record_outcomes=True)
-        orch = Orchestrator(cfg, client, tok,
-                            lambda: SyntheticEnv(turns=2, fail_rate=0.1, tool_latency=lognormal(0.003, 0.8)),
-                            [{"prompt": f"q{i}"} for i in range(N_TASKS)])
+        cfg = RolloutConfig(
+            group_size=2,
+            batch_size=2,
+            max_staleness=1,
+            max_concurrency=16,
+            max_turns=3,
+            max_total_tokens=512,
+            sampling=SamplingParams(max_new_tokens=12),
+            filter_zero_variance=False,
+            max_retries=1,
+            engine_retries=10,
+            engine_retry_backoff=0.1,
+            failed_member_policy="drop_group",
+            epochs=1,
+            record_outcomes=True,
+        )
+        orch = Orchestrator(
+            cfg,
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=2, fail_rate=0.1, tool_latency=lognormal(0.003, 0.8)),
+            [{"prompt": f"q{i}"} for i in range(N_TASKS)],
+        )
         await orch.start()
         trained: list[str] = []
         steps = killed_at = 0

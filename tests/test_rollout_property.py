@@ -29,16 +29,32 @@ async def _scenario(seed: int, tok: Any) -> dict[str, Any]:
     eta = rng.choice([0, 1, 2])
     group_size = rng.choice([1, 2, 3])
     cfg = RolloutConfig(
-        group_size=group_size, batch_size=rng.choice([1, 2, 3]), max_staleness=eta,
-        max_concurrency=rng.choice([group_size, 8, 32]), max_turns=3, max_total_tokens=512,
+        group_size=group_size,
+        batch_size=rng.choice([1, 2, 3]),
+        max_staleness=eta,
+        max_concurrency=rng.choice([group_size, 8, 32]),
+        max_turns=3,
+        max_total_tokens=512,
         sampling=SamplingParams(max_new_tokens=rng.choice([8, 24])),
-        over_sampling=rng.choice([1.0, 1.5, 2.0]), filter_zero_variance=rng.random() < 0.5,
-        failed_member_policy=rng.choice(["drop_group", "drop_member"]), max_retries=rng.choice([0, 1, 2]),
-        engine_retries=6, engine_retry_backoff=0.01, interrupt_mode=rng.choice(["continue", "restart"]),
-        epochs=1, shuffle=True, seed=seed, record_outcomes=True,
+        over_sampling=rng.choice([1.0, 1.5, 2.0]),
+        filter_zero_variance=rng.random() < 0.5,
+        failed_member_policy=rng.choice(["drop_group", "drop_member"]),
+        max_retries=rng.choice([0, 1, 2]),
+        engine_retries=6,
+        engine_retry_backoff=0.01,
+        interrupt_mode=rng.choice(["continue", "restart"]),
+        epochs=1,
+        shuffle=True,
+        seed=seed,
+        record_outcomes=True,
     )
-    engine_cfg = {"per_token_time": rng.choice([0.0, 0.0003, 0.001]), "fail_rate": rng.choice([0.0, 0.05]),
-                  "min_tokens": 1, "max_tokens": rng.choice([6, 20]), "seed": seed}
+    engine_cfg = {
+        "per_token_time": rng.choice([0.0, 0.0003, 0.001]),
+        "fail_rate": rng.choice([0.0, 0.05]),
+        "min_tokens": 1,
+        "max_tokens": rng.choice([6, 20]),
+        "seed": seed,
+    }
     env_lat = rng.choice([0.0, 0.002, 0.01])
     env_fail = rng.choice([0.0, 0.1])
     tasks = [{"prompt": f"task {i}", "turns": rng.randint(1, 3)} for i in range(N_TASKS)]
@@ -88,9 +104,16 @@ async def _scenario(seed: int, tok: Any) -> dict[str, Any]:
     assert len(outcomes) + acc["buffered"] == N_TASKS
     assert {u for u, o in orch.outcomes if o == "trained"} == set(trained_uids)
     assert orch.buffer.refused_stale == 0  # rules 1-2 held; the trainer-side check never had to fire
-    return {"seed": seed, "eta": eta, "steps": steps, "trained": len(trained_uids), "dropped": acc["dropped"],
-            "left_in_buffer": acc["buffered"],
-            "failures": dict(orch.m.failures), "interrupts": orch.m.counters["interrupted_requests"]}
+    return {
+        "seed": seed,
+        "eta": eta,
+        "steps": steps,
+        "trained": len(trained_uids),
+        "dropped": acc["dropped"],
+        "left_in_buffer": acc["buffered"],
+        "failures": dict(orch.m.failures),
+        "interrupts": orch.m.counters["interrupted_requests"],
+    }
 
 
 @pytest.mark.parametrize("seed", range(8))

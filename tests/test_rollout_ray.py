@@ -28,10 +28,23 @@ def ray_local():
 async def test_orchestrator_as_ray_actor(ray_local: None, tiny_model_dir: Path) -> None:
     srv = start_stub_server(per_token_time=0.0005, max_tokens=10)
     try:
-        cfg = RolloutConfig(group_size=2, batch_size=2, max_staleness=1, max_concurrency=8, max_turns=2,
-                            sampling=SamplingParams(max_new_tokens=12), filter_zero_variance=False)
-        spec = OrchestratorSpec(cfg, srv.url, str(tiny_model_dir), functools.partial(SyntheticEnv, turns=2),
-                                [{"prompt": f"q{i}"} for i in range(20)], engine_timeout=30)
+        cfg = RolloutConfig(
+            group_size=2,
+            batch_size=2,
+            max_staleness=1,
+            max_concurrency=8,
+            max_turns=2,
+            sampling=SamplingParams(max_new_tokens=12),
+            filter_zero_variance=False,
+        )
+        spec = OrchestratorSpec(
+            cfg,
+            srv.url,
+            str(tiny_model_dir),
+            functools.partial(SyntheticEnv, turns=2),
+            [{"prompt": f"q{i}"} for i in range(20)],
+            engine_timeout=30,
+        )
         actor = make_rollout_actor(spec)
         await actor.start.remote()
         batch = await actor.get_batch.remote(timeout=60)

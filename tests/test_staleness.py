@@ -17,9 +17,12 @@ from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
 from agentrl.types import Trajectory
 
 ACTIONS = st.lists(
-    st.tuples(st.sampled_from(["admit", "admit", "finish", "finish", "drop", "train", "resume"]),
-              st.integers(0, 1000)),
-    min_size=10, max_size=150,
+    st.tuples(
+        st.sampled_from(["admit", "admit", "finish", "finish", "drop", "train", "resume"]),
+        st.integers(0, 1000),
+    ),
+    min_size=10,
+    max_size=150,
 )
 
 
@@ -81,8 +84,9 @@ async def _simulate(eta: int, batch: int, extra: int, actions: list[tuple[str, i
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(eta=st.integers(0, 3), batch=st.integers(1, 4), extra=st.integers(0, 3), actions=ACTIONS)
-def test_staleness_bound_and_liveness_hold_for_any_interleaving(eta: int, batch: int, extra: int,
-                                                                actions: list[tuple[str, int]]) -> None:
+def test_staleness_bound_and_liveness_hold_for_any_interleaving(
+    eta: int, batch: int, extra: int, actions: list[tuple[str, int]]
+) -> None:
     asyncio.run(_simulate(eta, batch, extra, actions))
 
 

@@ -15,18 +15,25 @@ class RolloutConfig(ConfigModel):
 
     # ---- groups and staleness ----------------------------------------------------------------------
     group_size: int = Field(8, ge=1, description="samples per task (GRPO group size n)")
-    batch_size: int = Field(32, ge=1, description="groups the trainer consumes per step (B); one version bump per step")
-    max_staleness: int = Field(1, ge=0, description="η: a trained token is at most this many versions old (0 = on-policy)")
+    batch_size: int = Field(
+        32, ge=1, description="groups the trainer consumes per step (B); one version bump per step"
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="η: a trained token is at most this many versions old (0 = on-policy)"
+    )
     max_concurrency: int = Field(256, ge=1, description="episodes (not groups) in flight at most")
     over_sampling: float = Field(
-        1.0, ge=1.0,
+        1.0,
+        ge=1.0,
         description="run up to (over_sampling-1)*batch_size extra groups beyond the admission bound, so that "
         "filtered groups are replaced sooner; a surplus group that would be too stale is re-run, never trained",
     )
     # ---- episodes --------------------------------------------------------------------------------------
     max_turns: int = Field(8, ge=1, description="model turns per episode at most (then status truncated)")
     max_total_tokens: int = Field(4096, ge=2, description="prompt + response tokens at most (then truncated)")
-    max_context_length: int | None = Field(None, ge=2, description="the model's context length, if smaller than max_total_tokens")
+    max_context_length: int | None = Field(
+        None, ge=2, description="the model's context length, if smaller than max_total_tokens"
+    )
     sampling: SamplingParams = Field(
         default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=512),
         description="sampling params for rollouts; max_new_tokens is the per-turn limit; env stop strings are added",
@@ -35,21 +42,37 @@ class RolloutConfig(ConfigModel):
         default_factory=lambda: SamplingParams(temperature=0.0, max_new_tokens=512),
         description="sampling params for evaluate() (greedy by default)",
     )
-    verifier: str | None = Field(None, description="registered verifier scoring an episode when the env gave no reward")
-    verifier_timeout: float = Field(30.0, gt=0, description="seconds a verifier may take")
-    env_step_timeout: float | None = Field(None, gt=0, description="seconds one env.step / env.reset may take (None: no limit)")
-    # ---- filtering -------------------------------------------------------------------------------------
-    filter_zero_variance: bool = Field(True, description="drop groups whose rewards are all equal (no GRPO signal)")
-    failed_member_policy: Literal["drop_group", "drop_member"] = Field(
-        "drop_group", description="a group with a failed member (after retries): drop it whole, or train the rest"
+    verifier: str | None = Field(
+        None, description="registered verifier scoring an episode when the env gave no reward"
     )
-    min_group_size: int = Field(1, ge=1, description="with drop_member: drop the group when fewer members remain")
+    verifier_timeout: float = Field(30.0, gt=0, description="seconds a verifier may take")
+    env_step_timeout: float | None = Field(
+        None, gt=0, description="seconds one env.step / env.reset may take (None: no limit)"
+    )
+    # ---- filtering -------------------------------------------------------------------------------------
+    filter_zero_variance: bool = Field(
+        True, description="drop groups whose rewards are all equal (no GRPO signal)"
+    )
+    failed_member_policy: Literal["drop_group", "drop_member"] = Field(
+        "drop_group",
+        description="a group with a failed member (after retries): drop it whole, or train the rest",
+    )
+    min_group_size: int = Field(
+        1, ge=1, description="with drop_member: drop the group when fewer members remain"
+    )
     # ---- failures and retries -------------------------------------------------------------------------
-    max_retries: int = Field(2, ge=0, description="re-runs of a failed episode (env, tool, verifier or engine error)")
-    engine_retries: int = Field(8, ge=0, description="re-sends of one /generate after engine errors, before the episode fails")
-    engine_retry_backoff: float = Field(0.25, ge=0, description="first backoff (s) between engine re-sends; doubles, capped at 4 s")
+    max_retries: int = Field(
+        2, ge=0, description="re-runs of a failed episode (env, tool, verifier or engine error)"
+    )
+    engine_retries: int = Field(
+        8, ge=0, description="re-sends of one /generate after engine errors, before the episode fails"
+    )
+    engine_retry_backoff: float = Field(
+        0.25, ge=0, description="first backoff (s) between engine re-sends; doubles, capped at 4 s"
+    )
     max_stale_restarts: int = Field(
-        3, ge=0,
+        3,
+        ge=0,
         description="re-runs of an episode, or re-queues of a finished group, that would be too stale to train; "
         "beyond it the episode fails / the group is dropped (reason 'stale')",
     )
@@ -59,9 +82,13 @@ class RolloutConfig(ConfigModel):
         description="an episode interrupted by a weight update: resubmit its tokens and continue under the new "
         "version (mixed versions), or restart it from scratch",
     )
-    pause_timeout: float = Field(60.0, gt=0, description="seconds pause_for_update waits for in-flight requests to return")
+    pause_timeout: float = Field(
+        60.0, gt=0, description="seconds pause_for_update waits for in-flight requests to return"
+    )
     # ---- dataset ----------------------------------------------------------------------------------------
-    shuffle: bool = Field(True, description="shuffle tasks per epoch (when the orchestrator wraps a plain task list)")
+    shuffle: bool = Field(
+        True, description="shuffle tasks per epoch (when the orchestrator wraps a plain task list)"
+    )
     epochs: int | None = Field(None, ge=1, description="passes over the dataset (None: cycle forever)")
     seed: int = Field(0, description="shuffle seed")
     record_outcomes: bool = Field(False, description="keep a per-draw outcome log (tests, audits)")
@@ -69,7 +96,9 @@ class RolloutConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
         if self.group_size > self.max_concurrency:
-            raise ValueError(f"group_size ({self.group_size}) must not exceed max_concurrency ({self.max_concurrency})")
+            raise ValueError(
+                f"group_size ({self.group_size}) must not exceed max_concurrency ({self.max_concurrency})"
+            )
         if self.min_group_size > self.group_size:
             raise ValueError("min_group_size must not exceed group_size")
         return self

@@ -35,8 +35,13 @@ class DatasetCursor:
     resume re-reads and skips what was drawn).
     """
 
-    def __init__(self, tasks: Sequence[dict[str, Any]] | Iterable[dict[str, Any]], shuffle: bool = False,
-                 seed: int = 0, epochs: int | None = 1) -> None:
+    def __init__(
+        self,
+        tasks: Sequence[dict[str, Any]] | Iterable[dict[str, Any]],
+        shuffle: bool = False,
+        seed: int = 0,
+        epochs: int | None = 1,
+    ) -> None:
         self._seq: Sequence[dict[str, Any]] | None = tasks if isinstance(tasks, Sequence) else None
         self._iterable = tasks
         self._iter: Iterator[dict[str, Any]] | None = None
@@ -108,11 +113,19 @@ class DatasetCursor:
                 return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "shuffle": self.shuffle,
-                "drawn": self.drawn}
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drawn": self.drawn,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if bool(state.get("shuffle", self.shuffle)) != self.shuffle or int(state.get("seed", self.seed)) != self.seed:
+        if (
+            bool(state.get("shuffle", self.shuffle)) != self.shuffle
+            or int(state.get("seed", self.seed)) != self.seed
+        ):
             raise ValueError("dataset cursor state was saved with a different shuffle/seed")
         self.epoch = int(state["epoch"])
         self.pos = int(state["pos"])

@@ -99,10 +99,16 @@ class RolloutMetrics:
             "rollout/observation_tokens_per_s": self._obs_tokens / dt,
             "rollout/episode_len_mean": sum(self._ep_len) / len(self._ep_len) if self._ep_len else 0.0,
             "rollout/episode_len_max": max(self._ep_len, default=0.0),
-            "rollout/episode_turns_mean": sum(self._ep_turns) / len(self._ep_turns) if self._ep_turns else 0.0,
-            "rollout/tool_latency_mean_s": sum(self._tool_latency) / len(self._tool_latency) if self._tool_latency else 0.0,
+            "rollout/episode_turns_mean": sum(self._ep_turns) / len(self._ep_turns)
+            if self._ep_turns
+            else 0.0,
+            "rollout/tool_latency_mean_s": sum(self._tool_latency) / len(self._tool_latency)
+            if self._tool_latency
+            else 0.0,
             "rollout/tool_latency_p90_s": _pct(self._tool_latency, 0.9),
-            "rollout/generate_latency_mean_s": sum(self._gen_latency) / len(self._gen_latency) if self._gen_latency else 0.0,
+            "rollout/generate_latency_mean_s": sum(self._gen_latency) / len(self._gen_latency)
+            if self._gen_latency
+            else 0.0,
             "rollout/engine_idle_frac": max(0.0, 1.0 - busy / dt),
             "rollout/inflight_requests": self._inflight,
         }
@@ -126,7 +132,11 @@ class RolloutMetrics:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "failures": dict(self.failures), "dropped": dict(self.dropped)}
+        return {
+            "counters": dict(self.counters),
+            "failures": dict(self.failures),
+            "dropped": dict(self.dropped),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters = Counter(state.get("counters", {}))

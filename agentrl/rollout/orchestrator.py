@@ -113,13 +113,19 @@ class Orchestrator:
         self.chat = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
         self.env_factory = env_factory
         self.cursor = (
-            dataset if isinstance(dataset, DatasetCursor)
-            else DatasetCursor(dataset, shuffle=config.shuffle and isinstance(dataset, Sequence), seed=config.seed,
-                               epochs=config.epochs)
+            dataset
+            if isinstance(dataset, DatasetCursor)
+            else DatasetCursor(
+                dataset,
+                shuffle=config.shuffle and isinstance(dataset, Sequence),
+                seed=config.seed,
+                epochs=config.epochs,
+            )
         )
         if buffer is None:
-            buffer = TrajectoryBuffer(StalenessController(config.max_staleness, config.batch_size,
-                                                          config.extra_running_groups))
+            buffer = TrajectoryBuffer(
+                StalenessController(config.max_staleness, config.batch_size, config.extra_running_groups)
+            )
         c = buffer.controller
         if (c.max_staleness, c.batch_size) != (config.max_staleness, config.batch_size):
             raise ValueError(
@@ -159,6 +165,7 @@ class Orchestrator:
         if self._loop_task is not None:
             raise RuntimeError("orchestrator already started")
         self._stopping = False
+        self.buffer.mark_producing()
         self._loop_task = asyncio.create_task(self._admission_loop(), name="rollout-admission")
 
     async def stop(self) -> None:
@@ -193,9 +200,7 @@ class Orchestrator:
         while not self._stopping:
             ctl.changed.clear()  # cleared before checking: no wake-up is lost (single event loop)
             blocked = (
-                self._paused
-                or self._episode_slots + n > self.cfg.max_concurrency
-                or ctl.capacity() <= 0
+                self._paused or self._episode_slots + n > self.cfg.max_concurrency or ctl.capacity() <= 0
             )
             draw = None if blocked else self._next_draw()
             if draw is None:
@@ -306,8 +311,12 @@ class Orchestrator:
                         # e.g. an engine that still reports old weights after an update
                         self.m.failure("stale")
                         return Trajectory(
-                            task_id=g.draw.task_id, group_id=g.draw.uid, prompt_ids=[], sample_index=i,
-                            label=g.draw.task.get("label"), status=Status.FAILED,
+                            task_id=g.draw.task_id,
+                            group_id=g.draw.uid,
+                            prompt_ids=[],
+                            sample_index=i,
+                            label=g.draw.task.get("label"),
+                            status=Status.FAILED,
                             error=f"stale: restarted {stale - 1} times and still more than "
                             f"{self.controller.max_staleness} versions behind version {self.controller.version} "
                             "(does the engine report the updated weight_version?)",
@@ -321,20 +330,24 @@ class Orchestrator:
 
     def _doomed(self, min_version: int | None) -> bool:
         """Tokens this old can never be trained within the bound: re-run instead of finishing."""
-        return min_version is not None and min_version < self.controller.version - self.controller.max_staleness
+        return (
+            min_version is not None and min_version < self.controller.version - self.controller.max_staleness
+        )
 
     async def _env_call(self, aw: Awaitable[T]) -> T:
         if self.cfg.env_step_timeout is None:
             return await aw
         return await asyncio.wait_for(aw, self.cfg.env_step_timeout)
 
-    async def _episode(self, g: _GroupRun, i: int, sampling: SamplingParams, m: RolloutMetrics,
-                       train: bool) -> Trajectory:
+    async def _episode(
+        self, g: _GroupRun, i: int, sampling: SamplingParams, m: RolloutMetrics, train: bool
+    ) -> Trajectory:
         task, uid = g.draw.task, g.draw.uid
         t0 = time.monotonic()
         env: Env | None = None
-        traj = Trajectory(task_id=g.draw.task_id, group_id=uid, prompt_ids=[], sample_index=i,
-                          label=task.get("label"))
+        traj = Trajectory(
+            task_id=g.draw.task_id, group_id=uid, prompt_ids=[], sample_index=i, label=task.get("label")
+        )
         phase = "env"
         try:
             env = self.env_factory()
@@ -375,8 +388,9 @@ class Orchestrator:
                 if res.observation:
                     phase = "tokenizer"
                     fmt = getattr(res, "observation_format", "message")
-                    obs = self.chat.observation_ids(res.observation, ids[-1] if ids else None, fmt,
-                                                    res.observation_role)
+                    obs = self.chat.observation_ids(
+                        res.observation, ids[-1] if ids else None, fmt, res.observation_role
+                    )
                     if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
                         break  # the observation does not fit the context: truncated
                     traj.append_observation_tokens(obs, res.observation)
@@ -408,8 +422,16 @@ class Orchestrator:
         m.episode(traj.status.value, len(traj.response_ids), traj.num_turns)
         return traj
 
-    async def _generate_turn(self, g: _GroupRun, traj: Trajectory, sampling: SamplingParams, stop: list[str],
-                             room: int, m: RolloutMetrics, train: bool) -> tuple[list[int], list[float], list[int]]:
+    async def _generate_turn(
+        self,
+        g: _GroupRun,
+        traj: Trajectory,
+        sampling: SamplingParams,
+        stop: list[str],
+        room: int,
+        m: RolloutMetrics,
+        train: bool,
+    ) -> tuple[list[int], list[float], list[int]]:
         """One model turn; survives interruptions (resubmits the tokens so far) and engine restarts."""
         # versions never decrease within an episode, so the oldest model token is the first one
         traj_min = next((v for v, mk in zip(traj.policy_versions, traj.loss_mask, strict=True) if mk), None)
@@ -420,7 +442,9 @@ class Orchestrator:
         while True:
             if not self._engine_open.is_set():
                 await self._engine_open.wait()
-            oldest = min(vers[0], traj_min) if vers and traj_min is not None else (vers[0] if vers else traj_min)
+            oldest = (
+                min(vers[0], traj_min) if vers and traj_min is not None else (vers[0] if vers else traj_min)
+            )
             if train and self._doomed(oldest):
                 m.count("stale_episode_restarts")
                 raise _Restart("too stale")
@@ -432,8 +456,11 @@ class Orchestrator:
             m.request_started(len(traj.prompt_ids) + len(traj.response_ids) + len(ids))
             t = time.monotonic()
             try:
-                res = await self.engine.generate(traj.prompt_ids + traj.response_ids + ids, sp,
-                                                 rid=f"{g.draw.uid}/{traj.sample_index}/{next(self._rid)}")
+                res = await self.engine.generate(
+                    traj.prompt_ids + traj.response_ids + ids,
+                    sp,
+                    rid=f"{g.draw.uid}/{traj.sample_index}/{next(self._rid)}",
+                )
             except EngineRequestError:
                 raise  # the engine rejected the request: re-sending the same one will not help
             except EngineError:
@@ -450,9 +477,12 @@ class Orchestrator:
                 # the engine serves weights the trainer has not announced: a setup error, never silent
                 m.count("engine_version_ahead")
                 if m.counters["engine_version_ahead"] == 1:
-                    log.warning("engine reports weight_version %s but the policy version is %d; call "
-                                "resume_after_update(version) with the version the engines were given",
-                                res.weight_version, self.controller.version)
+                    log.warning(
+                        "engine reports weight_version %s but the policy version is %d; call "
+                        "resume_after_update(version) with the version the engines were given",
+                        res.weight_version,
+                        self.controller.version,
+                    )
             ids += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)
@@ -490,8 +520,12 @@ class Orchestrator:
         self.controller.notify()
 
     # ================================================================ evaluation
-    async def evaluate(self, tasks: Sequence[dict[str, Any]], sampling: SamplingParams | None = None,
-                       concurrency: int | None = None) -> list[Trajectory]:
+    async def evaluate(
+        self,
+        tasks: Sequence[dict[str, Any]],
+        sampling: SamplingParams | None = None,
+        concurrency: int | None = None,
+    ) -> list[Trajectory]:
         """Held-out evaluation: one episode per task (greedy by default), no staleness gating, in order."""
         sp = sampling or self.cfg.eval_sampling
         sem = asyncio.Semaphore(concurrency or self.cfg.max_concurrency)
@@ -513,17 +547,27 @@ class Orchestrator:
         """drawn == trained + dropped + in_flight, always (in_flight = running + buffered + pending)."""
         dropped = sum(self.m.dropped.values())
         running, buffered, pending = len(self._groups), len(self._buffered), len(self._pending)
-        return {"drawn": self.drawn, "trained": self.trained, "dropped": dropped, "running": running,
-                "buffered": buffered, "pending": pending, "in_flight": running + buffered + pending,
-                "balanced": int(self.drawn == self.trained + dropped + running + buffered + pending)}
+        return {
+            "drawn": self.drawn,
+            "trained": self.trained,
+            "dropped": dropped,
+            "running": running,
+            "buffered": buffered,
+            "pending": pending,
+            "in_flight": running + buffered + pending,
+            "balanced": int(self.drawn == self.trained + dropped + running + buffered + pending),
+        }
 
     def stats(self, reset_window: bool = True) -> dict[str, float]:
         """Rollout metrics (rates since the last call), accounting and buffer/staleness figures."""
         acc = self.accounting()
         out = self.m.snapshot(
             reset_window,
-            running_groups=acc["running"], running_episode_slots=self._episode_slots,
-            pending_groups=acc["pending"], drawn=acc["drawn"], trained_groups=acc["trained"],
+            running_groups=acc["running"],
+            running_episode_slots=self._episode_slots,
+            pending_groups=acc["pending"],
+            drawn=acc["drawn"],
+            trained_groups=acc["trained"],
             dataset_epoch=self.cursor.epoch,
         )
         out.update(self.buffer.stats())
@@ -541,7 +585,9 @@ class Orchestrator:
         return {
             "version": self.controller.version,
             "cursor": self.cursor.state_dict(),
-            "pending": [{"uid": d.uid, "task": d.task, "stale_requeues": d.stale_requeues} for d in in_flight],
+            "pending": [
+                {"uid": d.uid, "task": d.task, "stale_requeues": d.stale_requeues} for d in in_flight
+            ],
             "drawn": self.drawn,
             "trained": self.trained,
             "metrics": self.m.state_dict(),
@@ -552,8 +598,9 @@ class Orchestrator:
         if self._loop_task is not None:
             raise RuntimeError("load_state_dict must be called before start()")
         self.cursor.load_state_dict(state["cursor"])
-        self._pending = deque(Draw(p["uid"], p["task"], int(p.get("stale_requeues", 0)))
-                              for p in state.get("pending", []))
+        self._pending = deque(
+            Draw(p["uid"], p["task"], int(p.get("stale_requeues", 0))) for p in state.get("pending", [])
+        )
         self._groups.clear()
         self._buffered.clear()
         self.drawn = int(state.get("drawn", 0))

@@ -68,7 +68,9 @@ class RolloutWorker:
         await self.orch.stop()
         await self.orch.engine.close()
 
-    async def get_batch(self, num_groups: int | None = None, timeout: float | None = None) -> list[Trajectory]:
+    async def get_batch(
+        self, num_groups: int | None = None, timeout: float | None = None
+    ) -> list[Trajectory]:
         return await self.orch.buffer.get_batch(num_groups, timeout)
 
     async def pause_for_update(self) -> None:
@@ -77,7 +79,9 @@ class RolloutWorker:
     async def resume_after_update(self, version: int) -> None:
         await self.orch.resume_after_update(version)
 
-    async def evaluate(self, tasks: Sequence[dict[str, Any]], sampling: SamplingParams | None = None) -> list[Trajectory]:
+    async def evaluate(
+        self, tasks: Sequence[dict[str, Any]], sampling: SamplingParams | None = None
+    ) -> list[Trajectory]:
         return await self.orch.evaluate(tasks, sampling)
 
     async def stats(self) -> dict[str, float]:

@@ -72,8 +72,10 @@ class SyntheticEnv(Env):
             raise InjectedEnvError("synthetic env: injected tool failure")
         if len(self.actions) >= self._target:
             return StepResult(reward=float(self.rng.random() < self.reward_p), terminated=True)
-        return StepResult(observation=f"{self.observation} (turn {len(self.actions)})",
-                          observation_role=self.observation_role)
+        return StepResult(
+            observation=f"{self.observation} (turn {len(self.actions)})",
+            observation_role=self.observation_role,
+        )
 
     async def close(self) -> None:
         self.closed = True

@@ -34,7 +34,9 @@ class ChatTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         # The Rust tokenizer behind a fast HF tokenizer: same ids, 2-4x less Python overhead per call.
-        self._fast = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self._fast = (
+            getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        )
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError("the tokenizer has no chat template")
         base = self._render(_BASE, add_generation_prompt=False)
@@ -44,7 +46,7 @@ class ChatTokenizer:
         self._prefix = base[: pos + len(_MARK)]
         # What the template puts after assistant content, e.g. "<|im_end|>\n"; its first token is the
         # model's end-of-turn token (which the engine samples and includes in output_ids).
-        tail = base[pos + len(_MARK):]
+        tail = base[pos + len(_MARK) :]
         tail_ids = self.encode(tail) if tail else []
         eot: set[int] = set()
         if tail_ids:
@@ -57,8 +59,11 @@ class ChatTokenizer:
         self._delta_cache: dict[str, tuple[str, str] | None] = {}
         self._prompt_cache: dict[str, list[int]] = {}
         self._split_cache: dict[str, tuple[list[int], str, str, list[int]] | None] = {}
-        self._added = sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True) \
-            if hasattr(tokenizer, "get_added_vocab") else []
+        self._added = (
+            sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True)
+            if hasattr(tokenizer, "get_added_vocab")
+            else []
+        )
 
     # ---- rendering ---------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any = None) -> str:
@@ -75,7 +80,9 @@ class ChatTokenizer:
             return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Render the initial messages once (with the generation prompt) and tokenize them.
 
         The samples of a group share their prompt: a small cache keyed by the exact messages and tools
@@ -110,14 +117,14 @@ class ChatTokenizer:
             raise ChatTemplateError(
                 f"adding a {role!r} message changes how earlier messages render; observations cannot be appended"
             )
-        return full[len(self._prefix):]
+        return full[len(self._prefix) :]
 
     def _split_delta(self, role: str) -> tuple[str, str] | None:
         text = self._slow_delta(role, _OBS)
         if text.count(_OBS) != 1:
             return None
         pre, post = text.split(_OBS)
-        for probe in ("a b", "  x\n\ny  ", "{\"k\": [1, 2]}"):  # verify the fast path renders identically
+        for probe in ("a b", "  x\n\ny  ", '{"k": [1, 2]}'):  # verify the fast path renders identically
             if self._slow_delta(role, probe) != pre + probe + post:
                 return None
         return pre, post
@@ -145,7 +152,9 @@ class ChatTokenizer:
         self._split_cache[role] = result
         return result
 
-    def observation_ids(self, text: str, last_token_id: int | None, fmt: str = "message", role: str = "tool") -> list[int]:
+    def observation_ids(
+        self, text: str, last_token_id: int | None, fmt: str = "message", role: str = "tool"
+    ) -> list[int]:
         """Token ids to append (loss_mask 0) after the model's turn ending in ``last_token_id``."""
         if fmt == "raw":
             return self.encode(text)
@@ -159,7 +168,12 @@ class ChatTokenizer:
         else:
             ids = self.encode(delta)
         # The delta starts with the end-of-turn token; the model already sampled it when it stopped on it.
-        if last_token_id is not None and last_token_id in self.eot_ids and ids and ids[0] == self._eot_in_tail:
+        if (
+            last_token_id is not None
+            and last_token_id in self.eot_ids
+            and ids
+            and ids[0] == self._eot_in_tail
+        ):
             ids = ids[1:]
         return ids
 

@@ -1,0 +1,106 @@
+"""End to end through the real main job: ``python train_async.py`` on a CI-sized Search-R1 config.
+
+Everything is real: Ray (local), the retrieval server, the embedded engine over HTTP, the Megatron
+trainer over gloo, distributed weight sync. The run trains a few steps, checkpoints, is resumed for more
+steps, and must leave no server, engine or Ray process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = """
+output_dir: {out}
+steps: 3
+bootstrap:
+  cache_dir: {cache}
+  world: {{seed: 0, num_entities: 40}}
+  model: {{vocab_size: 600, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
+          num_key_value_heads: 1, intermediate_size: 64}}
+  sft: {{steps: 5, batch_size: 4, think: false}}
+env: {{name: search, kwargs: {{max_turns: 2}}}}
+engine: {{max_batch_size: 16}}
+weight_sync: distributed
+rollout: {{group_size: 4, batch_size: 2, max_staleness: 1, max_concurrency: 16, max_turns: 3,
+          max_total_tokens: 600, sampling: {{temperature: 1.0, max_new_tokens: 24}},
+          eval_sampling: {{temperature: 0.0, max_new_tokens: 24}}, verifier: exact_match,
+          filter_zero_variance: false}}
+trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 8}}
+eval: {{num_tasks: 8}}
+checkpoint: {{interval: 2}}
+"""
+
+
+def _leftovers() -> list[str]:
+    """Processes a run may start: engines, retrieval servers, Ray daemons and workers."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pats = ("agentrl.engine.local_server", "retrieval_server", "raylet", "gcs_server", "ray::")
+    return [line for line in out.splitlines() if any(p in line for p in pats) and "ps -eo" not in line]
+
+
+def _run(args: list[str], timeout: float = 600) -> str:
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"train_async failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Path) -> None:
+    assert not _leftovers(), "processes from an earlier test are still running"
+    cfg = tmp_path / "e2e.yaml"
+    out = tmp_path / "run"
+    cfg.write_text(CONFIG.format(out=out, cache=tmp_path / "cache"))
+
+    stdout = _run(["--config", str(cfg)])
+    assert "held-out exact match before" in stdout and "held-out exact match after" in stdout
+    rows = read_metrics(out / "metrics.jsonl")
+    train = [r for r in rows if "policy_version" in r]
+    assert [r["policy_version"] for r in train] == [1, 2, 3]  # one sync per step
+    for r in train:  # the staleness bound (η = 1) held for every trained token
+        assert r["rollout/staleness_max"] <= 1
+        assert r["trainer/tokens_per_s"] > 0
+    assert (out / "reward_em.png").stat().st_size > 1000
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_00000003"
+    time.sleep(1)
+    assert not _leftovers(), "the run left processes behind"
+
+    # resume: continues at step 3 with the checkpoint's weights pushed to the engine (version 4), then
+    # trains two more steps
+    stdout = _run(["--config", str(cfg), "--resume", "steps=5"])
+    assert "resumed at step 3" in stdout
+    rows = read_metrics(out / "metrics.jsonl")
+    resumed = [r for r in rows if "policy_version" in r][3:]
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert [r["policy_version"] for r in resumed] == [5, 6]
+    assert all(r["rollout/staleness_max"] <= 1 for r in resumed)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting"]["trained"] >= 4
+    time.sleep(1)
+    assert not _leftovers(), "the resumed run left processes behind"
+
+
+def test_bad_config_field_is_named(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", "rollout.group_sise=4", "trainer.lr=abc"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "rollout.group_sise: unknown field" in proc.stderr
+    assert "trainer.lr" in proc.stderr
