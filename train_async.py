@@ -71,7 +71,12 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
         else:
             from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
 
-            sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(update={"model_path": model_dir})
+            sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(
+                update={
+                    "model_path": model_dir,
+                    "port": 0 if e.num_engines > 1 else (e.sglang.port if e.sglang else 30000),
+                }
+            )
             start = functools.partial(lambda c: SGLangLauncher(c).start(), sg)
         services.append(start_service(f"engine_{i}", start, num_gpus=e.gpus_per_engine))
         urls.append(ray.get(services[-1].url.remote()))

@@ -126,6 +126,11 @@ class RunConfig(ConfigModel):
             if isinstance(trainer, dict):
                 trainer.setdefault("model_path", data.get("model_path", "auto"))
             data = {**data, "trainer": trainer}
+            engine = data.get("engine")
+            if isinstance(engine, dict) and isinstance(engine.get("sglang"), dict):
+                sglang = dict(engine["sglang"])
+                sglang.setdefault("model_path", data.get("model_path", "auto"))
+                data["engine"] = {**engine, "sglang": sglang}
         return data
 
     @model_validator(mode="after")

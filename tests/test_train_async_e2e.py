@@ -104,3 +104,36 @@ def test_bad_config_field_is_named(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "rollout.group_sise: unknown field" in proc.stderr
     assert "trainer.lr" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
+    """SIGINT in the middle of training: the job exits and leaves no engine, server or Ray process."""
+    import os
+    import signal
+
+    cfg = tmp_path / "e2e.yaml"
+    cfg.write_text(
+        CONFIG.format(out=tmp_path / "run", cache=tmp_path / "cache").replace("steps: 3", "steps: 500")
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "train_async.py", "--config", str(cfg)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    deadline = time.monotonic() + 400
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait until training is under way
+        seen.append(line)
+        if line.startswith("step 2/") or time.monotonic() > deadline:
+            break
+    assert any(line.startswith("step 2/") for line in seen), "".join(seen[-40:])
+    os.kill(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert "interrupted" in rest
+    time.sleep(2)
+    assert not _leftovers(), "Ctrl-C left processes behind"

@@ -1,0 +1,88 @@
+"""train_async's engine start-up for ``engine.backend: sglang``: each SGLang server is launched inside a
+Ray actor (here the labelled SGLang stand-in, tests/fixtures/fake_sglang.py), reported by URL, and
+stopped with no process left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.run_config import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+STAND_IN = Path(__file__).parent / "fixtures" / "fake_sglang.py"
+
+
+def _train_async():
+    spec = importlib.util.spec_from_file_location("train_async_main", ROOT / "train_async.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.slow
+def test_sglang_backend_launches_in_ray_actors_and_stops(tmp_path: Path) -> None:
+    import ray
+
+    wrapper = tmp_path / "python-with-fake-sglang"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STAND_IN}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    records = [tmp_path / f"record_{i}.json" for i in range(2)]
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "model_path=/models/m",
+            "bootstrap=null",
+            "data.path=/data",
+            "engine.backend=sglang",
+            "engine.num_engines=2",
+            f"engine.sglang.python={wrapper}",
+            "engine.sglang.tp_size=2",
+            "engine.sglang.extra_args={context-length: 4096}",
+            f"engine.sglang.env={{FAKE_SGLANG_RECORD: {records[0]}}}",
+        ],
+    )
+    assert cfg.engine.sglang is not None and cfg.engine.sglang.model_path == "/models/m"
+    train_async = _train_async()
+    services: list = []
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        urls = train_async.start_engines(cfg, "/models/m", services)
+        assert len(urls) == 2 and len(set(urls)) == 2  # two servers, two free ports
+        assert all(u.startswith("http://127.0.0.1:") for u in urls)
+        rec = json.loads(records[0].read_text())  # the last server started wrote it
+        argv = rec["argv"]
+        assert argv[:2] == ["-m", "sglang.launch_server"]
+        assert argv[argv.index("--model-path") + 1] == "/models/m"
+        assert argv[argv.index("--tp-size") + 1] == "2"
+        assert argv[argv.index("--context-length") + 1] == "4096"
+        assert rec["original_logprob"] == "1"
+        pid = rec["pid"]
+        assert _alive(pid)
+    finally:
+        train_async.stop_all(services)
+        ray.shutdown()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the SGLang server outlived its actor"
