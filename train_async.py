@@ -18,6 +18,7 @@ import asyncio
 import functools
 import json
 import pickle
+import signal
 import sys
 import time
 from pathlib import Path
@@ -247,7 +248,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         last: dict[str, float] = {}
         for step in range(start_step, cfg.steps):
             t0 = time.monotonic()
-            batch = await rollout.get_batch.remote()
+            batch = await next_batch(rollout, step + 1)
             t_wait = time.monotonic() - t0
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
@@ -325,6 +326,29 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     return result
 
 
+async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> list[Trajectory]:
+    """The next batch from the buffer; while it takes long, say why (e.g. groups dropped as zero-variance)."""
+
+    async def get() -> list[Trajectory]:
+        return await rollout.get_batch.remote()
+
+    fut = asyncio.ensure_future(get())
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), report_every)
+        except TimeoutError:
+            stats = await rollout.stats.remote()
+            dropped = {
+                k.rsplit("/", 1)[-1]: int(v)
+                for k, v in stats.items()
+                if k.startswith("rollout/dropped_groups/")
+            }
+            print(
+                f"step {step}: still waiting for a batch; groups dropped so far: {dropped or 'none'}",
+                flush=True,
+            )
+
+
 async def sync(cfg: RunConfig, trainer: TrainerGroup, engine_urls: list[str], out: Path) -> int:
     """Push the trainer's weights to every engine; returns the new policy version."""
     if cfg.weight_sync == "distributed":
@@ -352,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Names
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill gets the same clean shutdown as Ctrl-C
     try:
         config, cli = parse_args()
     except ConfigError as err:
