@@ -120,11 +120,11 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
     rewards = [t.reward or 0.0 for t in batch]
     stale = [version - t.min_policy_version for t in batch if t.min_policy_version is not None]
     return {
-        "rollout/reward": sum(rewards) / max(1, len(rewards)),
-        "rollout/turns": sum(t.num_turns for t in batch) / max(1, len(batch)),
-        "rollout/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
-        "rollout/staleness_mean": sum(stale) / max(1, len(stale)),
-        "rollout/staleness_max": float(max(stale, default=0)),
+        "batch/reward": sum(rewards) / max(1, len(rewards)),
+        "batch/turns": sum(t.num_turns for t in batch) / max(1, len(batch)),
+        "batch/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
+        "batch/staleness_mean": sum(stale) / max(1, len(stale)),
+        "batch/staleness_max": float(max(stale, default=0)),
     }
 
 
@@ -136,8 +136,8 @@ def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    rows = [r for r in history if "rollout/reward" in r]
-    ax.plot([r["step"] for r in rows], [r["rollout/reward"] for r in rows], label="train reward (batch mean)")
+    rows = [r for r in history if "batch/reward" in r]
+    ax.plot([r["step"] for r in rows], [r["batch/reward"] for r in rows], label="train reward (batch mean)")
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="held-out exact match")
     ax.set_xlabel("step (policy version)")
@@ -239,9 +239,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         progress = Progress(
             cfg.steps,
             keys={
-                "reward": "rollout/reward",
+                "reward": "batch/reward",
                 "em": "eval/exact_match",
-                "stale": "rollout/staleness_mean",
+                "stale": "batch/staleness_mean",
                 "tok/s": "trainer/tokens_per_s",
             },
         )
@@ -312,7 +312,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 ("held-out exact match before", f"{em_before:.3f}"),
                 ("held-out exact match after", f"{em_after:.3f}"),
                 ("steps / policy version", f"{cfg.steps} / {version}"),
-                ("final train reward", f"{last.get('rollout/reward', float('nan')):.3f}"),
+                ("final train reward", f"{last.get('batch/reward', float('nan')):.3f}"),
                 ("wall time", f"{result['wall_s']:.0f} s"),
                 (
                     "tasks trained / dropped",

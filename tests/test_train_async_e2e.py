@@ -69,7 +69,7 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     train = [r for r in rows if "policy_version" in r]
     assert [r["policy_version"] for r in train] == [1, 2, 3]  # one sync per step
     for r in train:  # the staleness bound (η = 1) held for every trained token
-        assert r["rollout/staleness_max"] <= 1
+        assert r["batch/staleness_max"] <= 1
         assert r["trainer/tokens_per_s"] > 0
     assert (out / "reward_em.png").stat().st_size > 1000
     latest = (out / "checkpoints" / "latest").read_text().strip()
@@ -85,7 +85,7 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     resumed = [r for r in rows if "policy_version" in r][3:]
     assert [r["step"] for r in resumed] == [4, 5]
     assert [r["policy_version"] for r in resumed] == [5, 6]
-    assert all(r["rollout/staleness_max"] <= 1 for r in resumed)
+    assert all(r["batch/staleness_max"] <= 1 for r in resumed)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000005"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting"]["trained"] >= 4
