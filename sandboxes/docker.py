@@ -463,9 +463,20 @@ class DockerSandbox(Sandbox):
         code = info.get("ExitCode")
         duration = time.monotonic() - t0
         reason = signal_reason(code)
-        if code == 137 and not await self._running(cid):
+        if code == 137 and await self._stops_within(cid, 1.0):
             reason = "sandbox_error: the container was killed from outside"
         return ExecResult(out.text(), err.text(), code, False, reason, duration)
+
+    async def _stops_within(self, cid: str, seconds: float) -> bool:
+        """True if the container is (or within ``seconds`` becomes) not running: a SIGKILL that came with
+        a container kill, whose state Docker may report as running for a moment after the exec ended."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if not await self._running(cid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
 
     async def _running(self, cid: str) -> bool:
         try:
