@@ -463,7 +463,9 @@ class DockerSandbox(Sandbox):
         code = info.get("ExitCode")
         duration = time.monotonic() - t0
         reason = signal_reason(code)
-        if code == 137 and await self._stops_within(cid, 1.0):
+        # 137: SIGKILL; 126: Docker could not exec (e.g. "cannot exec in a stopped container"). Either
+        # can mean the container itself died under the run, which is the sandbox's fault, not the code's.
+        if code in (126, 137) and await self._stops_within(cid, 1.0):
             reason = "sandbox_error: the container was killed from outside"
         return ExecResult(out.text(), err.text(), code, False, reason, duration)
 
