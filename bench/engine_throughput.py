@@ -25,20 +25,7 @@ import torch
 from agentrl.engine.client import EngineClient
 from agentrl.engine.local_server import start_local_server
 from agentrl.engine.types import SamplingParams
-from agentrl.models.tiny import build_tiny_model
-
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
+from agentrl.models.tiny import QWEN25_05B, build_tiny_model
 
 
 def build_model(shape: str, dtype: str, out: Path) -> Path:

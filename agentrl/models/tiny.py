@@ -69,6 +69,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen2.5-0.5B's shape (random weights of this shape are what the GPU benchmarks measure)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 _BUILTIN_TEXT = """
 Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get
 new information. After reasoning, if you find you lack some knowledge, you can call a search engine by
