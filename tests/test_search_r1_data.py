@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -278,3 +279,68 @@ def test_world_cli(tmp_path):
     for name in ("corpus.jsonl", "train.parquet", "test.parquet", "world.json"):
         assert (Path(tmp_path) / name).is_file()
     assert len(load_tasks(tmp_path, "test")) == summary["test"] > 0
+
+
+def _segments(word: str, syllables: list[str]) -> bool:
+    return (
+        re.fullmatch("(?:" + "|".join(sorted(syllables, key=len, reverse=True)) + ")+", word.lower())
+        is not None
+    )
+
+
+def test_name_seed_shares_name_pieces_but_no_entities():
+    from agentrl.examples.search_r1.world import _COMPANY_SUFFIXES, _syllable_inventory
+
+    syllables = _syllable_inventory(random.Random("names:7"), 48)
+    a = generate_world(seed=1, num_entities=200, name_seed=7)
+    b = generate_world(seed=2, num_entities=200, name_seed=7)
+    other = generate_world(seed=2, num_entities=200)  # name_seed defaults to the seed
+    assert generate_world(seed=2, num_entities=200, name_seed=2).digest() == other.digest()
+
+    def words(w):
+        return [x for e in w.entities.values() for x in e.name.split() if x not in _COMPANY_SUFFIXES]
+
+    assert all(_segments(x, syllables) for x in words(a) + words(b))
+    assert sum(_segments(x, syllables) for x in words(other)) < 0.5 * len(words(other))
+    names_a = {e.name for e in a.entities.values()}
+    names_b = {e.name for e in b.entities.values()}
+    assert len(names_a & names_b) < 0.02 * len(names_a)  # independent draws: at most chance collisions
+    assert {t["prompt"] for t in a.train + a.test}.isdisjoint({t["prompt"] for t in b.train + b.test})
+
+
+def test_year_questions_can_be_left_out():
+    w = generate_world(seed=0, num_entities=200, year_questions=False)
+    tasks = w.train + w.test
+    assert tasks and not any({"born", "founded"} & set(t["info"]["relations"]) for t in tasks)
+    assert not any(re.fullmatch(r"\d{4}", t["label"][0]) for t in tasks)
+    assert {t["info"]["hops"] for t in tasks} == {1, 2}
+    with_years = generate_world(seed=0, num_entities=200)
+    assert any(re.fullmatch(r"\d{4}", t["label"][0]) for t in with_years.train)
+    assert "founded in" in " ".join(w.corpus_text())  # years stay in the passages
+
+
+def test_practice_rows_come_from_other_worlds(tmp_path):
+    import transformers
+
+    from agentrl.examples.search_r1.bootstrap import BootstrapConfig, practice_rows
+    from agentrl.models.tiny import build_tiny_model
+
+    cfg = BootstrapConfig.model_validate(
+        {
+            "world": {"seed": 0, "num_entities": 80},
+            "sft": {"practice_worlds": 2, "practice_entities": 60, "max_demos": 150, "think": False},
+        }
+    )
+    world = generate_world(**cfg.world.model_dump())
+    build_tiny_model(tmp_path, vocab_corpus=world.corpus_text() + world.questions_for_vocab(), vocab_size=600,
+                     hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64)  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    rows = practice_rows(tok, cfg)
+    assert len(rows) == 150
+    assert rows == practice_rows(tok, cfg)  # deterministic
+    texts = [tok.decode(r["input_ids"]) for r in rows]
+    eval_names = {e.name for e in world.entities.values() if e.kind == "person"}
+    assert not any(name in text for name in eval_names for text in texts)
+    for r in rows:
+        assert len(r["input_ids"]) == len(r["loss_mask"]) and 0 < sum(r["loss_mask"]) < len(r["loss_mask"])

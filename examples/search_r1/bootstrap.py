@@ -3,13 +3,21 @@ warm start on gold search-and-answer demonstrations, cached so that a second run
 
 Steps (each keyed by a hash of the config, so changing the config rebuilds only what depends on it):
 
-1. ``world/``: :func:`generate_world` writes ``corpus.jsonl``, ``train.parquet``, ``test.parquet``.
+1. ``world/``: :func:`generate_world` writes ``corpus.jsonl``, ``train.parquet``, ``test.parquet``: the
+   world RL trains on (train split) and is evaluated on (test split).
 2. ``base/``: :func:`agentrl.models.tiny.build_tiny_model` trains a byte-level BPE tokenizer on the world's
    text plus the Search-R1 prompt and writes a random model (a standard HF directory).
-3. ``sft/``: a short supervised warm start on :func:`gold_demo` trajectories, tokenized exactly the way
-   the orchestrator builds a rollout (chat-templated prompt, then each model segment and each observation
-   tokenized on its own; observations carry loss_mask 0). It is deliberately short: it teaches the format
-   and a first, unreliable version of the skill; reinforcement learning is what has to make it reliable.
+3. ``sft/``: a short supervised warm start on :func:`gold_demo` trajectories from *practice worlds*: worlds
+   generated with other seeds but the same syllable inventory (``name_seed``), each with its own retrieval
+   index. Every demonstration names fresh entities, so a tiny model cannot lower the loss by memorising
+   facts and has to learn to copy names out of the question and the retrieved passages, the skill the
+   held-out split tests. The warm start never sees the evaluation world. Demonstrations are tokenized
+   exactly the way the orchestrator builds a rollout (chat-templated prompt, then each model segment and
+   each observation tokenized on its own). The loss is cross-entropy on the model's tokens plus
+   ``lm_weight`` times a language-model loss on every token (prompt and retrieved passages too): the
+   repeated names in those passages are where a small model learns to copy fastest. It is deliberately
+   short: it teaches the format and a first, unreliable version of the skill; reinforcement learning is
+   what has to make it reliable.
 
 The SFT loop here is plain PyTorch on the transformers model: the warm start is a fixed preprocessing
 step of this example, not part of the training system (``agentrl.trainer`` also has an SFT loss mode for
@@ -21,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +39,7 @@ from pydantic import Field
 
 from agentrl.config import ConfigModel
 
-from .data import load_tasks, make_prompt
+from .data import make_prompt, write_corpus
 from .retrieval_server import RetrievalIndex
 from .world import WORLD_FORMAT_VERSION, WorldConfig, generate_world, gold_demo
 
@@ -55,7 +64,12 @@ class SFTConfig(ConfigModel):
     batch_size: int = Field(16, ge=1, description="demonstrations per step")
     lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (cosine decay, 5% warm-up)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    max_tasks: int = Field(4000, ge=1, description="train tasks turned into demonstrations at most")
+    max_demos: int = Field(30000, ge=1, description="demonstrations kept at most (a random subset)")
+    practice_worlds: int = Field(20, ge=1, description="practice worlds the demonstrations come from")
+    practice_entities: int = Field(500, ge=10, description="entities per practice world")
+    lm_weight: float = Field(
+        3.0, ge=0, description="weight of the language-model loss on every token (0: model tokens only)"
+    )
     think: bool = Field(True, description="include <think> reasoning in the demonstrations")
     seed: int = Field(0, description="data order and dropout seed")
 
@@ -117,7 +131,36 @@ def demo_token_rows(
     return rows
 
 
-def sft(model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: SFTConfig) -> dict[str, float]:
+def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[int]]]:
+    """Gold demonstrations from practice worlds: same name pieces as the evaluation world, no shared entity.
+
+    Practice world ``k`` is the evaluation world's config with seed ``seed + 1000 + k``, ``name_seed`` pinned
+    to the evaluation world's, and ``practice_entities`` entities. Its questions of both splits are used.
+    """
+    w = cfg.world
+    name_seed = w.seed if w.name_seed is None else w.name_seed
+    rows: list[dict[str, list[int]]] = []
+    with tempfile.TemporaryDirectory(prefix="agentrl-practice-") as tmp:
+        for k in range(cfg.sft.practice_worlds):
+            overrides = w.model_dump() | {
+                "seed": w.seed + 1000 + k,
+                "num_entities": cfg.sft.practice_entities,
+                "name_seed": name_seed,
+            }
+            world = generate_world(**overrides)
+            index = RetrievalIndex(write_corpus(Path(tmp) / f"corpus-{k}.jsonl", world.corpus))
+            try:
+                tasks = [dict(t) for t in world.train + world.test]
+                rows += demo_token_rows(tokenizer, tasks, index.search_fn(topk=cfg.topk), cfg.sft.think)
+            finally:
+                index.close()
+    random.Random(cfg.sft.seed).shuffle(rows)
+    return rows[: cfg.sft.max_demos]
+
+
+def sft(
+    model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: SFTConfig, log: Any = print
+) -> dict[str, float]:
     """Cross-entropy on loss_mask-1 tokens; writes an HF directory to ``out_dir``."""
     import math
 
@@ -127,9 +170,8 @@ def sft(model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: S
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    # eager attention: on CPU its backward is several times faster than the SDPA path for these shapes
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
@@ -156,9 +198,13 @@ def sft(model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: S
         )
         attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in batch])
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        m = mask[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        ).view(len(batch), -1)
+        m, every = mask[:, 1:], attn[:, 1:].float()
         loss = (nll * m).sum() / m.sum().clamp(min=1)
+        if cfg.lm_weight:
+            loss = loss + cfg.lm_weight * (nll * every).sum() / every.sum()
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
@@ -166,6 +212,9 @@ def sft(model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: S
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
+            recent = losses[-100:]
+            log(f"bootstrap: SFT step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.3f}")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
@@ -226,17 +275,13 @@ def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
         _mark_done(base_dir, m.model_dump())
     import transformers
 
-    log("bootstrap: SFT warm start on gold demonstrations")
+    log(f"bootstrap: SFT warm start on {cfg.sft.practice_worlds} practice worlds")
     tok = transformers.AutoTokenizer.from_pretrained(base_dir)
-    tasks = load_tasks(world_dir, split="train")[: cfg.sft.max_tasks]
-    index = RetrievalIndex(world_dir / "corpus.jsonl")
-    try:
-        rows = demo_token_rows(tok, tasks, index.search_fn(topk=cfg.topk), cfg.sft.think)
-    finally:
-        index.close()
+    rows = practice_rows(tok, cfg)
     if not rows:
         raise RuntimeError("bootstrap: no grounded demonstrations; check the world and retrieval config")
-    stats = sft(base_dir, sft_dir, rows, cfg.sft)
+    stats = sft(base_dir, sft_dir, rows, cfg.sft, log)
+    stats["sft/seconds"] = time.monotonic() - t0
     _mark_done(sft_dir, stats)
     log(f"bootstrap: SFT done ({stats['sft/demos']:.0f} demos, final loss {stats['sft/final_loss']:.3f})")
     return BootstrapResult(

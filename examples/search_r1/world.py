@@ -12,6 +12,10 @@ single-hop ("Where was Talen Morvik born?") and two-hop ("In which country was T
 the person, read the city, search the city, read the country). Every answer occurs verbatim in the passage
 that a search for the entity named in the question (or the bridge entity) returns.
 
+Worlds built with the same ``name_seed`` draw names from the same syllable inventory but share no entity or
+fact: the bootstrap's SFT warm start practises on such "practice worlds" (fresh names every demonstration,
+so copying from the context is the only way to lower the loss) and never sees the evaluation world.
+
 ``World.write(dir)`` writes ``corpus.jsonl``, ``train.parquet``, ``test.parquet`` (Search-R1 rows, read
 back by :mod:`.data`) and ``world.json``. :func:`gold_demo` renders a task's gold trajectory in the
 Search-R1 format through a caller-supplied ``search_fn``, so SFT demonstrations show the very retrieval
@@ -38,7 +42,7 @@ from .data import SEARCH_R1_TEMPLATE, Task, make_contents, make_prompt, row_to_t
 
 DATA_SOURCE = "synthetic_world"
 #: bumped whenever the same config would generate different text; include it in cache keys
-WORLD_FORMAT_VERSION = 1
+WORLD_FORMAT_VERSION = 2
 
 # Syllable parts. A world draws a fixed inventory of `num_syllables` syllables from their product, so the
 # number of distinct name pieces (and hence the BPE vocabulary a tiny model needs) is a knob.
@@ -73,6 +77,8 @@ _CHAINS: list[tuple[str, str, str, str]] = [
     ("company", "based_in", "river", "Which river flows through the city where {s} is based?"),
     ("city", "country", "capital", "What is the capital of the country where {s} is?"),
 ]
+#: relations whose value is a year (a literal, not an entity)
+_YEAR_RELATIONS = frozenset({"born", "founded"})
 # Single-hop questions asked per subject kind (a person's "company" serves only as a two-hop bridge).
 _SINGLE: dict[str, list[str]] = {
     "person": ["born_in", "born"],
@@ -97,6 +103,16 @@ class WorldConfig(ConfigModel):
     )
     num_syllables: int = Field(
         48, ge=8, le=1760, description="size of the syllable inventory names are built from"
+    )
+    name_seed: int | None = Field(
+        None,
+        description="seed of the syllable inventory (default: seed); worlds that share it share name pieces,"
+        " and so one tokenizer, but not entities or facts",
+    )
+    year_questions: bool = Field(
+        True,
+        description="ask questions whose answer is a year (copying four digit tokens out of passages full of"
+        " other years is the hardest part for a tiny model); years stay in the passages either way",
     )
     distractor_rate: float = Field(
         0.5, ge=0.0, le=1.0, description="probability that an entity gets a distractor passage"
@@ -234,7 +250,8 @@ def _build_entities(cfg: WorldConfig, rng: random.Random) -> tuple[dict[str, Ent
         + cfg.companies_per_country
     )
     num_countries = max(2, round(cfg.num_entities / per_country))
-    namer = _Namer(rng, _syllable_inventory(rng, cfg.num_syllables))
+    name_seed = cfg.seed if cfg.name_seed is None else cfg.name_seed
+    namer = _Namer(rng, _syllable_inventory(random.Random(f"names:{name_seed}"), cfg.num_syllables))
     ents: dict[str, Entity] = {}
     counts: dict[str, int] = {}
 
@@ -374,12 +391,16 @@ def _questions(ents: dict[str, Entity], cfg: WorldConfig) -> list[dict[str, Any]
     for e in ents.values():
         if 1 in cfg.hops:
             for rel in _SINGLE.get(e.kind, []):
+                if not cfg.year_questions and rel in _YEAR_RELATIONS:
+                    continue
                 ans, ans_id = _value(ents, e, rel)
                 question = _RELATIONS[rel]["question"].format(s=e.name)
                 qs.append(_qa(f"{e.id}.{rel}", question, e, [(e.name, rel, ans)], ans_id))
         if 2 in cfg.hops:
             for kind, r1, r2, template in _CHAINS:
                 if e.kind != kind or r1 not in e.attrs:
+                    continue
+                if not cfg.year_questions and r2 in _YEAR_RELATIONS:
                     continue
                 b_name, b_id = _value(ents, e, r1)
                 ans, ans_id = _value(ents, ents[b_id], r2)
