@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from pydantic import Field
 
 from agentrl.config import ConfigModel
 
-from .data import make_prompt, write_corpus
+from .data import make_prompt
 from .retrieval_server import RetrievalIndex
 from .world import WORLD_FORMAT_VERSION, WorldConfig, generate_world, gold_demo
 
@@ -138,22 +137,21 @@ def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[i
     to the evaluation world's, and ``practice_entities`` entities. Its questions of both splits are used.
     """
     w = cfg.world
-    name_seed = w.seed if w.name_seed is None else w.name_seed
     rows: list[dict[str, list[int]]] = []
-    with tempfile.TemporaryDirectory(prefix="agentrl-practice-") as tmp:
-        for k in range(cfg.sft.practice_worlds):
-            overrides = w.model_dump() | {
-                "seed": w.seed + 1000 + k,
-                "num_entities": cfg.sft.practice_entities,
-                "name_seed": name_seed,
-            }
-            world = generate_world(**overrides)
-            index = RetrievalIndex(write_corpus(Path(tmp) / f"corpus-{k}.jsonl", world.corpus))
-            try:
-                tasks = [dict(t) for t in world.train + world.test]
-                rows += demo_token_rows(tokenizer, tasks, index.search_fn(topk=cfg.topk), cfg.sft.think)
-            finally:
-                index.close()
+    for k in range(cfg.sft.practice_worlds):
+        overrides = w.model_dump() | {
+            "seed": w.seed + 1000 + k,
+            "num_entities": cfg.sft.practice_entities,
+            "name_seed": w.inventory_seed,
+        }
+        world = generate_world(**overrides)
+        index = RetrievalIndex(world.corpus)  # in memory: practice worlds are never written to disk
+        try:
+            rows += demo_token_rows(
+                tokenizer, world.train + world.test, index.search_fn(topk=cfg.topk), cfg.sft.think
+            )
+        finally:
+            index.close()
     random.Random(cfg.sft.seed).shuffle(rows)
     return rows[: cfg.sft.max_demos]
 
@@ -281,7 +279,7 @@ def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
     if not rows:
         raise RuntimeError("bootstrap: no grounded demonstrations; check the world and retrieval config")
     stats = sft(base_dir, sft_dir, rows, cfg.sft, log)
-    stats["sft/seconds"] = time.monotonic() - t0
+    stats["bootstrap/seconds"] = time.monotonic() - t0  # world, base model and SFT
     _mark_done(sft_dir, stats)
     log(f"bootstrap: SFT done ({stats['sft/demos']:.0f} demos, final loss {stats['sft/final_loss']:.3f})")
     return BootstrapResult(

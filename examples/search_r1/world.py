@@ -122,6 +122,11 @@ class WorldConfig(ConfigModel):
         0.25, gt=0.0, lt=1.0, description="fraction of countries whose questions form the test split"
     )
 
+    @property
+    def inventory_seed(self) -> int:
+        """The seed the syllable inventory is drawn with: ``name_seed``, or ``seed`` when that is unset."""
+        return self.seed if self.name_seed is None else self.name_seed
+
 
 @dataclass
 class Entity:
@@ -250,8 +255,7 @@ def _build_entities(cfg: WorldConfig, rng: random.Random) -> tuple[dict[str, Ent
         + cfg.companies_per_country
     )
     num_countries = max(2, round(cfg.num_entities / per_country))
-    name_seed = cfg.seed if cfg.name_seed is None else cfg.name_seed
-    namer = _Namer(rng, _syllable_inventory(random.Random(f"names:{name_seed}"), cfg.num_syllables))
+    namer = _Namer(rng, _syllable_inventory(random.Random(f"names:{cfg.inventory_seed}"), cfg.num_syllables))
     ents: dict[str, Entity] = {}
     counts: dict[str, int] = {}
 
