@@ -344,3 +344,75 @@ def test_practice_rows_come_from_other_worlds(tmp_path):
     assert not any(name in text for name in eval_names for text in texts)
     for r in rows:
         assert len(r["input_ids"]) == len(r["loss_mask"]) and 0 < sum(r["loss_mask"]) < len(r["loss_mask"])
+
+
+@pytest.fixture(scope="module")
+def practice_setup(tmp_path_factory):
+    import transformers
+
+    from agentrl.examples.search_r1.bootstrap import BootstrapConfig, practice_rows
+    from agentrl.models.tiny import build_tiny_model
+
+    cfg = BootstrapConfig.model_validate(
+        {
+            "world": {"seed": 0, "num_entities": 80},
+            "sft": {"practice_worlds": 2, "practice_entities": 60, "max_demos": 120, "think": False},
+        }
+    )
+    world = generate_world(**cfg.world.model_dump())
+    model_dir = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(model_dir, vocab_corpus=world.corpus_text() + world.questions_for_vocab(), vocab_size=600,
+                     hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64)  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    return cfg, model_dir, tok, practice_rows(tok, cfg)
+
+
+def test_sft_micro_batches_give_the_same_update(practice_setup, tmp_path):
+    """Length-sorted chunks are gradient accumulation of one normalized loss: same weights as one chunk."""
+    import torch
+    import transformers
+
+    from agentrl.examples.search_r1.bootstrap import sft
+
+    cfg, model_dir, _, rows = practice_setup
+    weights = []
+    for mb in (1, 3):
+        sft_cfg = cfg.sft.model_copy(update={"steps": 2, "batch_size": 6, "micro_batches": mb})
+        sft(model_dir, tmp_path / f"mb{mb}", rows, sft_cfg, log=lambda *_: None)
+        m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"mb{mb}")
+        weights.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    moved = (weights[0] - torch.cat([p.detach().flatten() for p in base.parameters()])).abs().max()
+    assert moved > 1e-4  # the steps did train
+    assert torch.allclose(weights[0], weights[1], atol=1e-5)
+
+
+def test_first_action_calibration_sets_the_search_probability(practice_setup):
+    import torch
+    import transformers
+
+    from agentrl.examples.search_r1.bootstrap import SFTConfig, calibrate_first_action
+
+    _, model_dir, tok, rows = practice_setup
+    prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
+    train, held_out = prompts[:80], prompts[80:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = SFTConfig(think=False, search_prob=0.3, calibration_steps=80, calibration_lr=1e-2)
+    stats = calibrate_first_action(model, tok, train, cfg)
+    assert abs(stats["sft/search_prob"] - 0.3) < 0.05
+    s_id, a_id = tok.convert_tokens_to_ids("<search>"), tok.convert_tokens_to_ids("<answer>")
+    model.eval()
+    with torch.no_grad():
+        for p in held_out[:10]:
+            probs = model(input_ids=torch.tensor([p])).logits[0, -1].softmax(-1)
+            assert abs(probs[s_id].item() - 0.3) < 0.08 and abs(probs[a_id].item() - 0.7) < 0.08
+            assert probs.argmax().item() == a_id  # greedy answers without searching
+
+
+def test_search_prob_needs_think_off():
+    from agentrl.config import ConfigError, load_config
+    from agentrl.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match="search_prob"):
+        load_config(RunConfig, None, ["bootstrap.sft.search_prob=0.3", "bootstrap.sft.think=true"])

@@ -27,7 +27,8 @@ bootstrap:
   world: {{seed: 0, num_entities: 40}}
   model: {{vocab_size: 600, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
           num_key_value_heads: 1, intermediate_size: 64}}
-  sft: {{steps: 5, batch_size: 4, think: false, practice_worlds: 2, practice_entities: 40}}
+  sft: {{steps: 5, batch_size: 4, think: false, practice_worlds: 2, practice_entities: 40, search_prob: 0.35,
+        calibration_steps: 5}}
 env: {{name: search, kwargs: {{max_turns: 2}}}}
 engine: {{max_batch_size: 16}}
 weight_sync: distributed

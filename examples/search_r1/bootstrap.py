@@ -15,9 +15,17 @@ Steps (each keyed by a hash of the config, so changing the config rebuilds only 
    exactly the way the orchestrator builds a rollout (chat-templated prompt, then each model segment and
    each observation tokenized on its own). The loss is cross-entropy on the model's tokens plus
    ``lm_weight`` times a language-model loss on every token (prompt and retrieved passages too): the
-   repeated names in those passages are where a small model learns to copy fastest. It is deliberately
-   short: it teaches the format and a first, unreliable version of the skill; reinforcement learning is
-   what has to make it reliable.
+   repeated names in those passages are where a small model learns to copy fastest. Each batch is sorted
+   by length and run in ``micro_batches`` chunks (gradient accumulation of one normalized loss), which
+   cuts padding.
+4. Optionally (``sft.search_prob``), the SFT model's *first action* is calibrated: a few steps of a
+   soft-label loss on the first response token only, so that it opens with ``<search>`` with probability
+   ``p`` and with ``<answer>`` otherwise. With ``p < 0.5`` the warm start is a reluctant searcher: it knows
+   how to search, read and copy, but greedy decoding answers from memory and scores about 0 on a world
+   it has never read. That is the starting point of Search-R1 (a model that can call the tool but has
+   not learned that it pays), and what RL on a 2-core CPU can fix in minutes. Copying more reliably is
+   not: it took the SFT hundreds of steps at a batch of 16 gold demonstrations, while RL sees a few
+   correct samples per 5-second step.
 
 The SFT loop here is plain PyTorch on the transformers model: the warm start is a fixed preprocessing
 step of this example, not part of the training system (``agentrl.trainer`` also has an SFT loss mode for
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
 
@@ -70,7 +78,25 @@ class SFTConfig(ConfigModel):
         3.0, ge=0, description="weight of the language-model loss on every token (0: model tokens only)"
     )
     think: bool = Field(True, description="include <think> reasoning in the demonstrations")
+    search_prob: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="after SFT, calibrate the first response token to open with <search> with this "
+        "probability, else <answer> (a reluctant searcher; needs think: false); null: no calibration",
+    )
+    calibration_steps: int = Field(100, ge=1, description="optimizer steps of that calibration")
+    calibration_lr: float = Field(1e-3, gt=0, description="Adam learning rate of that calibration")
+    micro_batches: int = Field(
+        2, ge=1, description="each batch is sorted by length and run in this many chunks (less padding)"
+    )
     seed: int = Field(0, description="data order and dropout seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTConfig:
+        if self.search_prob is not None and self.think:
+            raise ValueError("search_prob calibrates the first response token, so it needs think: false")
+        return self
 
 
 class BootstrapConfig(ConfigModel):
@@ -188,31 +214,46 @@ def sft(
             perm = list(range(len(rows)))
             rng.shuffle(perm)
             order += perm
-        batch = [rows[order.pop()] for _ in range(cfg.batch_size)]
-        n = max(len(r["input_ids"]) for r in batch)
-        ids = torch.tensor([r["input_ids"] + [pad] * (n - len(r["input_ids"])) for r in batch])
-        mask = torch.tensor(
-            [r["loss_mask"] + [0] * (n - len(r["loss_mask"])) for r in batch], dtype=torch.float32
-        )
-        attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in batch])
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        ).view(len(batch), -1)
-        m, every = mask[:, 1:], attn[:, 1:].float()
-        loss = (nll * m).sum() / m.sum().clamp(min=1)
-        if cfg.lm_weight:
-            loss = loss + cfg.lm_weight * (nll * every).sum() / every.sum()
+        batch = sorted((rows[order.pop()] for _ in range(cfg.batch_size)), key=lambda r: len(r["input_ids"]))
+        n_model = sum(sum(r["loss_mask"][1:]) for r in batch)
+        n_all = sum(len(r["input_ids"]) - 1 for r in batch)
+        opt.zero_grad(set_to_none=True)
+        loss_value = 0.0
+        size = -(-len(batch) // cfg.micro_batches)
+        for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):  # less padding
+            n = len(chunk[-1]["input_ids"])
+            ids = torch.tensor([r["input_ids"] + [pad] * (n - len(r["input_ids"])) for r in chunk])
+            mask = torch.tensor(
+                [r["loss_mask"] + [0] * (n - len(r["loss_mask"])) for r in chunk], dtype=torch.float32
+            )
+            attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in chunk])
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+            ).view(len(chunk), -1)
+            loss = (nll * mask[:, 1:]).sum() / max(1, n_model)
+            if cfg.lm_weight:
+                loss = loss + cfg.lm_weight * (nll * attn[:, 1:]).sum() / n_all
+            loss.backward()
+            loss_value += loss.item()
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss_value)
         if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
             recent = losses[-100:]
             log(f"bootstrap: SFT step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.3f}")
+    tail = losses[-20:] or [float("nan")]
+    stats = {
+        "sft/final_loss": sum(tail) / len(tail),
+        "sft/steps": float(cfg.steps),
+        "sft/demos": float(len(rows)),
+    }
+    if cfg.search_prob is not None:
+        prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
+        stats.update(calibrate_first_action(model, tok, prompts, cfg))
+        log(f"bootstrap: first action calibrated: <search> with p = {stats['sft/search_prob']:.2f}")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
@@ -221,12 +262,52 @@ def sft(
         src = model_dir / name
         if src.is_file():
             (out_dir / name).write_bytes(src.read_bytes())
-    tail = losses[-20:] or [float("nan")]
-    return {
-        "sft/final_loss": sum(tail) / len(tail),
-        "sft/steps": float(cfg.steps),
-        "sft/demos": float(len(rows)),
-    }
+    return stats
+
+
+def calibrate_first_action(
+    model: Any, tokenizer: Any, prompts: list[list[int]], cfg: SFTConfig, batch_size: int = 32
+) -> dict[str, float]:
+    """Make the model open its response with ``<search>`` with probability ``cfg.search_prob``, else ``<answer>``.
+
+    A soft-label cross-entropy on the first response token only (target ``p`` on ``<search>``, ``1 - p`` on
+    ``<answer>``), a few Adam steps at a small learning rate: how to search, read and copy stays as the SFT
+    left it; only the habit of searching changes. With ``p < 0.5`` greedy decoding never searches, while
+    sampling at temperature 1 still searches with probability about ``p``: the reluctant searcher that
+    Search-R1's RL turns into one that searches. Returns the mean ``P(<search>)`` it ends with (measured on
+    the last batches).
+    """
+    import torch
+
+    ids = {}
+    for name in ("<search>", "<answer>"):
+        tok_ids = tokenizer(name, add_special_tokens=False)["input_ids"]
+        if len(tok_ids) != 1:
+            raise ValueError(f"calibration needs {name} to be one token, got {tok_ids}")
+        ids[name] = tok_ids[0]
+    target = torch.zeros(model.config.vocab_size)
+    target[ids["<search>"]] = cfg.search_prob
+    target[ids["<answer>"]] = 1.0 - cfg.search_prob
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rng = random.Random(cfg.seed + 1)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.calibration_lr)
+    model.train()
+    seen: list[float] = []
+    for _ in range(cfg.calibration_steps):
+        batch = rng.sample(prompts, min(batch_size, len(prompts)))
+        n = max(len(p) for p in batch)
+        x = torch.tensor([p + [pad] * (n - len(p)) for p in batch])
+        attn = torch.tensor([[1] * len(p) + [0] * (n - len(p)) for p in batch])
+        last = torch.tensor([len(p) - 1 for p in batch])
+        logits = model(input_ids=x, attention_mask=attn).logits[torch.arange(len(batch)), last].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        loss = -(target * logp).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        seen.append(logp[:, ids["<search>"]].exp().mean().item())
+    tail = seen[-10:]
+    return {"sft/search_prob": sum(tail) / len(tail)}
 
 
 def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
