@@ -101,7 +101,7 @@ def build_orchestrator(
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     client = EngineClient(engine_urls, api_key=cfg.engine.api_key)
     return Orchestrator(
-        cfg.rollout,
+        cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed}),  # the run's seed: task order
         client,
         tokenizer,
         env_factory=lambda: make_env(cfg.env.name, **env_kwargs),
