@@ -182,6 +182,14 @@ def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[i
     return rows[: cfg.sft.max_demos]
 
 
+def _right_pad(seqs: list[list[int]], value: int) -> Any:
+    """A ``[len(seqs), longest]`` long tensor: each sequence followed by ``value`` up to the longest."""
+    import torch
+
+    n = max(len(x) for x in seqs)
+    return torch.tensor([list(x) + [value] * (n - len(x)) for x in seqs])
+
+
 def sft(
     model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: SFTConfig, log: Any = print
 ) -> dict[str, float]:
@@ -221,12 +229,9 @@ def sft(
         loss_value = 0.0
         size = -(-len(batch) // cfg.micro_batches)
         for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):  # less padding
-            n = len(chunk[-1]["input_ids"])
-            ids = torch.tensor([r["input_ids"] + [pad] * (n - len(r["input_ids"])) for r in chunk])
-            mask = torch.tensor(
-                [r["loss_mask"] + [0] * (n - len(r["loss_mask"])) for r in chunk], dtype=torch.float32
-            )
-            attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in chunk])
+            ids = _right_pad([r["input_ids"] for r in chunk], pad)
+            mask = _right_pad([r["loss_mask"] for r in chunk], 0).float()
+            attn = _right_pad([[1] * len(r["input_ids"]) for r in chunk], 0)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
@@ -295,11 +300,10 @@ def calibrate_first_action(
     seen: list[float] = []
     for _ in range(cfg.calibration_steps):
         batch = rng.sample(prompts, min(batch_size, len(prompts)))
-        n = max(len(p) for p in batch)
-        x = torch.tensor([p + [pad] * (n - len(p)) for p in batch])
-        attn = torch.tensor([[1] * len(p) + [0] * (n - len(p)) for p in batch])
+        attn = _right_pad([[1] * len(p) for p in batch], 0)
         last = torch.tensor([len(p) - 1 for p in batch])
-        logits = model(input_ids=x, attention_mask=attn).logits[torch.arange(len(batch)), last].float()
+        logits = model(input_ids=_right_pad(batch, pad), attention_mask=attn).logits
+        logits = logits[torch.arange(len(batch)), last].float()
         logp = torch.log_softmax(logits, dim=-1)
         loss = -(target * logp).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
