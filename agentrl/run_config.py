@@ -56,7 +56,18 @@ class EngineSetupConfig(ConfigModel):
     device: str = Field("cpu", description="embedded engine device: cpu or cuda")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="embedded engine dtype")
     max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together at most")
-    gpus_per_engine: float = Field(0, ge=0, description="GPUs Ray reserves per engine actor")
+    gpus_per_engine: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs Ray reserves per engine actor (None: 0 on CPU; on cuda 1, or 0.5 when colocated)",
+    )
+    mem_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="embedded engine on GPU: share of the memory free after loading the model that its KV "
+        "cache may take (None: transformers' default; colocated runs need room for the trainer)",
+    )
     urls: list[str] = Field(default_factory=list, description="external: engine or sglang-router URLs")
     api_key: str | None = Field(None, description="API key of the engines (admin endpoints check it)")
     sglang: SGLangConfig | None = Field(
@@ -113,6 +124,11 @@ class RunConfig(ConfigModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="orchestrator")
     trainer: TrainerConfig = Field(description="Megatron trainer (model_path defaults to the run's)")
     trainer_world_size: int = Field(1, ge=1, description="trainer ranks (tp * pp * dp), one Ray actor each")
+    trainer_gpus_per_rank: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs Ray reserves per trainer rank (None: 0 on CPU; on cuda 1, or 0.5 when colocated)",
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray")
@@ -141,4 +157,36 @@ class RunConfig(ConfigModel):
             raise ValueError("data.path is 'auto' but bootstrap is off: give data.path (Search-R1 parquet)")
         if self.engine.backend == "external" and not self.engine.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
+        share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU
+        if self.engine.gpus_per_engine is None:
+            on_gpu = self.engine.backend == "sglang" or self.engine.device.startswith("cuda")
+            self.engine.gpus_per_engine = share if on_gpu else 0.0
+        if self.trainer_gpus_per_rank is None:
+            self.trainer_gpus_per_rank = share if self.trainer.device.startswith("cuda") else 0.0
+        if self.engine.backend == "embedded" and self.engine.device.startswith("cuda"):
+            if self.engine.gpus_per_engine == 0:
+                raise ValueError(
+                    "engine.gpus_per_engine: an embedded engine on cuda needs a GPU share from Ray "
+                    "(an actor that reserves none sees no GPU); e.g. 1, or 0.5 when colocated"
+                )
+        if (
+            self.placement == "colocated"
+            and self.weight_sync == "distributed"
+            and self.trainer.device.startswith("cuda")
+            and self.engine.backend == "embedded"
+            and self.engine.device.startswith("cuda")
+        ):
+            raise ValueError(
+                "weight_sync: NCCL cannot broadcast between two processes on one GPU; "
+                "use weight_sync: disk when colocated"
+            )
+        if self.trainer.device.startswith("cuda") and self.trainer_gpus_per_rank == 0:
+            raise ValueError("trainer_gpus_per_rank: a trainer on cuda needs a GPU share from Ray")
         return self
+
+    def gpus_needed(self) -> float:
+        """GPUs that Ray must have for this run's engines and trainer ranks (checked before they start)."""
+        engines = 0 if self.engine.backend == "external" else self.engine.num_engines
+        return engines * (self.engine.gpus_per_engine or 0) + self.trainer_world_size * (
+            self.trainer_gpus_per_rank or 0
+        )

@@ -178,8 +178,11 @@ async def weight_sync(
         ]
         out["logprob_abs_diff_max"] = max(diffs)
         out["logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
+        t0 = time.perf_counter()
+        out["sync_group_closed_cleanly"] = await trainer.close_weight_sync_group(timeout=60)
+        out["sync_group_close_s"] = time.perf_counter() - t0
     finally:
-        trainer.close_weight_sync_group()
+        await trainer.close_weight_sync_group(timeout=60)
         await client.close()
         server.stop()
     return out

@@ -102,7 +102,12 @@ async def test_trainer_engine_consistency_and_weight_sync(
         assert {t.info["weight_version"] for t in again} == {"2"}
         assert _max_abs_diff(trainer, again) <= 1e-4
         assert trainer.train_step(again)["ppo_kl"] == 0.0
+
+        # both ends leave the group together (cleanly, no abort); the engine can then join a new one
+        assert await trainer.close_weight_sync_group(timeout=30) is True
+        await trainer.init_weight_sync_group(client, num_engine_ranks=1)
+        assert await trainer.sync_weights_distributed(client) == 3
     finally:
-        trainer.close_weight_sync_group()
+        await trainer.close_weight_sync_group()
         await client.close()
         server.stop()

@@ -200,6 +200,7 @@ class CBEngine:
         prefix_sharing: bool = True,
         seed: int = 0,
         default_max_new_tokens: int = 128,
+        mem_fraction: float | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,7 +232,7 @@ class CBEngine:
         self.paused_mode: str | None = None
         self._groups: dict[str, Any] = {}
         self._manager = self._start_manager(
-            max_batch_size, max_batch_tokens, num_blocks, page_size, prefix_sharing, seed
+            max_batch_size, max_batch_tokens, num_blocks, page_size, prefix_sharing, seed, mem_fraction
         )
 
     # ------------------------------------------------------------------ set-up
@@ -247,7 +248,9 @@ class CBEngine:
             ids.add(int(self.tokenizer.eos_token_id))
         return {i for i in ids if i >= 0}
 
-    def _start_manager(self, max_batch_size, max_batch_tokens, num_blocks, page_size, prefix_sharing, seed):
+    def _start_manager(
+        self, max_batch_size, max_batch_tokens, num_blocks, page_size, prefix_sharing, seed, mem_fraction
+    ):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -269,6 +272,7 @@ class CBEngine:
             # sdpa stays: switching to flash kernels may try to fetch them from the network
             auto_switch_to_flash=False,
             seed=seed,
+            **({"max_memory_percent": mem_fraction} if mem_fraction is not None else {}),
         )
         mgr = self.model.init_continuous_batching(
             generation_config=gen_cfg, continuous_batching_config=cb_cfg
@@ -286,6 +290,16 @@ class CBEngine:
         mgr.start()
         return mgr
 
+    def memory_info(self) -> dict[str, float]:
+        """GPU memory of this engine's process (GiB): peak allocated by torch (weights, KV cache,
+        activations) and reserved now; empty on CPU."""
+        if self.device.type != "cuda":
+            return {}
+        return {
+            "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(self.device) / 2**30,
+            "reserved_gpu_mem_gb": torch.cuda.memory_reserved(self.device) / 2**30,
+        }
+
     @property
     def healthy(self) -> bool:
         m = self._manager
@@ -294,8 +308,10 @@ class CBEngine:
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self._manager.stop(block=True, timeout=10, hard_stop=True)
-        for name in list(self._groups):
-            self.destroy_weights_update_group(name)
+        from agentrl.engine.dist import abort_process_group
+
+        for name in list(self._groups):  # shutting down: no waiting on a trainer that may be gone
+            abort_process_group(self._groups.pop(name)[0])
 
     # ------------------------------------------------------------------ sampling (generation thread)
     @torch.no_grad()
@@ -627,13 +643,14 @@ class CBEngine:
         )
         self._groups[group_name] = (pg, backend)
 
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        from agentrl.engine.dist import destroy_process_group
+    async def destroy_weights_update_group(self, group_name: str, timeout: float = 30.0) -> bool:
+        """Leave the group (the trainer leaves its end at the same time); bounded, aborts past ``timeout``."""
+        from agentrl.engine.dist import leave_process_group
 
         entry = self._groups.pop(group_name, None)
         if entry is None:
             raise EngineBadRequest(f"no weight update group {group_name!r}")
-        destroy_process_group(entry[0])
+        return await leave_process_group(entry[0], timeout)
 
     async def update_weights_from_distributed(
         self,

@@ -7,17 +7,36 @@ arrive by ``torch.distributed.broadcast(t, src=0, group=pg)`` in the order of th
 
 :func:`init_custom_process_group` reproduces SGLang's helper exactly, so a trainer that already runs a
 default group (Megatron) can open the extra group to real SGLang engines or to the embedded engine alike.
+
+Teardown is where NCCL bites: destroying one end of a group waits for the other ends, so a trainer that
+destroys its end while an engine still holds its own blocks forever. :func:`leave_process_group` is the
+one way both sides leave: the destroy runs in a daemon thread (a hang never blocks an event loop or the
+interpreter's exit) and, past a bounded timeout, the group is aborted instead, which waits on no peer.
+The trainer asks the engines to leave (``/destroy_weights_update_group``) *concurrently* with its own
+leave, so in the normal case both ends finish together.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
+import logging
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_custom_process_group", "parse_dtype"]
+__all__ = [
+    "abort_process_group",
+    "destroy_process_group",
+    "init_custom_process_group",
+    "leave_process_group",
+    "parse_dtype",
+]
+
+log = logging.getLogger("agentrl.dist")
 
 
 def init_custom_process_group(
@@ -57,11 +76,70 @@ def init_custom_process_group(
 
 
 def destroy_process_group(pg: Any) -> None:
-    """Tear down a group made by :func:`init_custom_process_group` (ignores one already gone)."""
+    """Tear down a group made by :func:`init_custom_process_group` (ignores one already gone).
+
+    With NCCL this waits for the other ranks to tear down theirs: call it through
+    :func:`leave_process_group` unless the peers are known to be leaving too.
+    """
     try:
         dist.destroy_process_group(pg)
     except (ValueError, RuntimeError, KeyError):
         pass
+
+
+def abort_process_group(pg: Any) -> None:
+    """Tear down ``pg`` without waiting for any peer (NCCL: ``ncclCommAbort``); ignores one already gone."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        abort = getattr(c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort(pg)
+        else:  # older torch: abort the backend, then drop the group from the registry
+            pg.abort()
+            dist.destroy_process_group(pg)
+    except (ValueError, RuntimeError, KeyError, AttributeError) as err:
+        log.warning("aborting the process group failed (%s); leaving it to process exit", err)
+
+
+async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread: unlike ``asyncio.to_thread``, a call that never returns neither
+    keeps the event loop's executor from shutting down nor the interpreter from exiting."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_result(result) if error is None else fut.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as err:  # handed to the awaiting coroutine
+            result, error = None, err
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for this any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="agentrl-leave-group", daemon=True).start()
+    return await fut
+
+
+async def leave_process_group(pg: Any, timeout: float = 30.0) -> bool:
+    """Destroy this rank's end of ``pg`` within ``timeout`` seconds, else abort it. Never blocks longer.
+
+    Returns True when the group was destroyed cleanly, False when it had to be aborted. Peers should be
+    leaving at the same time (the trainer tells the engines to), since an NCCL destroy waits for them.
+    """
+    try:
+        await asyncio.wait_for(asyncio.shield(_in_daemon_thread(destroy_process_group, pg)), timeout)
+        return True
+    except TimeoutError:
+        log.warning("the weight-sync group did not tear down within %.0f s: aborting it", timeout)
+    try:
+        await asyncio.wait_for(asyncio.shield(_in_daemon_thread(abort_process_group, pg)), timeout)
+    except TimeoutError:
+        log.error("aborting the weight-sync group hung too; its thread is left to process exit")
+    return False
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -242,8 +242,11 @@ def build_app(
 
     async def destroy_weights_update_group(request: web.Request) -> web.Response:
         body = await _json_body(request)
-        engine.destroy_weights_update_group(str(body.get("group_name", "weight_update_group")))
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+        clean = await engine.destroy_weights_update_group(str(body.get("group_name", "weight_update_group")))
+        message = (
+            "Succeeded to destroy custom process group." if clean else "Aborted the custom process group."
+        )
+        return web.json_response({"success": True, "message": message})
 
     async def update_weights_from_distributed(request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -306,6 +309,7 @@ def build_app(
                 "num_running_requests": engine.num_running,
                 "paused": engine.paused_mode,
                 "api_key_required": bool(api_key),
+                **engine.memory_info(),
             }
         )
 
@@ -368,6 +372,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--page-size", type=int, default=None, help="tokens per KV cache block")
     p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="GPU: share of the memory free after loading the model that the KV cache may take "
+        "(default: transformers' choice; lower it when a trainer shares the GPU)",
+    )
+    p.add_argument(
         "--no-prefix-sharing", action="store_true", help="disable prefix KV sharing between requests"
     )
     p.add_argument("--default-max-new-tokens", type=int, default=128)
@@ -408,6 +419,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_batch_tokens=args.max_batch_tokens,
         num_blocks=args.num_blocks,
         page_size=args.page_size,
+        mem_fraction=args.mem_fraction,
         prefix_sharing=not args.no_prefix_sharing,
         seed=args.seed,
         default_max_new_tokens=args.default_max_new_tokens,

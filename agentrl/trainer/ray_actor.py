@@ -83,7 +83,14 @@ class TrainerWorker:
         self.trainer.load_checkpoint(path)
         return self.trainer.step
 
+    def close_weight_sync_group(self, timeout: float = 30.0) -> bool:
+        """Leave the broadcast group with the engines (they are told to leave concurrently), bounded."""
+        if getattr(self, "_loop", None) is None:
+            return True
+        return self._loop.run_until_complete(self.trainer.close_weight_sync_group(timeout))
+
     def shutdown(self) -> None:
+        self.close_weight_sync_group()
         if getattr(self, "_client", None) is not None:
             self._loop.run_until_complete(self._client.close())
         self.trainer.shutdown()
@@ -169,9 +176,11 @@ class TrainerGroup:
     def load_checkpoint(self, path: str) -> int:
         return self._all("load_checkpoint", path)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 120.0) -> None:
+        """Close the weight-sync group with the engines, then stop every rank; bounded by ``timeout``
+        (each rank's own teardown is bounded too); the actors are killed whatever happened."""
         try:
-            self._all("shutdown")
+            self._ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout)
         finally:
             for a in self.actors:
                 self._ray.kill(a)

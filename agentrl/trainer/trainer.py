@@ -576,6 +576,8 @@ class MegatronTrainer:
             update_seconds=train_seconds,
             step_seconds=time.perf_counter() - t_start,
         )
+        if self.device.type == "cuda":  # the peak since the process started, this rank's GPU
+            out["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     def _logprobs_no_grad(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -882,10 +884,12 @@ class MegatronTrainer:
         await asyncio.to_thread(dist.barrier)
         return self.policy_version
 
-    def close_weight_sync_group(self) -> None:
-        if self._broadcaster is not None:
-            self._broadcaster.close()
-            self._broadcaster = None
+    async def close_weight_sync_group(self, timeout: float = 30.0) -> bool:
+        """Leave the broadcast group together with the engines, bounded (see ``WeightBroadcaster.close``)."""
+        if self._broadcaster is None:
+            return True
+        broadcaster, self._broadcaster = self._broadcaster, None
+        return await broadcaster.close(timeout)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
@@ -945,8 +949,13 @@ class MegatronTrainer:
         dist.barrier()
 
     def shutdown(self) -> None:
-        """Release the weight-sync group, megatron's parallel state and the process group."""
-        self.close_weight_sync_group()
+        """Release the weight-sync group (if still open), megatron's parallel state and the process group.
+
+        The group should have been closed with :meth:`close_weight_sync_group` first, which tells the
+        engines to leave too; here it is left without them, so it may end in an abort after the timeout.
+        """
+        if self._broadcaster is not None:
+            asyncio.run(self.close_weight_sync_group())
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
         if dist.is_initialized():

@@ -19,6 +19,7 @@ Tensors are HF-named full (unsharded) weights; gloo needs them on CPU, NCCL on t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("agentrl.weight_sync")
 
 Announce = Callable[[list[str], list[str], list[list[int]], bool], Awaitable[None]]
 
@@ -175,9 +178,29 @@ class WeightBroadcaster:
 
         return await broadcast_weights(named_tensors, self.group, self.bucket_bytes, announce=announce)
 
-    def close(self) -> None:
-        from agentrl.engine.dist import destroy_process_group
+    async def close(self, timeout: float = 30.0) -> bool:
+        """Leave the group with the engines; returns within about ``2 * timeout`` whatever they do.
 
-        if self.group is not None:
-            destroy_process_group(self.group)
-            self.group = None
+        The engines are told to destroy their end (``/destroy_weights_update_group``) while this side
+        destroys its own: an NCCL teardown waits for its peers, so one side alone would block forever.
+        A side that does not finish in time is aborted (:func:`agentrl.engine.dist.leave_process_group`);
+        an engine that does not answer is logged, not waited for. True when both sides left cleanly.
+        """
+        from agentrl.engine.dist import leave_process_group
+
+        if self.group is None:
+            return True
+        group, self.group = self.group, None
+
+        async def tell_engines() -> bool:
+            if self.client is None:
+                return True
+            try:
+                await asyncio.wait_for(self.client.destroy_weights_update_group(self.group_name), timeout)
+                return True
+            except Exception as err:  # an engine that is gone or hung must not stop the trainer leaving
+                log.warning("engines did not leave the weight-sync group: %s", err)
+                return False
+
+        told, left = await asyncio.gather(tell_engines(), leave_process_group(group, timeout))
+        return told and left

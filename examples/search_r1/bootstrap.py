@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,12 +91,21 @@ class SFTConfig(ConfigModel):
     micro_batches: int = Field(
         2, ge=1, description="each batch is sorted by length and run in this many chunks (less padding)"
     )
+    answer_loss: bool = Field(
+        True,
+        description="train on the words inside <answer> (and inside searches after the first); false: a "
+        "format-only warm start that teaches the tags and when to search or answer, but gives no gradient "
+        "toward what to answer (needs lm_weight: 0, which would train on every token)",
+    )
+    device: str = Field("cpu", description="where the SFT runs: cpu or cuda")
     seed: int = Field(0, description="data order and dropout seed")
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
         if self.search_prob is not None and self.think:
             raise ValueError("search_prob calibrates the first response token, so it needs think: false")
+        if not self.answer_loss and self.lm_weight:
+            raise ValueError("answer_loss: false needs lm_weight: 0 (the LM term trains on every token)")
         return self
 
 
@@ -105,6 +115,11 @@ class BootstrapConfig(ConfigModel):
     cache_dir: str = Field(".cache/search_r1", description="where bootstrap artifacts are cached")
     world: WorldConfig = Field(default_factory=WorldConfig, description="synthetic world")
     model: TinyModelConfig = Field(default_factory=TinyModelConfig, description="tiny model shape")
+    base_model: str | None = Field(
+        None,
+        description="warm-start this HF model dir or 'pretrained:NAME' (its own tokenizer) instead of a "
+        "tiny model built for the world; 'model' is then unused",
+    )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="warm start")
     topk: int = Field(3, ge=1, description="passages per search (must match the env)")
 
@@ -132,8 +147,23 @@ def _mark_done(path: Path, info: dict[str, Any]) -> None:
     (path / "DONE").write_text(json.dumps(info, indent=2))
 
 
+_CONTENT = re.compile(r"(<(search|answer)>)(.*?)(</\2>)", re.DOTALL)
+
+
+def _model_pieces(text: str, first_search: bool, answer_loss: bool) -> list[tuple[str, bool]]:
+    """A model segment as (text, trained) pieces. With ``answer_loss`` off, the words inside ``<answer>``
+    and inside a search that is not the first are not trained (they would teach copying from passages);
+    the tags and everything else are."""
+    if answer_loss:
+        return [(text, True)]
+    m = _CONTENT.search(text)
+    if m is None or (m.group(2) == "search" and first_search):
+        return [(text, True)]
+    return [(text[: m.end(1)], True), (m.group(3), False), (text[m.start(4) :], True)]
+
+
 def demo_token_rows(
-    tokenizer: Any, tasks: list[dict[str, Any]], search_fn: Any, think: bool
+    tokenizer: Any, tasks: list[dict[str, Any]], search_fn: Any, think: bool, answer_loss: bool = True
 ) -> list[dict[str, list[int]]]:
     """Gold demonstrations as (input_ids, loss_mask) rows, tokenized the way a rollout is built."""
     rows = []
@@ -148,10 +178,14 @@ def demo_token_rows(
             )
         )
         mask = [0] * len(ids)
+        turn = 0
         for text, is_model in demo.segments:
-            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids += seg
-            mask += [1 if is_model else 0] * len(seg)
+            pieces = _model_pieces(text, turn == 0, answer_loss) if is_model else [(text, False)]
+            turn += int(is_model)
+            for piece, trained in pieces:
+                seg = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += seg
+                mask += [1 if trained else 0] * len(seg)
         rows.append({"input_ids": ids, "loss_mask": mask})
     return rows
 
@@ -174,7 +208,11 @@ def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[i
         index = RetrievalIndex(world.corpus)  # in memory: practice worlds are never written to disk
         try:
             rows += demo_token_rows(
-                tokenizer, world.train + world.test, index.search_fn(topk=cfg.topk), cfg.sft.think
+                tokenizer,
+                world.train + world.test,
+                index.search_fn(topk=cfg.topk),
+                cfg.sft.think,
+                cfg.sft.answer_loss,
             )
         finally:
             index.close()
@@ -204,7 +242,7 @@ def sft(
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    ).to(cfg.device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warm = max(1, cfg.steps // 20)
@@ -229,9 +267,9 @@ def sft(
         loss_value = 0.0
         size = -(-len(batch) // cfg.micro_batches)
         for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):  # less padding
-            ids = _right_pad([r["input_ids"] for r in chunk], pad)
-            mask = _right_pad([r["loss_mask"] for r in chunk], 0).float()
-            attn = _right_pad([[1] * len(r["input_ids"]) for r in chunk], 0)
+            ids = _right_pad([r["input_ids"] for r in chunk], pad).to(cfg.device)
+            mask = _right_pad([r["loss_mask"] for r in chunk], 0).float().to(cfg.device)
+            attn = _right_pad([[1] * len(r["input_ids"]) for r in chunk], 0).to(cfg.device)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
@@ -260,7 +298,7 @@ def sft(
         stats.update(calibrate_first_action(model, tok, prompts, cfg))
         log(f"bootstrap: first action calibrated: <search> with p = {stats['sft/search_prob']:.2f}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.cpu().save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     # keep the exact tokenizer files of the base model (save_pretrained may re-serialize them)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -298,12 +336,14 @@ def calibrate_first_action(
     opt = torch.optim.Adam(model.parameters(), lr=cfg.calibration_lr)
     model.train()
     seen: list[float] = []
+    dev = next(model.parameters()).device
+    target = target.to(dev)
     for _ in range(cfg.calibration_steps):
         batch = rng.sample(prompts, min(batch_size, len(prompts)))
-        attn = _right_pad([[1] * len(p) for p in batch], 0)
-        last = torch.tensor([len(p) - 1 for p in batch])
-        logits = model(input_ids=_right_pad(batch, pad), attention_mask=attn).logits
-        logits = logits[torch.arange(len(batch)), last].float()
+        attn = _right_pad([[1] * len(p) for p in batch], 0).to(dev)
+        last = torch.tensor([len(p) - 1 for p in batch], device=dev)
+        logits = model(input_ids=_right_pad(batch, pad).to(dev), attention_mask=attn).logits
+        logits = logits[torch.arange(len(batch), device=dev), last].float()
         logp = torch.log_softmax(logits, dim=-1)
         loss = -(target * logp).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
@@ -314,6 +354,23 @@ def calibrate_first_action(
     return {"sft/search_prob": sum(tail) / len(tail)}
 
 
+def world_dir_of(cfg: BootstrapConfig) -> Path:
+    """Where the world of ``cfg`` is cached (its key covers the world config and the format version)."""
+    return Path(cfg.cache_dir) / f"world-{_key(WORLD_FORMAT_VERSION, cfg.world.model_dump())}"
+
+
+def build_world(cfg: BootstrapConfig, log: Any = print) -> Path:
+    """Only the synthetic world (corpus + tasks), cached: what a run with a real model needs."""
+    world_dir = world_dir_of(cfg)
+    if not _done(world_dir):
+        log("bootstrap: generating the synthetic world")
+        world = generate_world(**cfg.world.model_dump())
+        world_dir.mkdir(parents=True, exist_ok=True)
+        world.write(world_dir)
+        _mark_done(world_dir, world.stats())
+    return world_dir
+
+
 def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
     """Build (or reuse from the cache) the world, the base model and the SFT warm start."""
     from agentrl.models.tiny import build_tiny_model
@@ -321,9 +378,16 @@ def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
     t0 = time.monotonic()
     root = Path(cfg.cache_dir)
     world_key = _key(WORLD_FORMAT_VERSION, cfg.world.model_dump())
-    world_dir = root / f"world-{world_key}"
-    base_dir = root / f"base-{_key(world_key, cfg.model.model_dump())}"
-    sft_dir = root / f"sft-{_key(world_key, cfg.model.model_dump(), cfg.sft.model_dump(), cfg.topk)}"
+    world_dir = world_dir_of(cfg)
+    if cfg.base_model is not None:
+        from agentrl.models.pretrained import resolve_model_path
+
+        base_dir = Path(resolve_model_path(cfg.base_model))
+        shape: Any = cfg.base_model
+    else:
+        base_dir = root / f"base-{_key(world_key, cfg.model.model_dump())}"
+        shape = cfg.model.model_dump()
+    sft_dir = root / f"sft-{_key(world_key, shape, cfg.sft.model_dump(), cfg.topk)}"
     cached = _done(sft_dir)
     if cached:
         log(f"bootstrap: cached SFT model at {sft_dir}")
@@ -331,16 +395,10 @@ def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
             world_dir, world_dir / "corpus.jsonl", base_dir, sft_dir, True, time.monotonic() - t0
         )
 
-    world = None
-    if not _done(world_dir):
-        log("bootstrap: generating the synthetic world")
-        world = generate_world(**cfg.world.model_dump())
-        world_dir.mkdir(parents=True, exist_ok=True)
-        world.write(world_dir)
-        _mark_done(world_dir, world.stats())
-    if not _done(base_dir):
+    build_world(cfg, log)
+    if cfg.base_model is None and not _done(base_dir):
         log("bootstrap: training the tokenizer and writing the tiny base model")
-        world = world or generate_world(**cfg.world.model_dump())
+        world = generate_world(**cfg.world.model_dump())
         texts = world.corpus_text() + world.questions_for_vocab() + [make_prompt("x")]
         m = cfg.model
         build_tiny_model(

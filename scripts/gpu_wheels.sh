@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Prepare, on a machine with the package index, what a GPU machine without it needs for agentrl:
+# Python 3.12 wheels that its image lacks (megatron-core, pydantic, bm25s, gguf, ...) and Ray, packed
+# without its Java jars, RLlib and dashboard front-end (the wheel alone is over a 64 MiB carry limit).
+# Output: .whl/gpu/ (about 41 MB). Install there with scripts/gpu_setup.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.whl/gpu
+mkdir -p "$out"
+plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform any)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$out" megatron-core==0.19.2 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
+    typing-extensions bm25s gguf jsonschema jsonschema-specifications referencing rpds-py click==8.2.1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$tmp" ray==2.52.1
+(cd "$tmp" && unzip -q ray-*.whl && rm -rf ray-*.whl ray/jars ray/rllib ray/dashboard/client \
+    && tar cf - . | gzip -6 > ray_site.tar.gz)
+mv "$tmp/ray_site.tar.gz" "$out/"
+du -sh "$out"

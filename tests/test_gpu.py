@@ -1,0 +1,109 @@
+"""GPU tests (``python -m pytest -m gpu``, by hand on a GPU machine; CI has none).
+
+* Two GPUs: the trainer (cuda:0) broadcasts weights to an embedded engine (the other GPU) over NCCL,
+  then both ends leave the group together and promptly; and when the engine dies first, the trainer's
+  leave is aborted after its timeout instead of blocking forever.
+* One GPU: the converted SmolLM2 checkpoint serves on the GPU in bf16, and the trainer's π_old on the same
+  tokens is within the bf16 gap.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.engine.client import EngineClient
+from agentrl.engine.local_server import start_local_server
+from agentrl.engine.types import SamplingParams
+from agentrl.types import Trajectory
+
+pytestmark = pytest.mark.gpu
+
+
+def _two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+
+
+def _trainer(model_dir: Path, dtype: str = "bfloat16"):
+    from _trainer_helpers import free_port
+
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+
+    return MegatronTrainer(TrainerConfig(model_path=str(model_dir), device="cuda", dtype=dtype, lr=1e-5))
+
+
+async def _sample(client: EngineClient, n: int, version: int) -> list[Trajectory]:
+    out = []
+    for i in range(n):
+        t = Trajectory(task_id=str(i), group_id="g", prompt_ids=list(range(10 + i, 40 + i)))
+        r = await client.generate(t.prompt_ids, SamplingParams(max_new_tokens=24, temperature=1.0))
+        t.append_model_tokens(r.output_ids, r.logprobs, version)
+        t.info["weight_version"] = r.weight_version
+        out.append(t)
+    return out
+
+
+def _max_gap(trainer, trajs: list[Trajectory]) -> float:
+    return max(
+        abs(a - b)
+        for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True)
+        for a, b in zip(lp, t.rollout_logprobs, strict=True)
+    )
+
+
+async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> None:
+    _two_gpus()
+    trainer = _trainer(tiny_model_dir)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    try:
+        for engine_dies_first in (False, True):
+            server = start_local_server(tiny_model_dir, device="cuda", dtype="bfloat16", env=env)
+            client = EngineClient(server.url, timeout=120)
+            try:
+                await trainer.init_weight_sync_group(client, num_engine_ranks=1, backend="nccl")
+                version = await trainer.sync_weights_distributed(client)
+                fresh = await _sample(client, 4, version)
+                assert {t.info["weight_version"] for t in fresh} == {str(version)}
+                assert _max_gap(trainer, fresh) <= 2e-2
+                if engine_dies_first:
+                    server.stop()  # the engine's end is gone without a destroy
+                t0 = time.monotonic()
+                clean = await trainer.close_weight_sync_group(timeout=20)
+                took = time.monotonic() - t0
+                assert clean is (not engine_dies_first)
+                assert took < 60, f"leaving the group took {took:.0f} s"
+            finally:
+                await trainer.close_weight_sync_group(timeout=20)
+                await client.close()
+                server.stop()
+    finally:
+        trainer.shutdown()
+
+
+async def test_smollm2_on_gpu_engine_matches_trainer(tmp_path: Path) -> None:
+    from agentrl.models.pretrained import convert
+
+    model_dir = convert("smollm2-135m-instruct")
+    trainer = _trainer(model_dir)
+    server = start_local_server(
+        model_dir, device="cuda", dtype="bfloat16", extra_args=["--mem-fraction", "0.2"]
+    )
+    client = EngineClient(server.url, timeout=120)
+    try:
+        trajs = await _sample(client, 4, 0)
+        assert sum(t.num_model_tokens for t in trajs) > 40
+        assert _max_gap(trainer, trajs) <= 2e-2
+        info = await client.server_info()
+        assert info[0]["peak_gpu_mem_gb"] > 0.2  # the weights alone are 0.27 GB in bf16
+    finally:
+        await client.close()
+        server.stop()
+        trainer.shutdown()
