@@ -299,6 +299,9 @@ def sft(
         log(f"bootstrap: first action calibrated: <search> with p = {stats['sft/search_prob']:.2f}")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.cpu().save_pretrained(out_dir, safe_serialization=True)
+    if str(cfg.device).startswith("cuda"):  # hand the GPU memory back: the engine and trainer start next
+        del opt
+        torch.cuda.empty_cache()
     tok.save_pretrained(out_dir)
     # keep the exact tokenizer files of the base model (save_pretrained may re-serialize them)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
