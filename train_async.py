@@ -152,6 +152,12 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
         "batch/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
         "batch/staleness_mean": sum(stale) / max(1, len(stale)),
         "batch/staleness_max": float(max(stale, default=0)),
+        # envs that count tool calls report them in their last step's info (SearchEnv does)
+        **(
+            {"batch/searches": sum(t.info.get("num_searches", 0) for t in batch) / len(batch)}
+            if batch and any("num_searches" in t.info for t in batch)
+            else {}
+        ),
     }
 
 
@@ -162,8 +168,10 @@ def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
     rows = [r for r in history if "batch/reward" in r]
+    behaviour = any("batch/searches" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if behaviour else 1, figsize=(12 if behaviour else 7, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot([r["step"] for r in rows], [r["batch/reward"] for r in rows], label="train reward (batch mean)")
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="held-out exact match")
@@ -171,6 +179,17 @@ def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], 
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
+    if behaviour:  # what the policy does: tool calls per episode and response length
+        ax = axes[0][1]
+        steps = [r["step"] for r in rows]
+        ax.plot(steps, [r.get("batch/searches", 0) for r in rows], color="C2", label="searches per episode")
+        ax.set_xlabel("step (policy version)")
+        ax.set_ylabel("searches per episode")
+        ax.grid(alpha=0.3)
+        twin = ax.twinx()
+        twin.plot(steps, [r["batch/response_tokens"] for r in rows], color="C3", label="response tokens")
+        twin.set_ylabel("response tokens per episode")
+        fig.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
