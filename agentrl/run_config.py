@@ -59,7 +59,8 @@ class EngineSetupConfig(ConfigModel):
     gpus_per_engine: float | None = Field(
         None,
         ge=0,
-        description="GPUs Ray reserves per engine actor (None: 0 on CPU; on cuda 1, or 0.5 when colocated)",
+        description="GPUs Ray reserves per engine actor (None: an embedded engine on cuda 1, or 0.5 when "
+        "colocated; else 0, so set it for sglang)",
     )
     mem_fraction: float | None = Field(
         None,
@@ -159,7 +160,8 @@ class RunConfig(ConfigModel):
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
         share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU
         if self.engine.gpus_per_engine is None:
-            on_gpu = self.engine.backend == "sglang" or self.engine.device.startswith("cuda")
+            # sglang: set it to the engine's GPUs (tp_size); its launcher does not run here to guess
+            on_gpu = self.engine.backend == "embedded" and self.engine.device.startswith("cuda")
             self.engine.gpus_per_engine = share if on_gpu else 0.0
         if self.trainer_gpus_per_rank is None:
             self.trainer_gpus_per_rank = share if self.trainer.device.startswith("cuda") else 0.0
