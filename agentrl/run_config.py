@@ -159,31 +159,30 @@ class RunConfig(ConfigModel):
         if self.engine.backend == "external" and not self.engine.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
         share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU
+        # sglang engines keep 0 unless set (give them tp_size GPUs); its launcher does not run here to guess
+        engine_on_gpu = self.engine.backend == "embedded" and self.engine.device.startswith("cuda")
+        trainer_on_gpu = self.trainer.device.startswith("cuda")
         if self.engine.gpus_per_engine is None:
-            # sglang: set it to the engine's GPUs (tp_size); its launcher does not run here to guess
-            on_gpu = self.engine.backend == "embedded" and self.engine.device.startswith("cuda")
-            self.engine.gpus_per_engine = share if on_gpu else 0.0
+            self.engine.gpus_per_engine = share if engine_on_gpu else 0.0
         if self.trainer_gpus_per_rank is None:
-            self.trainer_gpus_per_rank = share if self.trainer.device.startswith("cuda") else 0.0
-        if self.engine.backend == "embedded" and self.engine.device.startswith("cuda"):
-            if self.engine.gpus_per_engine == 0:
-                raise ValueError(
-                    "engine.gpus_per_engine: an embedded engine on cuda needs a GPU share from Ray "
-                    "(an actor that reserves none sees no GPU); e.g. 1, or 0.5 when colocated"
-                )
+            self.trainer_gpus_per_rank = share if trainer_on_gpu else 0.0
+        if engine_on_gpu and self.engine.gpus_per_engine == 0:
+            raise ValueError(
+                "engine.gpus_per_engine: an embedded engine on cuda needs a GPU share from Ray "
+                "(an actor that reserves none sees no GPU); e.g. 1, or 0.5 when colocated"
+            )
+        if trainer_on_gpu and self.trainer_gpus_per_rank == 0:
+            raise ValueError("trainer_gpus_per_rank: a trainer on cuda needs a GPU share from Ray")
         if (
             self.placement == "colocated"
             and self.weight_sync == "distributed"
-            and self.trainer.device.startswith("cuda")
-            and self.engine.backend == "embedded"
-            and self.engine.device.startswith("cuda")
+            and engine_on_gpu
+            and trainer_on_gpu
         ):
             raise ValueError(
                 "weight_sync: NCCL cannot broadcast between two processes on one GPU; "
                 "use weight_sync: disk when colocated"
             )
-        if self.trainer.device.startswith("cuda") and self.trainer_gpus_per_rank == 0:
-            raise ValueError("trainer_gpus_per_rank: a trainer on cuda needs a GPU share from Ray")
         return self
 
     def gpus_needed(self) -> float:
