@@ -161,6 +161,31 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
     }
 
 
+async def engine_memory(client: Any) -> dict[str, float]:
+    """The engines' peak GPU memory (GiB, the largest over engines) as they report it in
+    ``/get_server_info``; empty when none does (CPU engines, SGLang)."""
+    try:
+        infos = await client.server_info()
+    except Exception:  # a metric is not worth failing a step for
+        return {}
+    peaks = [float(i["peak_gpu_mem_gb"]) for i in infos if isinstance(i.get("peak_gpu_mem_gb"), int | float)]
+    return {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
+
+
+def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """Means over the run's steps of the step-time breakdown, and the peak GPU memory seen."""
+    out: dict[str, float] = {}
+    for key in ("time/wait_batch_s", "time/train_s", "time/sync_s", "time/step_s"):
+        vals = [r[key] for r in history if key in r]
+        if vals:
+            out[f"mean_{key.removeprefix('time/')}"] = sum(vals) / len(vals)
+    for key in ("trainer/peak_gpu_mem_gb", "engine/peak_gpu_mem_gb"):
+        vals = [r[key] for r in history if key in r]
+        if vals:
+            out[key.replace("/", "_")] = max(vals)
+    return out
+
+
 def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], path: Path) -> None:
     """Reward (train batches) and held-out exact match against step, as a PNG."""
     import matplotlib
@@ -204,6 +229,7 @@ def summary_table(rows: list[tuple[str, str]]) -> str:
 async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     import ray
 
+    from agentrl.engine.client import EngineClient
     from agentrl.examples.search_r1.data import load_tasks
     from agentrl.examples.search_r1.retrieval_server import start_retrieval_server
     from agentrl.rollout.ray_actor import make_rollout_actor
@@ -231,6 +257,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     services: list[Any] = []
     trainer: TrainerGroup | None = None
     rollout: Any = None
+    monitor: EngineClient | None = None  # the driver's own client, for engine metrics only
     try:
         check_gpus(cfg)
         # 2. tool servers the env needs, then the engines
@@ -243,6 +270,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 services.append(start_service("retrieval", functools.partial(start_retrieval_server, corpus)))
                 env_kwargs.setdefault("retrieval_url", ray.get(services[-1].url.remote()))
         engine_urls = start_engines(cfg, model_dir, services)
+        monitor = EngineClient(engine_urls, api_key=cfg.engine.api_key, timeout=10, max_retries=0)
 
         # 3. the trainer (one actor per rank) and the rollout orchestrator (async actor)
         trainer_cfg = cfg.trainer.model_copy(
@@ -311,6 +339,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 **batch_metrics(batch, version - 1),
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **(await rollout.stats.remote()),
+                **(await engine_memory(monitor)),
                 "time/wait_batch_s": t_wait,
                 "time/train_s": t_train,
                 "time/sync_s": time.monotonic() - t1,
@@ -342,6 +371,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 trainer.shutdown()
             except Exception as err:
                 print(f"trainer shutdown failed: {err}", file=sys.stderr)
+        if monitor is not None:
+            await monitor.close()
         stop_all(services)
         ray.shutdown()
         logger.close()
@@ -353,6 +384,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         "steps": cfg.steps,
         "policy_version": version,
         "wall_s": time.monotonic() - t_start,
+        **step_time_summary(logger.history),
         "accounting": accounting,
     }
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
@@ -365,6 +397,14 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 ("steps / policy version", f"{cfg.steps} / {version}"),
                 ("final train reward", f"{last.get('batch/reward', float('nan')):.3f}"),
                 ("wall time", f"{result['wall_s']:.0f} s"),
+                (
+                    "step time: wait / train / sync",
+                    " / ".join(
+                        f"{result.get(f'mean_{k}_s', float('nan')):.2f}"
+                        for k in ("wait_batch", "train", "sync")
+                    )
+                    + " s",
+                ),
                 (
                     "tasks trained / dropped",
                     f"{accounting.get('trained', 0)} / {accounting.get('dropped', 0)}",

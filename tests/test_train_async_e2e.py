@@ -90,6 +90,12 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000005"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting"]["trained"] >= 4
+    # the step-time breakdown is the mean of the logged steps (this run's 2), and its parts fit in a step
+    logged = [r["time/step_s"] for r in resumed]
+    assert summary["mean_step_s"] == pytest.approx(sum(logged) / len(logged))
+    parts = summary["mean_wait_batch_s"] + summary["mean_train_s"] + summary["mean_sync_s"]
+    assert 0 < parts <= summary["mean_step_s"] * 1.01
+    assert "engine_peak_gpu_mem_gb" not in summary  # a CPU engine reports no GPU memory
     time.sleep(1)
     assert not _leftovers(), "the resumed run left processes behind"
 
@@ -138,3 +144,29 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     assert "interrupted" in rest
     time.sleep(2)
     assert not _leftovers(), "Ctrl-C left processes behind"
+
+
+def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_async", ROOT / "train_async.py")
+    assert spec is not None and spec.loader is not None
+    train_async = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_async)
+    engine_memory = train_async.engine_memory
+
+    class Engines:  # what EngineClient.server_info returns: one dict per engine
+        def __init__(self, infos: list[dict] | Exception) -> None:
+            self.infos = infos
+
+        async def server_info(self) -> list[dict]:
+            if isinstance(self.infos, Exception):
+                raise self.infos
+            return self.infos
+
+    import asyncio
+
+    two_gpu = Engines([{"peak_gpu_mem_gb": 3.5}, {"peak_gpu_mem_gb": 7.25, "device": "cuda:1"}])
+    assert asyncio.run(engine_memory(two_gpu)) == {"engine/peak_gpu_mem_gb": 7.25}
+    assert asyncio.run(engine_memory(Engines([{"device": "cpu"}]))) == {}  # CPU engines, SGLang
+    assert asyncio.run(engine_memory(Engines(ConnectionError("engine gone")))) == {}

@@ -30,6 +30,11 @@ class TrainerWorker:
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
         )
         os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own visible GPU
+        # Sequences of every length make the caching allocator split blocks it then cannot reuse: on an
+        # H200 the trainer reserved 63 GB for a 23 GB peak, which leaves a colocated engine no room on an
+        # 80 GB GPU. Growable segments keep the reservation near the peak. (Read at the process's first
+        # CUDA allocation, which comes after this.)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         from agentrl.trainer.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg))
