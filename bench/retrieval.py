@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-import bm25s
 
 from agentrl.examples.search_r1.data import write_corpus
-from agentrl.examples.search_r1.retrieval_server import RetrievalIndex, start_retrieval_server
+from agentrl.examples.search_r1.retrieval_server import RetrievalIndex, import_bm25s, start_retrieval_server
 from agentrl.examples.search_r1.world import generate_world
+
+bm25s = import_bm25s()  # JAX kept off the GPU (see import_bm25s)
 
 
 def make_corpus(passages: int, seed: int, out: Path) -> tuple[Path, list[str]]:

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
-import bm25s
 import httpx
 import numpy as np
 import pytest
@@ -21,10 +20,13 @@ import pytest
 from agentrl.examples.search_r1.retrieval_server import (
     RetrievalIndex,
     ServerLimits,
+    import_bm25s,
     is_loopback,
     start_retrieval_server,
 )
 from agentrl.examples.search_r1.world import generate_world
+
+bm25s = import_bm25s()  # JAX kept off the GPU (see import_bm25s)
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +319,25 @@ async def test_gold_demo_matches_search_env_byte_for_byte(server, world):
             await env.close()
     finally:
         await client.close()
+
+
+def test_bm25s_is_imported_with_jax_kept_off_the_gpu() -> None:
+    """bm25s imports JAX when installed, and JAX then takes 75% of the GPU in that process; the index
+    imports bm25s with ``JAX_PLATFORMS=cpu`` unless the user chose a platform."""
+    code = (
+        "import os\n"
+        "from agentrl.examples.search_r1.retrieval_server import import_bm25s\n"
+        "import_bm25s()\n"
+        "print(os.environ.get('JAX_PLATFORMS'))\n"
+    )
+
+    def platforms(env: dict[str, str]) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    clean = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    assert platforms(clean) == "cpu"
+    assert platforms({**clean, "JAX_PLATFORMS": "cuda"}) == "cuda"  # the user's choice stands

@@ -46,6 +46,18 @@ from .data import format_docs
 
 Hit = dict[str, Any]  # {"document": {"id", "contents", ...}, "score": float}
 
+
+def import_bm25s() -> Any:
+    """``bm25s``, imported with JAX kept on the CPU: bm25s imports JAX when it is installed (its optional
+    top-k backend), and JAX then claims 75% of the GPU's memory for itself in every process that imports
+    bm25s. Seen on an H100 with JAX installed: the bootstrap SFT ran out of memory with 60 GB held by
+    JAX. This index never uses JAX. Set ``JAX_PLATFORMS`` yourself to override."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
+
+
 _TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")  # bm25s' default token pattern (scikit-learn's)
 _CACHE_FORMAT = 1
 
@@ -55,9 +67,7 @@ class _Tokenizer:
     queries map straight to index ids without building a throwaway vocabulary per call."""
 
     def __init__(self) -> None:
-        from bm25s.stopwords import STOPWORDS_EN
-
-        self.stopwords = frozenset(STOPWORDS_EN)
+        self.stopwords = frozenset(import_bm25s().stopwords.STOPWORDS_EN)
 
     def __call__(self, text: str) -> list[str]:
         return [t for t in _TOKEN_RE.findall(text.lower()) if t not in self.stopwords]
@@ -77,8 +87,7 @@ class RetrievalIndex:
         k1: float = 1.5,
         b: float = 0.75,
     ) -> None:
-        import bm25s
-
+        bm25s = import_bm25s()
         self._tokenize = _Tokenizer()
         self._params = {
             "k1": k1,
@@ -102,8 +111,7 @@ class RetrievalIndex:
 
     # ---- building / caching
     def _build(self, texts: list[str]):
-        import bm25s
-
+        bm25s = import_bm25s()
         tokens = bm25s.tokenize(texts, stopwords="en", show_progress=False)
         retriever = bm25s.BM25(k1=self._params["k1"], b=self._params["b"], method="lucene")
         retriever.index(tokens, show_progress=False)
@@ -114,8 +122,7 @@ class RetrievalIndex:
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, **self._params}
 
     def _open_file(self, cache: bool) -> None:
-        import bm25s
-
+        bm25s = import_bm25s()
         path = self.corpus_path
         if not path.is_file():
             raise FileNotFoundError(f"corpus file not found: {path}")

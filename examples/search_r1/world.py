@@ -225,7 +225,9 @@ class _Namer:
     """Unique capitalised names built from the syllable inventory; a name word is never reused."""
 
     def __init__(self, rng: random.Random, syllables: list[str]) -> None:
-        from bm25s.stopwords import STOPWORDS_EN
+        from .retrieval_server import import_bm25s
+
+        stopwords = import_bm25s().stopwords.STOPWORDS_EN
 
         self.rng, self.syllables = rng, syllables
         template_words = " ".join(
@@ -235,7 +237,7 @@ class _Namer:
             + ["country city river company fair market portrait painting tower bridge history port building"]
             + ["independent largest"]
         )
-        self.used = {w.strip(".,?<>/{}").lower() for w in template_words.split()} | set(STOPWORDS_EN)
+        self.used = {w.strip(".,?<>/{}").lower() for w in template_words.split()} | set(stopwords)
 
     def word(self) -> str:
         for _ in range(1000):
