@@ -214,7 +214,8 @@ def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], 
         twin = ax.twinx()
         twin.plot(steps, [r["batch/response_tokens"] for r in rows], color="C3", label="response tokens")
         twin.set_ylabel("response tokens per episode")
-        fig.legend(loc="upper right")
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
