@@ -277,8 +277,6 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         trainer_cfg = cfg.trainer.model_copy(
             update={"model_path": model_dir, "seed": cfg.trainer.seed + cfg.seed}
         )
-        if trainer_cfg.max_staleness is None:
-            trainer_cfg = trainer_cfg.model_copy(update={"max_staleness": cfg.rollout.max_staleness})
         trainer = TrainerGroup(
             trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0
         )
@@ -329,7 +327,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
             t_train = time.monotonic()
-            train_metrics = await asyncio.to_thread(trainer.train_step, batch)
+            train_metrics = await asyncio.to_thread(trainer.train_step, batch, cfg.rollout.max_staleness)
             t_train = time.monotonic() - t_train
             if cfg.placement == "disaggregated":
                 await rollout.pause_for_update.remote()

@@ -32,6 +32,10 @@ It is kept by three rules, all in :class:`StalenessController`:
    more than η behind the trainer's version is refused (counted, handed back to the orchestrator to be
    re-run, and un-accepted so its capacity is freed). With rules 1-2 this never fires; it is the assert.
 
+The lag itself is computed in one place, :func:`staleness` / :func:`within_bound`: the controller, the
+orchestrator's early restart of a doomed episode and the trainer's assertion
+(:func:`check_staleness`, given η by its caller) all call them.
+
 :class:`TrajectoryBuffer` is an asyncio FIFO of whole groups with backpressure (``put_group`` waits
 while ``max_groups`` are queued) and ``get_batch()`` that returns whole groups. It lives on one event
 loop (the orchestrator's; in training, the Ray actor's).
@@ -54,6 +58,30 @@ class DataExhausted(RuntimeError):
 
 class StalenessError(AssertionError):
     """A trajectory older than the staleness bound reached the trainer (should be impossible)."""
+
+
+def staleness(version: int, min_version: int | None) -> int:
+    """How many versions the oldest model token (``min_version``) lags ``version``; 0 with no token."""
+    return 0 if min_version is None else version - min_version
+
+
+def within_bound(version: int, min_version: int | None, max_staleness: int) -> bool:
+    """``version - min_version <= η``: tokens this old may still be trained at ``version``."""
+    return staleness(version, min_version) <= max_staleness
+
+
+def check_staleness(trajectories: list[Trajectory], version: int, max_staleness: int | None) -> int:
+    """The trainer's assertion of the invariant for a batch trained at ``version``; returns the batch's
+    staleness (its oldest token's lag). Raises :class:`StalenessError` past η (``None``: no bound)."""
+    versions = [v for t in trajectories if (v := t.min_policy_version) is not None]
+    oldest = min(versions) if versions else None
+    lag = staleness(version, oldest)
+    if max_staleness is not None and not within_bound(version, oldest, max_staleness):
+        raise StalenessError(
+            f"staleness bound violated: policy_version {version} - min token version {oldest} = {lag} "
+            f"> max_staleness {max_staleness}"
+        )
+    return lag
 
 
 @dataclass
@@ -131,10 +159,10 @@ class StalenessController:
 
     # ---- rule 3: trainer side ----------------------------------------------------------------
     def staleness(self, min_version: int | None) -> int:
-        return 0 if min_version is None else self.version - min_version
+        return staleness(self.version, min_version)
 
     def fresh_enough(self, min_version: int | None) -> bool:
-        return self.staleness(min_version) <= self.max_staleness
+        return within_bound(self.version, min_version, self.max_staleness)
 
     def on_batch(self, n_groups: int) -> None:
         self.consumed += n_groups

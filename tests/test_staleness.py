@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -124,3 +125,25 @@ def test_filtered_stream_never_deadlocks() -> None:
         assert len(await b.get_batch()) == 2
 
     asyncio.run(run())
+
+
+@given(st.integers(0, 50), st.one_of(st.none(), st.integers(0, 50)), st.integers(0, 5))
+def test_one_staleness_rule_for_controller_trainer_and_orchestrator(
+    version: int, min_version: int | None, eta: int
+) -> None:
+    """The controller, the trainer's assertion and the orchestrator's early restart share one rule."""
+    from agentrl.buffer import StalenessError, check_staleness, staleness, within_bound
+
+    ok = within_bound(version, min_version, eta)
+    assert ok == (min_version is None or version - min_version <= eta)
+    c = StalenessController(max_staleness=eta, batch_size=1, version=version)
+    assert c.fresh_enough(min_version) == ok and c.staleness(min_version) == staleness(version, min_version)
+    t = Trajectory(task_id="t", group_id="g", prompt_ids=[1, 2])
+    if min_version is not None:
+        t.append_model_tokens([3], [-0.1], min_version)
+    if ok:
+        assert check_staleness([t], version, eta) == staleness(version, min_version)
+    else:
+        with pytest.raises(StalenessError, match=f"> max_staleness {eta}"):
+            check_staleness([t], version, eta)
+    assert check_staleness([t], version, None) == staleness(version, min_version)  # no bound given

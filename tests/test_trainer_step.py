@@ -12,6 +12,7 @@ import pytest
 import torch
 from _trainer_helpers import free_port, make_trajectories
 
+from agentrl.buffer import StalenessError
 from agentrl.types import Status
 
 
@@ -30,7 +31,6 @@ def test_staleness_failures_kl_and_micro_batching(tiny_model_dir: Path) -> None:
         tiny_model_dir,
         lr=1e-3,
         micro_batch_size=2,
-        max_staleness=1,
         loss={"kl_coef": 0.5, "kl_estimator": "k3", "entropy_coef": 0.01},
     )
     try:
@@ -45,10 +45,10 @@ def test_staleness_failures_kl_and_micro_batching(tiny_model_dir: Path) -> None:
         assert m2["ref_kl"] > 0.0  # ... and the policy has moved since
 
         tr.policy_version = 2  # tokens from version 0 are now 2 versions old > max_staleness 1
-        with pytest.raises(AssertionError, match="staleness"):
-            tr.train_step(trajs)
+        with pytest.raises(StalenessError, match="staleness bound violated"):
+            tr.train_step(trajs, max_staleness=1)
         tr.policy_version = 1
-        tr.train_step(trajs)
+        tr.train_step(trajs, max_staleness=1)
     finally:
         tr.shutdown()
 

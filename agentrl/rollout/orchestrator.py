@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
+from agentrl.buffer import Group, StalenessController, TrajectoryBuffer, within_bound
 from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env
@@ -330,9 +330,7 @@ class Orchestrator:
 
     def _doomed(self, min_version: int | None) -> bool:
         """Tokens this old can never be trained within the bound: re-run instead of finishing."""
-        return (
-            min_version is not None and min_version < self.controller.version - self.controller.max_staleness
-        )
+        return not within_bound(self.controller.version, min_version, self.controller.max_staleness)
 
     async def _env_call(self, aw: Awaitable[T]) -> T:
         if self.cfg.env_step_timeout is None:

@@ -39,8 +39,10 @@ class TrainerWorker:
 
         self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg))
 
-    def train_step(self, trajectories: list[dict[str, Any]]) -> dict[str, float]:
-        return self.trainer.train_step([Trajectory.from_dict(t) for t in trajectories])
+    def train_step(
+        self, trajectories: list[dict[str, Any]], max_staleness: int | None = None
+    ) -> dict[str, float]:
+        return self.trainer.train_step([Trajectory.from_dict(t) for t in trajectories], max_staleness)
 
     def compute_logprobs(self, trajectories: list[dict[str, Any]]) -> list[list[float]]:
         return self.trainer.compute_logprobs([Trajectory.from_dict(t) for t in trajectories])
@@ -143,8 +145,11 @@ class TrainerGroup:
     def _all(self, method: str, *args: Any) -> Any:
         return self._ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
 
-    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        return self._all("train_step", [t.to_dict() for t in trajectories])
+    def train_step(
+        self, trajectories: list[Trajectory], max_staleness: int | None = None
+    ) -> dict[str, float]:
+        """One update on every rank; ``max_staleness`` (η) is asserted on the batch when given."""
+        return self._all("train_step", [t.to_dict() for t in trajectories], max_staleness)
 
     def compute_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
         return self._all("compute_logprobs", [t.to_dict() for t in trajectories])

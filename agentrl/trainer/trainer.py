@@ -5,7 +5,8 @@ A ``train_step(trajectories)`` call (every rank gets the same full list; each da
 its slice):
 
 1. drops failed / unrewarded trajectories (counted, never fatal) and asserts the staleness bound
-   ``policy_version - min_token_version <= max_staleness``;
+   ``policy_version - min_token_version <= max_staleness`` when the caller passes η
+   (:func:`agentrl.buffer.check_staleness`);
 2. computes advantages over the whole batch (groups by ``group_id``);
 3. splits the batch into ``num_mini_batches`` mini-batches of right-padded micro-batches (by sequence
    count or a token budget);
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
+from agentrl.buffer import check_staleness
 from agentrl.config import ConfigModel
 from agentrl.trainer.logprobs import vocab_parallel_logprobs
 from agentrl.trainer.losses import (
@@ -108,9 +110,6 @@ class TrainerConfig(ConfigModel):
     )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
-    max_staleness: int | None = Field(
-        None, ge=0, description="assert policy_version - min token version <= this"
-    )
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"
@@ -458,20 +457,11 @@ class MegatronTrainer:
         return out
 
     # ---- train step -----------------------------------------------------------------------------
-    def _check_staleness(self, trajs: list[Trajectory]) -> int:
-        versions = [v for t in trajs if (v := t.min_policy_version) is not None]
-        if not versions:
-            return 0
-        staleness = self.policy_version - min(versions)
-        if self.cfg.max_staleness is not None and staleness > self.cfg.max_staleness:
-            raise AssertionError(
-                f"staleness bound violated: policy_version {self.policy_version} - min token version "
-                f"{min(versions)} = {staleness} > max_staleness {self.cfg.max_staleness}"
-            )
-        return staleness
-
-    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One RL (or SFT) update on a batch; every rank must receive the same list. Returns metrics."""
+    def train_step(
+        self, trajectories: list[Trajectory], max_staleness: int | None = None
+    ) -> dict[str, float]:
+        """One RL (or SFT) update on a batch; every rank must receive the same list. Returns metrics.
+        ``max_staleness`` (η, the rollout's) is asserted on the batch (:func:`agentrl.buffer.check_staleness`)."""
         t_start = time.perf_counter()
         cfg, lcfg = self.cfg, self.cfg.loss
         usable = [
@@ -486,7 +476,7 @@ class MegatronTrainer:
             raise ValueError(f"train_step got no usable trajectory ({dropped} failed or unrewarded)")
         for t in usable:
             t.validate()
-        staleness = self._check_staleness(usable)
+        staleness = check_staleness(usable, self.policy_version, max_staleness)
 
         # advantages over the whole batch, per response token
         rmax = max(1, max(len(t.response_ids) for t in usable))
