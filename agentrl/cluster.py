@@ -6,6 +6,9 @@ The driver keeps every actor it started and stops them all in a ``finally`` (:fu
 Ctrl-C or an error leaves no server behind; the embedded engine and the retrieval server also exit on
 their own when their parent dies.
 
+:func:`free_port` is the one way agentrl picks a port for something it starts (servers, process-group
+rendezvous).
+
 What a service runs is a picklable zero-argument ``start`` callable returning a handle with ``.url`` and
 ``.stop()`` (``start_local_server``, ``SGLangLauncher``, ``start_retrieval_server``...).
 """
@@ -14,8 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Callable
 from typing import Any, Protocol
+
+WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on ``host`` a moment ago (whoever needs it binds it shortly after)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]") if host not in WILDCARD_HOSTS else "", 0))
+        return int(s.getsockname()[1])
 
 
 class ServiceHandle(Protocol):

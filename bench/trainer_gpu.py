@@ -220,7 +220,8 @@ def main() -> None:
     engine_device = a.engine_device or ("cuda:0" if cuda else "cpu")
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig, free_port
+    from agentrl.cluster import free_port
+    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
 
     os.environ["MASTER_PORT"] = str(free_port())
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 
+from agentrl.cluster import free_port
 from agentrl.types import Trajectory
 
 
@@ -26,12 +26,6 @@ def make_trajectories(
             t.reward = float(rng.random())
             out.append(t)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dist_env(rank: int, world_size: int, port: int) -> None:

@@ -4,7 +4,6 @@ connections, 4xx, slowness, dead endpoints; plus routing, fan-out of control cal
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections import Counter
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from agentrl.cluster import free_port
 from agentrl.engine.client import (
     EngineClient,
     EngineError,
@@ -117,10 +117,7 @@ async def engines():
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"  # nothing listens there any more
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there any more
 
 
 SP = SamplingParams(max_new_tokens=3, temperature=1.0)

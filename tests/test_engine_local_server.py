@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from agentrl.cluster import free_port
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.local_server import LocalServer, start_local_server
 from agentrl.engine.types import SamplingParams
@@ -323,9 +323,7 @@ async def test_update_weights_from_distributed_gloo(client, tiny_model_dir, hf_m
     new_model, sd = perturbed_copy(tiny_model_dir, tmp_path / "dist", seed=2)
     save_file(sd, str(tmp_path / "w.safetensors"))
     names = list(sd)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trainer = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _TRAINER, str(port), str(tmp_path / "w.safetensors"), json.dumps(names),
         stdout=asyncio.subprocess.PIPE,

@@ -17,7 +17,6 @@ lifecycles against a stand-in executable.
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from agentrl.cluster import WILDCARD_HOSTS, free_port
 from agentrl.config import ConfigModel
 from agentrl.engine._proc import ServerProcess, ServerStartError, http_ok, is_loopback
 
@@ -35,19 +35,9 @@ __all__ = [
     "SGLangRouterConfig",
     "SGLangRouterLauncher",
     "ServerStartError",
-    "free_port",
     "remote_sglang_server",
     "sglang_args_from_cli",
 ]
-
-_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the server binds it shortly after; SGLang has no port file)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host.strip("[]") if host not in _WILDCARD_HOSTS else "", 0))
-        return int(s.getsockname()[1])
 
 
 def _flag_args(extra: dict[str, Any]) -> list[str]:
@@ -184,7 +174,7 @@ class _Launcher:
     @property
     def url(self) -> str:
         host = self.cfg.host
-        if host in _WILDCARD_HOSTS:
+        if host in WILDCARD_HOSTS:
             host = "127.0.0.1"  # reachable locally; remote callers use the node's address
         h = f"[{host}]" if ":" in host else host
         return f"http://{h}:{self._port}"
@@ -303,7 +293,7 @@ class SGLangServerActor:
 
     def url(self) -> str:
         host = self.cfg.host
-        if host in _WILDCARD_HOSTS:
+        if host in WILDCARD_HOSTS:
             try:
                 import ray
 

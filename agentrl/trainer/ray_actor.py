@@ -16,7 +16,8 @@ import asyncio
 import os
 from typing import Any
 
-from agentrl.trainer.trainer import TrainerConfig, free_port
+from agentrl.cluster import free_port
+from agentrl.trainer.trainer import TrainerConfig
 from agentrl.types import Trajectory
 
 

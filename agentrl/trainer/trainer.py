@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 from agentrl.buffer import check_staleness
+from agentrl.cluster import free_port
 from agentrl.config import ConfigModel
 from agentrl.trainer.logprobs import vocab_parallel_logprobs
 from agentrl.trainer.losses import (
@@ -117,12 +117,6 @@ class TrainerConfig(ConfigModel):
 
 
 # ---- distributed setup ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _resolve_device(cfg: TrainerConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", "0"))
