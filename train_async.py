@@ -111,6 +111,21 @@ def check_gpus(cfg: RunConfig) -> None:
         )
 
 
+async def check_verifier(cfg: RunConfig, env_kwargs: dict[str, Any]) -> str | None:
+    """The verifier of the run (``rollout.verifier``, else the env's own); a ConfigError naming the field
+    when there is none or it is unknown. The rollout checks the same again when it starts."""
+    from agentrl.envs import make_env
+    from agentrl.rewards import resolve_verifier
+
+    env = make_env(cfg.env.name, **env_kwargs)
+    try:
+        return resolve_verifier(
+            cfg.rollout.verifier, env.verifier, f"env {cfg.env.name!r}", env.scores_itself
+        )
+    finally:
+        await env.close()
+
+
 def build_orchestrator(
     cfg: RunConfig,
     engine_urls: list[str],
@@ -270,6 +285,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             elif cfg.retrieval.enabled:
                 services.append(start_service("retrieval", functools.partial(start_retrieval_server, corpus)))
                 env_kwargs.setdefault("retrieval_url", ray.get(services[-1].url.remote()))
+        await check_verifier(cfg, env_kwargs)  # before the engines: a run nothing would score fails now
         engine_urls = start_engines(cfg, model_dir, services)
         monitor = EngineClient(engine_urls, api_key=cfg.engine.api_key, timeout=10, max_retries=0)
 

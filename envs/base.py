@@ -3,7 +3,9 @@
 ``await env.reset(task)`` returns the initial chat messages; the orchestrator applies the chat template,
 samples the model's action, and calls ``await env.step(action_text)``, which returns a :class:`StepResult`
 whose ``observation`` is either text (appended as a tool/user message) or ``None``. ``reward`` may be
-given at the end (else the configured verifier scores the trajectory). ``await env.close()`` always runs.
+given at the end (else a verifier scores the trajectory: ``rollout.verifier``, or the env's own
+``verifier``; an env that always gives its reward says so with ``scores_itself``). ``await env.close()``
+always runs.
 
 How the orchestrator appends an observation (it tokenizes the observation on its own, loss_mask 0):
 
@@ -55,6 +57,8 @@ class Env(ABC):
     tools: list[dict[str, Any]] | None = None
     #: name of the verifier that scores this env's episodes when the config names none (None: the config's)
     verifier: str | None = None
+    #: True when the env itself always ends an episode with a ``StepResult.reward``: it needs no verifier
+    scores_itself: bool = False
 
     @abstractmethod
     async def reset(self, task: dict[str, Any]) -> list[Message]:

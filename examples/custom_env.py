@@ -17,6 +17,7 @@ class GuessEnv(Env):
     """The model guesses an integer in [lo, hi]; it hears "higher"/"lower"; reward 1 on a hit, else 0."""
 
     stop = ["</guess>"]  # the engine stops after each guess
+    scores_itself = True  # every ending below carries a reward, so no verifier is needed
 
     def __init__(self, max_turns: int = 6) -> None:
         self.max_turns = max_turns

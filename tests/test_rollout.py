@@ -180,6 +180,7 @@ class RawEnv(Env):
     """Search-R1 style: the observation continues the assistant's text (observation_format = raw)."""
 
     stop = ["</search>"]
+    scores_itself = True
 
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         self.n = 0
@@ -264,6 +265,8 @@ async def _broken_verifier(trajectory: Trajectory, label: Any) -> float:
 
 
 class NoRewardEnv(SyntheticEnv):
+    scores_itself = False  # its episodes end without a reward: a verifier must score them
+
     async def step(self, action_text: str) -> StepResult:
         r = await super().step(action_text)
         r.reward = None

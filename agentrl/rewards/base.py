@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.config import ConfigError
 from agentrl.types import Status, Trajectory
 
 
@@ -63,6 +64,32 @@ def get_verifier(name: str) -> Verifier:
         raise KeyError(
             f"unknown verifier {name!r}; known verifiers: {', '.join(sorted(_REGISTRY))}"
         ) from None
+
+
+class VerifierConfigError(ConfigError):
+    """No verifier scores the episodes, or the one named is not registered (found at start-up)."""
+
+
+def resolve_verifier(
+    configured: str | None, env_default: str | None, env_name: str = "the env", scores_itself: bool = False
+) -> str | None:
+    """Which verifier scores an env's episodes: the config's (``rollout.verifier``) wins, else the env's
+    own ``verifier`` attribute; None for an env that ``scores_itself`` and names none. Otherwise no
+    verifier, or an unknown name, is a :class:`VerifierConfigError`."""
+    name = configured or env_default
+    field = "rollout.verifier" if configured else f"{env_name}'s verifier attribute"
+    if name is None:
+        if scores_itself:
+            return None
+        raise VerifierConfigError(
+            f"rollout.verifier: not set and {env_name} names no verifier, so nothing would score its "
+            f"episodes; set rollout.verifier to one of: {', '.join(list_verifiers())}"
+        )
+    try:
+        get_verifier(name)
+    except KeyError as err:
+        raise VerifierConfigError(f"{field}: {err.args[0]}") from None
+    return name
 
 
 def list_verifiers() -> list[str]:

@@ -43,7 +43,8 @@ class RolloutConfig(ConfigModel):
         description="sampling params for evaluate() (greedy by default)",
     )
     verifier: str | None = Field(
-        None, description="registered verifier scoring an episode when the env gave no reward"
+        None,
+        description="registered verifier scoring an episode when the env gave no reward; unset: the env's own",
     )
     verifier_timeout: float = Field(30.0, gt=0, description="seconds a verifier may take")
     env_step_timeout: float | None = Field(

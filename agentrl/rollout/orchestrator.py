@@ -11,7 +11,8 @@ An episode, turn by turn (token-in/token-out; :mod:`agentrl.rollout.tokenize`):
     loop: ``/generate`` with the exact ids so far -> sampled ids + logprobs + ``weight_version``
           (loss_mask 1) -> ``await env.step(decoded action)`` -> observation tokenized once, alone
           (loss_mask 0) -> until terminated / truncated / max_turns / max_total_tokens / context length.
-    reward: the env's, else ``run_verifier(config.verifier)`` (a raising verifier marks it FAILED).
+    reward: the env's, else ``run_verifier(name)`` with ``config.verifier`` or, when that is unset, the
+    env's own ``verifier`` (a raising verifier marks it FAILED; with neither, start-up fails).
 
 Weight updates (the trainer's loop)::
 
@@ -60,7 +61,7 @@ from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env
 from agentrl.metrics import MetricsSink
-from agentrl.rewards.base import run_verifier
+from agentrl.rewards.base import resolve_verifier, run_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.metrics import RolloutMetrics
@@ -154,16 +155,35 @@ class Orchestrator:
         self.trained = 0
         self.outcomes: list[tuple[str, str]] = []  # (uid, outcome) when config.record_outcomes
         self.trained_uids: set[str] = set()
+        self._verifier_checked = False
 
     # ================================================================ lifecycle
     @property
     def version(self) -> int:
         return self.controller.version
 
+    async def check_verifier(self) -> str | None:
+        """The verifier that scores episodes the env gives no reward: ``rollout.verifier``, else the env's
+        ``verifier`` (read from one env built and closed here). Raises
+        :class:`~agentrl.rewards.base.VerifierConfigError` when there is none, so a run fails at start-up
+        instead of failing every episode; None for an env that ``scores_itself``. ``start`` and ``evaluate``
+        call it."""
+        env = self.env_factory()
+        try:
+            name = resolve_verifier(
+                self.cfg.verifier, env.verifier, f"env {type(env).__name__}", env.scores_itself
+            )
+        finally:
+            await env.close()
+        self._verifier_checked = True
+        return name
+
     async def start(self) -> None:
         """Start admitting groups (returns at once; work runs in the background on this loop)."""
         if self._loop_task is not None:
             raise RuntimeError("orchestrator already started")
+        if not self._verifier_checked:
+            await self.check_verifier()
         self._stopping = False
         self.buffer.mark_producing()
         self._loop_task = asyncio.create_task(self._admission_loop(), name="rollout-admission")
@@ -397,11 +417,14 @@ class Orchestrator:
             traj.timings["tool_s"] = tool_time
             if traj.reward is None:
                 phase = "verifier"
-                if self.cfg.verifier is None:
+                verifier = self.cfg.verifier or env.verifier  # the config's wins, else the env's
+                if verifier is None:
                     traj.status = Status.FAILED
-                    traj.error = "no reward: the env gave none and RolloutConfig.verifier is not set"
+                    traj.error = (
+                        "no reward: the env gave none, names no verifier, and rollout.verifier is not set"
+                    )
                     m.failure("reward")
-                elif not await run_verifier(self.cfg.verifier, traj, traj.label, self.cfg.verifier_timeout):
+                elif not await run_verifier(verifier, traj, traj.label, self.cfg.verifier_timeout):
                     m.failure("verifier")
         except (_Restart, asyncio.CancelledError):
             raise
@@ -525,6 +548,8 @@ class Orchestrator:
         concurrency: int | None = None,
     ) -> list[Trajectory]:
         """Held-out evaluation: one episode per task (greedy by default), no staleness gating, in order."""
+        if not self._verifier_checked:
+            await self.check_verifier()
         sp = sampling or self.cfg.eval_sampling
         sem = asyncio.Semaphore(concurrency or self.cfg.max_concurrency)
 

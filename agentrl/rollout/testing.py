@@ -32,6 +32,8 @@ def lognormal(median: float, sigma: float) -> Callable[[random.Random], float]:
 class SyntheticEnv(Env):
     """See the module docstring. ``task`` keys used: ``prompt``, optional ``turns``."""
 
+    scores_itself = True
+
     def __init__(
         self,
         turns: int = 2,
