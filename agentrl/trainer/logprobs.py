@@ -82,3 +82,25 @@ def vocab_parallel_logprobs(
         )
     lp, ent = _VocabParallelLogprobs.apply(lg, target.reshape(-1), vocab_start, tp_group)
     return lp.reshape(target.shape), ent.reshape(target.shape)
+
+
+class ModelLogprobs:
+    """Per-token ``(logprob, entropy)`` of a GPT model on right-padded ``tokens`` / ``targets``, with
+    the vocabulary split over this rank's tensor-parallel group."""
+
+    def __init__(self, vocab_size: int, tp_rank: int = 0, tp_group: Any = None) -> None:
+        self.vocab_size = vocab_size
+        self.tp_rank = tp_rank
+        self.tp_group = tp_group
+
+    def from_logits(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        return vocab_parallel_logprobs(logits, targets, self.vocab_size, self.tp_rank, self.tp_group)
+
+    def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward of ``model`` (positions ``0..s-1`` on every row, no attention mask: causal)."""
+        return self.from_logits(model(tokens, position_ids(tokens), None), targets)
+
+
+def position_ids(tokens: Tensor) -> Tensor:
+    """``[b, s]`` positions ``0..s-1`` on every row of right-padded ``tokens``."""
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)

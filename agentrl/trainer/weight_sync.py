@@ -13,7 +13,9 @@ engine, both built on :mod:`agentrl.engine.dist`):
    receives into it). ``weight_version`` goes with the last bucket only, so an engine never reports the
    new version while holding half-updated weights.
 
-Tensors are HF-named full (unsharded) weights; gloo needs them on CPU, NCCL on the GPU.
+Tensors are HF-named full (unsharded) weights; gloo needs them on CPU, NCCL on the GPU. Every trainer
+rank assembles them (:func:`gather_hf_state_dict`, collective over TP and PP); rank 0 alone talks to the
+engines (:class:`EngineWeightSync`), by broadcast or by pointing them at an HF dir written to disk.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from agentrl.cluster import free_port
+from agentrl.trainer.model import ModelArch, mcore_to_hf
 
 log = logging.getLogger("agentrl.weight_sync")
 
@@ -204,3 +210,102 @@ class WeightBroadcaster:
 
         told, left = await asyncio.gather(tell_engines(), leave_process_group(group, timeout))
         return told and left
+
+
+def gather_hf_state_dict(
+    module: torch.nn.Module, arch: ModelArch, ps: Any, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The full HF-named state dict of a GPTModel sharded over TP and PP, assembled on every rank
+    (collective over both; ``ps``: megatron's parallel_state), its tensors on ``device``."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    local = {
+        k: v.detach()
+        for k, v in module.state_dict().items()
+        if not k.endswith("_extra_state") and v is not None
+    }
+    shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    tp_group = ps.get_tensor_model_parallel_group()
+    for name in sorted(local):
+        t = local[name].contiguous()
+        if tp > 1:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t, group=tp_group)
+        else:
+            parts = [t]
+        for r, part in enumerate(parts):
+            shards.setdefault((pp_rank, r), {})[name] = part.to(device)
+    if pp > 1:
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(
+            gathered,
+            {k: {n: v.cpu() for n, v in d.items()} for k, d in shards.items()},
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+        shards = {k: {n: v.to(device) for n, v in d.items()} for part in gathered for k, d in part.items()}
+    return mcore_to_hf(shards, arch)
+
+
+class EngineWeightSync:
+    """One trainer rank's side of weight sync with the engines. Rank 0 does the talking: it holds the
+    broadcast group (a :class:`WeightBroadcaster`) and tells the engines to load an HF dir from disk;
+    on other ranks every call is a no-op. The caller owns the weight version."""
+
+    def __init__(self, rank: int, device: torch.device, bucket_bytes: int = 512 << 20) -> None:
+        self.rank = rank
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.broadcaster: WeightBroadcaster | None = None
+        self.backend: str | None = None  # of the broadcast group, once opened (rank 0)
+
+    @property
+    def is_open(self) -> bool:
+        return self.broadcaster is not None
+
+    @property
+    def gather_device(self) -> torch.device | str:
+        """Where the weights to broadcast must be: the GPU for NCCL, else the CPU."""
+        if self.device.type == "cpu" or (self.backend or "gloo") == "gloo":
+            return "cpu"
+        return self.device
+
+    async def load_from_disk(
+        self, client: Any, out_dir: str | Path, weight_version: int, abort_all_requests: bool = False
+    ) -> None:
+        """Make the engines load the HF dir ``out_dir`` as ``weight_version`` (rank 0; no client: no-op)."""
+        if self.rank == 0 and client is not None:
+            await client.update_weights_from_disk(
+                str(out_dir), weight_version=str(weight_version), abort_all_requests=abort_all_requests
+            )
+
+    async def open(
+        self,
+        client: Any,
+        num_engine_ranks: int = 1,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str | None = None,
+        group_name: str = "agentrl_weight_sync",
+        bucket_bytes: int | None = None,
+    ) -> None:
+        """Open the broadcast group with the engines (rank 0; backend default: NCCL on GPU, else gloo)."""
+        if self.rank != 0:
+            return
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.broadcaster = WeightBroadcaster(client, group_name, bucket_bytes or self.bucket_bytes)
+        self.backend = backend
+        await self.broadcaster.connect(master_address, master_port or free_port(), num_engine_ranks, backend)
+
+    async def push(self, hf: dict[str, torch.Tensor], weight_version: int) -> BroadcastStats:
+        """Broadcast ``hf`` to the engines in buckets as ``weight_version`` (rank 0, after :meth:`open`)."""
+        if self.broadcaster is None:
+            raise RuntimeError("init_weight_sync_group() first")
+        return await self.broadcaster.push(list(hf.items()), str(weight_version))
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        """Leave the broadcast group together with the engines, bounded (see :meth:`WeightBroadcaster.close`)."""
+        if self.broadcaster is None:
+            return True
+        broadcaster, self.broadcaster = self.broadcaster, None
+        return await broadcaster.close(timeout)

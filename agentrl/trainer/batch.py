@@ -1,0 +1,187 @@
+"""Batch preparation of the train step, pure torch on CPU (no torch.distributed): which trajectories are
+trained on, their per-token advantages, and the plan of mini-batches (one optimizer step each) made of
+right-padded micro-batches (one forward/backward each) for one data-parallel rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentrl.trainer.losses import Denominators, LossConfig, compute_advantages
+from agentrl.types import Status, Trajectory
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded ``[b, s]`` tensors over input positions; index ``i`` predicts token ``i + 1``."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    traj_index: list[int]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return MicroBatch(
+            mv(self.tokens),
+            mv(self.targets),
+            mv(self.loss_mask),
+            mv(self.rollout_logprobs),
+            mv(self.advantages),
+            self.traj_index,
+            mv(self.old_logprobs),
+            mv(self.ref_logprobs),
+        )  # type: ignore[arg-type]
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step's share of this rank: its micro-batches and the global (all data-parallel
+    ranks) counts the loss of the whole mini-batch divides by."""
+
+    denom: Denominators
+    micro_batches: list[MicroBatch]
+
+
+def input_length(t: Trajectory) -> int:
+    """Input positions of a trajectory: every token but the last (which is only ever a target)."""
+    return len(t.prompt_ids) + len(t.response_ids) - 1
+
+
+def select_usable(trajectories: list[Trajectory], sft: bool = False) -> tuple[list[Trajectory], int]:
+    """The trajectories a step trains on, validated, and how many were dropped: failed ones, ones with
+    an empty prompt and, unless ``sft``, unrewarded ones. Raises ``ValueError`` when none is usable."""
+    usable = [
+        t
+        for t in trajectories
+        if t.status != Status.FAILED and len(t.prompt_ids) >= 1 and (t.reward is not None or sft)
+    ]
+    dropped = len(trajectories) - len(usable)
+    if not usable:
+        raise ValueError(f"train_step got no usable trajectory ({dropped} failed or unrewarded)")
+    for t in usable:
+        t.validate()
+    return usable, dropped
+
+
+def response_mask(trajs: list[Trajectory]) -> torch.Tensor:
+    """``[n, longest response]`` loss masks, zero-padded (at least one column)."""
+    rmax = max(1, max(len(t.response_ids) for t in trajs))
+    mask = torch.zeros(len(trajs), rmax)
+    for i, t in enumerate(trajs):
+        mask[i, : len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return mask
+
+
+def batch_advantages(trajs: list[Trajectory], resp_mask: torch.Tensor, cfg: LossConfig) -> list[torch.Tensor]:
+    """Per-response-token advantages over the whole batch (groups by ``group_id``); zeros in SFT mode."""
+    if cfg.mode == "sft":
+        adv = torch.zeros_like(resp_mask)
+    else:
+        rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
+        adv = compute_advantages(rewards, [t.group_id for t in trajs], resp_mask, cfg)
+    return [adv[i, : len(t.response_ids)] for i, t in enumerate(trajs)]
+
+
+def make_micro_batch(
+    trajs: list[Trajectory],
+    index: list[int],
+    advantages: list[torch.Tensor],
+    pad_id: int = 0,
+    seq_len: int | None = None,
+    num_rows: int | None = None,
+) -> MicroBatch:
+    """Pack trajectories ``index`` into one right-padded micro-batch (``advantages[i]``: per response token)."""
+    lengths = [input_length(trajs[i]) for i in index]
+    s = max(lengths) if seq_len is None else seq_len
+    b = len(index) if num_rows is None else num_rows
+    tokens = torch.full((b, s), pad_id, dtype=torch.long)
+    targets = torch.full((b, s), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, s)
+    mu = torch.zeros(b, s)
+    adv = torch.zeros(b, s)
+    for row, i in enumerate(index):
+        t = trajs[i]
+        full = t.prompt_ids + t.response_ids
+        n = len(full) - 1
+        p = len(t.prompt_ids)
+        r = len(t.response_ids)
+        tokens[row, :n] = torch.tensor(full[:-1])
+        targets[row, :n] = torch.tensor(full[1:])
+        mask[row, p - 1 : p - 1 + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        mu[row, p - 1 : p - 1 + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+        adv[row, p - 1 : p - 1 + r] = advantages[i]
+    mu = mu * mask
+    return MicroBatch(tokens, targets, mask, mu, adv * mask, list(index))
+
+
+def split_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
+    """Positions grouped into micro-batches, in order: ``micro_batch_size`` sequences each, or (with
+    ``max_tokens``) as many as fit ``rows x longest <= max_tokens`` (a longer sequence goes alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if max_tokens is None:
+            if len(cur) == micro_batch_size:
+                out.append(cur)
+                cur = []
+        elif cur and (len(cur) + 1) * max(longest, n) > max_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def plan_mini_batches(
+    trajs: list[Trajectory],
+    advantages: list[torch.Tensor],
+    resp_mask: torch.Tensor,
+    num_mini_batches: int,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None = None,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    pad_id: int = 0,
+    fixed_shape: bool = False,
+) -> list[MiniBatch]:
+    """Split the batch, in order, into ``num_mini_batches`` contiguous mini-batches (fewer when the batch
+    is smaller), take data-parallel rank ``dp_rank``'s strided share of each and pack it into
+    micro-batches (:func:`split_micro_batches`). The denominators count the whole mini-batch, every rank's
+    share. ``fixed_shape`` (pipeline parallelism's fixed p2p shapes): every micro-batch of a mini-batch
+    gets the same length and ``micro_batch_size`` rows."""
+    n = len(trajs)
+    k = min(num_mini_batches, n)
+    bounds = [round(j * n / k) for j in range(k + 1)]
+    plan: list[MiniBatch] = []
+    for j in range(k):
+        mini = list(range(bounds[j], bounds[j + 1]))
+        m = resp_mask[mini]
+        denom = Denominators(num_tokens=float(m.sum()), num_seqs=float((m.sum(-1) > 0).sum()))
+        local = mini[dp_rank::dp_size]
+        lengths = [input_length(trajs[i]) for i in local]
+        groups = split_micro_batches(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        if fixed_shape:
+            seq = max(lengths) if lengths else 1
+            mbs = [
+                make_micro_batch(trajs, [local[g] for g in grp], advantages, pad_id, seq, micro_batch_size)
+                for grp in groups
+            ]
+        else:
+            mbs = [make_micro_batch(trajs, [local[g] for g in grp], advantages, pad_id) for grp in groups]
+        plan.append(MiniBatch(denom, mbs))
+    return plan
