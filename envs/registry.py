@@ -1,52 +1,35 @@
 """The env registry: ``@register_env("name")`` on a class (or factory), ``make_env("name", **config)``.
 
 Built-in envs register on import of :mod:`agentrl.envs`. A name may also be a ``"module:attr"`` path, so a
-config can point at a user env without registering it (``env: my_pkg.envs:WordleEnv``).
+config can point at a user env without registering it (``env: my_pkg.envs:WordleEnv``). The rules
+(overwrite checks, errors listing known names) are :class:`agentrl.registry.Registry`'s.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from agentrl.registry import Registry
 
 from .base import Env
 
 E = TypeVar("E", bound=Callable[..., Env])
-_ENVS: dict[str, Callable[..., Env]] = {}
+ENVS: Registry[Callable[..., Env]] = Registry("env")
 
 
 def register_env(name: str, *, overwrite: bool = False) -> Callable[[E], E]:
     """Class/factory decorator: ``@register_env("search")``. A second different registration is an error."""
-
-    def deco(factory: E) -> E:
-        if not callable(factory):
-            raise TypeError(f"env {name!r}: expected an Env subclass or factory, got {factory!r}")
-        if name in _ENVS and _ENVS[name] is not factory and not overwrite:
-            raise ValueError(f"env {name!r} is already registered (by {_ENVS[name]!r}); pass overwrite=True")
-        _ENVS[name] = factory
-        return factory
-
-    return deco
+    return ENVS.register(name, overwrite=overwrite)
 
 
 def list_envs() -> list[str]:
-    return sorted(_ENVS)
+    return ENVS.names()
 
 
 def get_env_factory(name: str) -> Callable[..., Env]:
     """The registered class/factory for ``name`` (or a ``module:attr`` path)."""
-    if name in _ENVS:
-        return _ENVS[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise KeyError(f"cannot load env {name!r}: {err}") from None
-    raise KeyError(
-        f"unknown env {name!r}; known envs: {', '.join(list_envs()) or '(none)'} (or use 'module:Class')"
-    )
+    return ENVS.get(name)
 
 
 def make_env(name: str, **config: Any) -> Env:

@@ -11,15 +11,18 @@ Sandboxes are async context managers; ``await close()`` releases every container
 
 from __future__ import annotations
 
+import importlib
 import posixpath
 import signal
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
 
 from agentrl.config import ConfigModel
+from agentrl.registry import Registry
 
 Files = dict[str, str | bytes]
 
@@ -188,15 +191,21 @@ class Sandbox(ABC):
         await self.close()
 
 
-def make_sandbox(backend: str = "auto", **config: Any) -> Sandbox:
-    """``"docker"``, ``"process"`` or ``"auto"`` (Docker when an engine answers, else process)."""
-    from .docker import DockerSandbox, docker_available
-    from .process import ProcessSandbox
+SANDBOX_BACKENDS: Registry[Callable[..., Sandbox]] = Registry(
+    "sandbox backend",
+    builtins=lambda: [importlib.import_module(f"agentrl.sandboxes.{m}") for m in ("docker", "process")],
+)
 
+
+def make_sandbox(backend: str = "auto", **config: Any) -> Sandbox:
+    """A sandbox of a registered backend (``"docker"``, ``"process"``, a ``"module:Class"`` path, or one
+    added with ``@SANDBOX_BACKENDS.register``), or ``"auto"``: Docker when an engine answers, else process."""
     if backend == "auto":
+        from .docker import docker_available
+
         backend = "docker" if docker_available() else "process"
-    if backend == "docker":
-        return DockerSandbox(**config)
-    if backend == "process":
-        return ProcessSandbox(**config)
-    raise SandboxError(f"unknown sandbox backend {backend!r}; known: auto, docker, process")
+    try:
+        factory = SANDBOX_BACKENDS.get(backend)
+    except KeyError as err:
+        raise SandboxError(f"{err.args[0]}; or 'auto'") from None
+    return factory(**config)

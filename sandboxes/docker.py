@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import ExecResult, OutputCap, Sandbox, SandboxConfig, SandboxError, signal_reason
+from .base import SANDBOX_BACKENDS, ExecResult, OutputCap, Sandbox, SandboxConfig, SandboxError, signal_reason
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,7 @@ def _reap_at_exit() -> None:
 _STARTED = threading.Event()  # set once any DockerSandbox created a container in this process
 
 
+@SANDBOX_BACKENDS.register("docker")
 class DockerSandbox(Sandbox):
     """Warm-pool Docker sandbox. ``DockerSandbox()`` works with defaults; see :class:`DockerSandboxConfig`."""
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .base import ExecResult, OutputCap, Sandbox, SandboxConfig, SandboxError, signal_reason
+from .base import SANDBOX_BACKENDS, ExecResult, OutputCap, Sandbox, SandboxConfig, SandboxError, signal_reason
 
 _PR_SET_PDEATHSIG = 1
 _ETC_FILES = [
@@ -70,6 +70,7 @@ def _libc_prctl() -> Any:
 _PRCTL = _libc_prctl()
 
 
+@SANDBOX_BACKENDS.register("process")
 class ProcessSandbox(Sandbox):
     """Namespace + rlimit sandbox. ``ProcessSandbox()`` works with defaults on any Linux with bwrap or unshare."""
 

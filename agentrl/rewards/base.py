@@ -9,6 +9,7 @@ a silent 0.0 reward.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import math
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.config import ConfigError
+from agentrl.registry import Registry
 from agentrl.types import Status, Trajectory
 
 
@@ -29,7 +31,9 @@ class RewardResult:
 
 Verifier = Callable[[Trajectory, Any], Awaitable[float | RewardResult] | float | RewardResult]
 
-_REGISTRY: dict[str, Verifier] = {}
+VERIFIERS: Registry[Verifier] = Registry(
+    "verifier", builtins=lambda: importlib.import_module("agentrl.rewards.builtin")
+)
 
 
 class VerifierError(RuntimeError):
@@ -38,32 +42,13 @@ class VerifierError(RuntimeError):
 
 def register_verifier(name: str, *, overwrite: bool = False) -> Callable[[Verifier], Verifier]:
     """Decorator: ``@register_verifier("exact_match")``."""
-
-    def deco(fn: Verifier) -> Verifier:
-        if not callable(fn):
-            raise TypeError(f"verifier {name!r} must be callable")
-        if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
-            raise ValueError(f"verifier {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
-
-
-def _ensure_builtins() -> None:
-    # Importing the module registers the built-in verifiers.
-    from agentrl.rewards import builtin  # noqa: F401
+    return VERIFIERS.register(name, overwrite=overwrite)
 
 
 def get_verifier(name: str) -> Verifier:
-    """The verifier registered as ``name``; unknown names fail with the list of known ones."""
-    _ensure_builtins()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown verifier {name!r}; known verifiers: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+    """The verifier registered as ``name`` (or a ``module:attr`` path); unknown names fail with the list
+    of known ones."""
+    return VERIFIERS.get(name)
 
 
 class VerifierConfigError(ConfigError):
@@ -93,8 +78,7 @@ def resolve_verifier(
 
 
 def list_verifiers() -> list[str]:
-    _ensure_builtins()
-    return sorted(_REGISTRY)
+    return VERIFIERS.names()
 
 
 async def run_verifier(
