@@ -30,7 +30,7 @@ async def run_mode(url: str, tok: Any, eta: int, a: argparse.Namespace) -> dict[
     from agentrl.engine.client import EngineClient
     from agentrl.engine.types import SamplingParams
     from agentrl.rollout import Orchestrator, RolloutConfig
-    from agentrl.rollout.testing import SyntheticEnv, lognormal
+    from agentrl.testing.envs import SyntheticEnv, lognormal
 
     cfg = RolloutConfig(
         group_size=a.group_size,
@@ -91,7 +91,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from agentrl.engine.stub_server import start_stub_server
+    from agentrl.testing.stub_engine import start_stub_server
 
     model_dir = a.model_dir
     if model_dir is None:

@@ -56,7 +56,7 @@ async def orchestrator_turns_per_s(url: str, tokenizer, concurrency: int, second
     from agentrl.engine.client import EngineClient
     from agentrl.engine.types import SamplingParams
     from agentrl.rollout import Orchestrator, RolloutConfig
-    from agentrl.rollout.testing import SyntheticEnv
+    from agentrl.testing.envs import SyntheticEnv
 
     group = 8
     cfg = RolloutConfig(
@@ -125,7 +125,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from agentrl.engine.stub_server import start_stub_server
+    from agentrl.testing.stub_engine import start_stub_server
 
     model_dir = a.model_dir
     if model_dir is None:

@@ -16,13 +16,14 @@ from transformers import AutoTokenizer
 
 from agentrl.buffer import DataExhausted
 from agentrl.engine.client import EngineClient
-from agentrl.engine.stub_server import stub_engine_in_process
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.envs.base import Env, StepResult
 from agentrl.metrics import MetricsLogger, read_metrics
+from agentrl.rewards import VerifierConfigError
 from agentrl.rewards.base import register_verifier
 from agentrl.rollout import ChatTokenizer, Orchestrator, RolloutConfig
-from agentrl.rollout.testing import SyntheticEnv
+from agentrl.testing.envs import SyntheticEnv
+from agentrl.testing.stub_engine import stub_engine_in_process
 from agentrl.types import OBSERVATION_VERSION, Status, Trajectory
 
 
@@ -273,6 +274,10 @@ class NoRewardEnv(SyntheticEnv):
         return r
 
 
+class BrokenPromiseEnv(NoRewardEnv):
+    scores_itself = True  # ... but its episodes end without a reward
+
+
 async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
     async with stub_engine_in_process() as (_, url):
         client = EngineClient(url, timeout=10)
@@ -301,12 +306,19 @@ async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
         await orch.stop()
         assert orch.m.failures["verifier"] == 6 and orch.m.counters["episode_retries"] == 3
         assert orch.m.dropped["failed"] == 3
-        # no verifier and no env reward: FAILED with an explicit error
+        # no verifier anywhere: the run fails at start-up, before any episode
+        orch = Orchestrator(
+            cfg(group_size=1, batch_size=1), client, tok, lambda: NoRewardEnv(turns=1), tasks(1)
+        )
+        with pytest.raises(VerifierConfigError, match=r"rollout\.verifier: not set"):
+            await orch.start()
+        assert orch.drawn == 0
+        # an env that claims to score itself but ends without a reward: FAILED with an explicit error
         orch = Orchestrator(
             cfg(group_size=1, batch_size=1, max_retries=0, epochs=1, failed_member_policy="drop_member"),
             client,
             tok,
-            lambda: NoRewardEnv(turns=1),
+            lambda: BrokenPromiseEnv(turns=1),
             tasks(1),
         )
         await orch.start()

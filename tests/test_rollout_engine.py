@@ -16,7 +16,7 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.local_server import start_local_server
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.rollout import ChatTokenizer, Orchestrator, RolloutConfig
-from agentrl.rollout.testing import SyntheticEnv
+from agentrl.testing.envs import SyntheticEnv
 from agentrl.types import OBSERVATION_VERSION
 
 

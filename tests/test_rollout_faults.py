@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from agentrl.buffer import DataExhausted
 from agentrl.engine.client import EngineClient
-from agentrl.engine.stub_server import start_stub_server
 from agentrl.engine.types import SamplingParams
 from agentrl.rollout import Orchestrator, RolloutConfig
-from agentrl.rollout.testing import SyntheticEnv, lognormal
+from agentrl.testing.envs import SyntheticEnv, lognormal
+from agentrl.testing.stub_engine import start_stub_server
 
 N_TASKS = 48
 

@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from agentrl.buffer import DataExhausted
 from agentrl.engine.client import EngineClient
-from agentrl.engine.stub_server import stub_engine_in_process
 from agentrl.engine.types import SamplingParams
 from agentrl.rollout import Orchestrator, RolloutConfig
-from agentrl.rollout.testing import SyntheticEnv, lognormal
+from agentrl.testing.envs import SyntheticEnv, lognormal
+from agentrl.testing.stub_engine import stub_engine_in_process
 
 N_TASKS = 24
 

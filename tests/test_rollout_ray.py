@@ -12,10 +12,10 @@ import pytest
 import ray
 
 from agentrl.engine.client import EngineClient
-from agentrl.engine.stub_server import start_stub_server
 from agentrl.engine.types import SamplingParams
 from agentrl.rollout import OrchestratorSpec, RolloutConfig, make_rollout_actor
-from agentrl.rollout.testing import SyntheticEnv
+from agentrl.testing.envs import SyntheticEnv
+from agentrl.testing.stub_engine import start_stub_server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ engine: the embedded engine (``agentrl.engine.local_server``) and SGLang are.
 
 Run it in its own process (what tests and benches do, so it never shares their event loop)::
 
-    python -m agentrl.engine.stub_server --port 0 --per-token-time 0.001 --fail-rate 0.05
+    python -m agentrl.testing.stub_engine --port 0 --per-token-time 0.001 --fail-rate 0.05
 
 It prints ``STUB_SERVER_LISTENING <port>`` once it accepts connections. :func:`start_stub_server`
 does that from Python and returns a handle with ``.url``, ``.stop()``, ``.kill()`` and ``.restart()``.
@@ -390,7 +390,7 @@ class StubServerHandle:
         cmd = [
             sys.executable,
             "-m",
-            "agentrl.engine.stub_server",
+            "agentrl.testing.stub_engine",
             "--host",
             "127.0.0.1",
             "--port",

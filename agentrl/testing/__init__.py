@@ -1,0 +1,10 @@
+"""The test kit: stand-ins that tests and benchmarks drive the real parts with. Not used by a run.
+
+* :mod:`agentrl.testing.stub_engine`: an SGLang-protocol HTTP server with no model behind it (random or
+  scripted tokens, latency and failure injection), for the orchestrator's tests and benchmarks.
+* :mod:`agentrl.testing.envs`: synthetic envs (fixed turns, tool latency, injected errors, random
+  terminal rewards).
+
+The real parts they stand beside: the embedded engine (:mod:`agentrl.engine.local_server`), SGLang, and
+the built-in envs (:mod:`agentrl.envs`).
+"""
