@@ -94,10 +94,11 @@ def main() -> None:
     from agentrl.testing.stub_engine import start_stub_server
 
     model_dir = a.model_dir
+    scratch = tempfile.TemporaryDirectory(prefix="agentrl_bench_")  # removed at the end of the run
     if model_dir is None:
         from agentrl.models.tiny import build_tiny_model
 
-        model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="agentrl_bench_"), arch="qwen2"))
+        model_dir = str(build_tiny_model(scratch.name, arch="qwen2"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     # median of uniform-free log-normal lengths = (min + max) / 2 in the stub's length model
     srv = start_stub_server(
@@ -113,6 +114,7 @@ def main() -> None:
             results[name] = asyncio.run(run_mode(srv.url, tok, eta, a))
     finally:
         srv.stop()
+        scratch.cleanup()
     sync = results["sync"]["wall_s"]
     print(
         json.dumps(

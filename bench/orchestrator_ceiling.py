@@ -128,10 +128,11 @@ def main() -> None:
     from agentrl.testing.stub_engine import start_stub_server
 
     model_dir = a.model_dir
+    scratch = tempfile.TemporaryDirectory(prefix="agentrl_bench_")  # removed at the end of the run
     if model_dir is None:
         from agentrl.models.tiny import build_tiny_model
 
-        model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="agentrl_bench_"), arch="qwen2"))
+        model_dir = str(build_tiny_model(scratch.name, arch="qwen2"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     srv = start_stub_server(min_tokens=4, max_tokens=16)  # zero latency
     orch_runs: list[dict] = []
@@ -148,6 +149,7 @@ def main() -> None:
             )
     finally:
         srv.stop()
+        scratch.cleanup()
     ratios = sorted(o["turns_per_s"] / r for o, r in zip(orch_runs, raw_runs, strict=True))
     orch = max(orch_runs, key=lambda o: o["turns_per_s"])
     raw = max(raw_runs)

@@ -164,10 +164,13 @@ def test_stop_escalates_to_sigkill(tmp_path: Path, fake_python: str) -> None:
     )
     launcher = SGLangLauncher(cfg).start()
     leader, child = launcher.process.pid, int((tmp_path / "child.pid").read_text())
+    scratch = launcher.log_file.parent  # no log_file given: a temp dir of the launcher's own
+    assert scratch.name.startswith("agentrl-sglang-") and scratch.is_dir()
     t0 = time.monotonic()
     launcher.stop()
     assert time.monotonic() - t0 < 5
     assert _wait_dead(leader) and _wait_dead(child)
+    assert not scratch.exists(), "stop() left its temp dir behind"
 
 
 def test_fails_fast_with_log_tail_when_server_exits(tmp_path: Path, fake_python: str) -> None:
@@ -192,6 +195,7 @@ def test_health_timeout_stops_the_server(tmp_path: Path, fake_python: str) -> No
         launcher.start()
     child = int((tmp_path / "child.pid").read_text())
     assert _wait_dead(launcher.process.pid) and _wait_dead(child)
+    assert not launcher.log_file.parent.exists()  # the temp dir goes with a failed start too
 
 
 def test_router_launcher(tmp_path: Path, fake_python: str) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.cluster import free_port
+from agentrl.engine._proc import ServerStartError
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.local_server import LocalServer, start_local_server
 from agentrl.engine.types import SamplingParams
@@ -463,3 +465,15 @@ async def test_gpu_logprobs_fp32_and_bf16(tiny_model_dir: Path) -> None:
                 assert max_err(ref, r.logprobs) < (1e-4 if dtype == "float32" else 0.1)
         finally:
             srv.stop()
+
+
+def test_a_stopped_or_failed_server_leaves_no_temp_dir(tiny_model_dir: Path, tmp_path: Path) -> None:
+    srv = start_local_server(tiny_model_dir, max_batch_size=2)
+    scratch = srv.process.scratch_dir
+    assert scratch is not None and (scratch / "port").is_file()
+    srv.stop()
+    assert not scratch.exists()
+    before = set(Path(tempfile.gettempdir()).glob("agentrl-engine-*"))
+    with pytest.raises(ServerStartError, match="exited with code"):
+        start_local_server(tmp_path / "no-model-here", timeout=60)
+    assert set(Path(tempfile.gettempdir()).glob("agentrl-engine-*")) <= before

@@ -1,5 +1,6 @@
 """A server child process that leaves no orphans: its own process group, a health wait that fails fast
-with the log tail, and a stop that signals the whole group (SIGTERM, then SIGKILL).
+with the log tail, and a stop that signals the whole group (SIGTERM, then SIGKILL) and then removes the
+scratch directory the process was given (port file, default log), so nothing is left in the temp dir.
 
 Shared by the SGLang launcher and the embedded engine's ``start_local_server``.
 """
@@ -10,6 +11,7 @@ import atexit
 import contextlib
 import ipaddress
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -68,6 +70,23 @@ class ServerProcess:
         log_file: str | Path,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        scratch_dir: str | Path | None = None,
+    ) -> None:
+        """``scratch_dir``: a directory this process owns; :meth:`stop` removes it (also when the start
+        fails here)."""
+        self.scratch_dir = None if scratch_dir is None else Path(scratch_dir)
+        try:
+            self._start(argv, log_file, env, cwd)
+        except BaseException:
+            self._remove_scratch()
+            raise
+
+    def _start(
+        self,
+        argv: Sequence[str],
+        log_file: str | Path,
+        env: Mapping[str, str] | None,
+        cwd: str | Path | None,
     ) -> None:
         self.argv = [str(a) for a in argv]
         self.log_file = Path(log_file)
@@ -105,18 +124,18 @@ class ServerProcess:
         while True:
             code = self.proc.poll()
             if code is not None:
-                self.stop()
+                log = self._stop_keeping_log()
                 raise ServerStartError(
                     f"server exited with code {code} before {what}: {' '.join(self.argv)}\n"
-                    f"--- last lines of {self.log_file} ---\n{tail(self.log_file)}"
+                    f"--- last lines of {self.log_file} ---\n{log}"
                 )
             if ready():
                 return
             if time.monotonic() > deadline:
-                self.stop()
+                log = self._stop_keeping_log()
                 raise ServerStartError(
                     f"server not {what} after {timeout:.0f}s: {' '.join(self.argv)}\n"
-                    f"--- last lines of {self.log_file} ---\n{tail(self.log_file)}"
+                    f"--- last lines of {self.log_file} ---\n{log}"
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
@@ -140,7 +159,21 @@ class ServerProcess:
             os.killpg(self.pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace)
+        self._remove_scratch()
         return self.proc.returncode
+
+    def _stop_keeping_log(self) -> str:
+        """Stop the server and return its log tail (read after the stop, before the scratch goes)."""
+        scratch, self.scratch_dir = self.scratch_dir, None
+        self.stop()
+        log = tail(self.log_file)
+        self.scratch_dir = scratch
+        self._remove_scratch()
+        return log
+
+    def _remove_scratch(self) -> None:
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
 
 @atexit.register

@@ -116,7 +116,9 @@ class SGLangConfig(ConfigModel):
         description="set SGLANG_RETURN_ORIGINAL_LOGPROB=1: logprobs of the raw model (before temperature), "
         "what the trainer recomputes and what the embedded engine returns",
     )
-    log_file: str | None = Field(None, description="server stdout+stderr (default: a temp file)")
+    log_file: str | None = Field(
+        None, description="server stdout+stderr (default: a temp file, removed when the server stops)"
+    )
     startup_timeout: float = Field(900.0, gt=0, description="seconds to wait for /health")
     stop_grace: float = Field(15.0, ge=0, description="seconds between SIGTERM and SIGKILL on stop")
 
@@ -139,7 +141,9 @@ class SGLangRouterConfig(ConfigModel):
     python: str = Field(default_factory=lambda: sys.executable, description="python that has sglang-router")
     module: str = Field("sglang_router.launch_router", description="module run with python -m")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
-    log_file: str | None = Field(None, description="router stdout+stderr (default: a temp file)")
+    log_file: str | None = Field(
+        None, description="router stdout+stderr (default: a temp file, removed when the router stops)"
+    )
     startup_timeout: float = Field(120.0, gt=0, description="seconds to wait for /health")
     stop_grace: float = Field(10.0, ge=0, description="seconds between SIGTERM and SIGKILL on stop")
 
@@ -185,12 +189,13 @@ class _Launcher:
             raise RuntimeError(f"{self.name} already running (pid {self.process.pid})")
         if self.cfg.port == 0:
             self._port = free_port(self.cfg.host)
-        log_file = self.cfg.log_file
-        if log_file is None:
+        log_file, scratch = self.cfg.log_file, None
+        if log_file is None:  # a log in a temp dir of its own, removed when the server stops
             import tempfile
 
-            log_file = str(Path(tempfile.mkdtemp(prefix=f"agentrl-{self.name}-")) / f"{self.name}.log")
-        self.process = ServerProcess(self.command(), log_file, env=self.environment())
+            scratch = Path(tempfile.mkdtemp(prefix=f"agentrl-{self.name}-"))
+            log_file = str(scratch / f"{self.name}.log")
+        self.process = ServerProcess(self.command(), log_file, env=self.environment(), scratch_dir=scratch)
         if wait:
             self.wait_healthy()
         return self

@@ -547,7 +547,7 @@ def start_local_server(
     ]
     if api_key:
         argv += ["--api-key", api_key]
-    proc = ServerProcess(argv, log_path, env=env)
+    proc = ServerProcess(argv, log_path, env=env, scratch_dir=workdir)  # removed when it stops
     t0 = time.monotonic()
     proc.wait_until(port_file.exists, timeout, "listening")
     bound = int(port_file.read_text())
