@@ -109,7 +109,10 @@ async def test_200_faulty_runs_leave_nothing_behind(backend):
             counts["cancelled"] += 1
             return kind, None
         if backend == "docker" and i % 23 == 0:  # the container dies under the run (engine-side fault)
-            await asyncio.sleep(1.0 + (i % 5) * 0.5)  # by then the pool is up and busy
+            await asyncio.sleep(1.0 + (i % 5) * 0.5)  # let the run get under way
+            deadline = time.monotonic() + 120  # a pool slow to start (a loaded machine) is waited for
+            while not sb._containers and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             ids = list(sb._containers)
             if ids:
                 await asyncio.to_thread(
