@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import io
 import json
-import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -133,13 +133,9 @@ def run_config(name: str, model_dir: str, kw: dict, lines: list[str], workdir: s
 
 def _worker(rank: int, world: int, port: int, name: str, model_dir: str, kw: dict, workdir: str) -> None:
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from _trainer_helpers import dist_env
+
+    dist_env(rank, world, port)
     lines: list[str] = []
     run_config(name, model_dir, kw, lines, workdir)
     Path(workdir, f"{name}.rank{rank}.txt").write_text("\n".join(lines) + "\n")
@@ -153,11 +149,20 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(Path(a.repo) / "tests"))
     warnings.filterwarnings("ignore")
-    from _trainer_helpers import free_port
+    work = tempfile.mkdtemp(prefix="trainer_fp_")
+    try:
+        fingerprint(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
+
+def fingerprint(a: argparse.Namespace, work: str) -> None:
+    """Print the fingerprint of every selected config; models and rank outputs go under ``work``."""
+    from _trainer_helpers import dist_env
+
+    from agentrl.cluster import free_port
     from agentrl.models.tiny import build_tiny_model
 
-    work = tempfile.mkdtemp(prefix="trainer_fp_")
     models = {
         arch: str(build_tiny_model(Path(work) / f"tiny_{arch}", arch=arch, seed=0))
         for arch in ("qwen2", "qwen3")
@@ -266,13 +271,7 @@ def main() -> None:
         print(f"== {name} world {world} {json.dumps(kw, sort_keys=True)}", flush=True)
         if world == 1:
             lines: list[str] = []
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )
+            dist_env(0, 1, free_port())
             run_config(name, models[arch], kw, lines, work)
             print("\n".join(lines), flush=True)
         else:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -458,8 +458,9 @@ _LIVE: set[RetrievalServer] = set()
 class RetrievalServer:
     """Handle to a retrieval server child process: ``.url``, ``.pid``, ``.stop()``; a context manager."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, info: dict[str, Any], log_path: Path) -> None:
-        self.proc, self.url, self.info, self.log_path = proc, url, info, log_path
+    def __init__(self, proc: subprocess.Popen, url: str, info: dict[str, Any], log: IO[bytes]) -> None:
+        self.proc, self.url, self.info = proc, url, info
+        self._log = log  # the child's stderr: a file with no name, gone once both ends close it
         _LIVE.add(self)
 
     @property
@@ -476,8 +477,7 @@ class RetrievalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
+        self._log.close()
 
     def __enter__(self) -> RetrievalServer:
         return self
@@ -504,7 +504,9 @@ def start_retrieval_server(
     The child exits when this process exits (it watches its parent), so it cannot outlive a crash.
     """
     limits = limits or ServerLimits()
-    log = tempfile.NamedTemporaryFile(prefix="agentrl-retrieval-", suffix=".log", delete=False)
+    # stderr goes to a temp file without a name: nothing is left behind, even when this process dies
+    # without cleanup, and a failed start still shows its tail
+    log = tempfile.TemporaryFile(prefix="agentrl-retrieval-", suffix=".log")
     cmd = [
         sys.executable, "-m", "agentrl.examples.search_r1.retrieval_server",
         "--corpus", str(corpus_path), "--host", host, "--port", str(port),
@@ -514,7 +516,6 @@ def start_retrieval_server(
         "--default-topk", str(limits.default_topk),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
-    log.close()
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()  # also drains later output, so the pipe never fills
@@ -524,16 +525,16 @@ def start_retrieval_server(
             with contextlib.suppress(json.JSONDecodeError):
                 info = json.loads(line)
                 if isinstance(info, dict) and info.get("event") == "ready":
-                    return RetrievalServer(proc, info["url"], info, Path(log.name))
+                    return RetrievalServer(proc, info["url"], info, log)
         if proc.poll() is not None:
             break
         time.sleep(0.02)
     if proc.poll() is None:
         proc.kill()
     proc.wait()
-    tail = Path(log.name).read_text(errors="replace")[-3000:]
-    with contextlib.suppress(OSError):
-        os.unlink(log.name)
+    log.seek(0)
+    tail = log.read().decode(errors="replace")[-3000:]
+    log.close()
     state = f"exited with code {proc.returncode}" if proc.returncode is not None else "timed out"
     raise RuntimeError(f"retrieval server {state} before it was ready ({' '.join(cmd)}):\n{tail}")
 
