@@ -1,7 +1,9 @@
 """The async rollout: orchestrator, staleness-gated admission, group sampling and filtering.
 
-- :class:`Orchestrator` (``orchestrator.py``): drives multi-turn episodes against SGLang-protocol
-  engines, token-in/token-out, and feeds whole groups into the staleness-bounded buffer.
+- :class:`Orchestrator` (``orchestrator.py``): admits groups of episodes under the staleness bound,
+  judges them and feeds whole groups into the staleness-bounded buffer; pauses for weight updates.
+- :class:`EpisodeRunner` (``episode.py``): one multi-turn episode against SGLang-protocol engines,
+  token-in/token-out, scored by the env or a verifier.
 - :class:`RolloutConfig` (``config.py``): every knob, validated.
 - :class:`DatasetCursor` (``dataset.py``): checkpointable task cursor; every draw has a uid.
 - :class:`ChatTokenizer` (``tokenize.py``): the prompt render and observation deltas (never re-tokenize).
@@ -14,6 +16,7 @@ The staleness invariant and its owner live in :mod:`agentrl.buffer`.
 from agentrl.buffer import DataExhausted, Group, StalenessController, TrajectoryBuffer
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
+from agentrl.rollout.episode import EpisodeRunner
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.rollout.ray_actor import OrchestratorSpec, RolloutWorker, make_rollout_actor
@@ -25,6 +28,7 @@ __all__ = [
     "DataExhausted",
     "DatasetCursor",
     "Draw",
+    "EpisodeRunner",
     "Group",
     "Orchestrator",
     "OrchestratorSpec",

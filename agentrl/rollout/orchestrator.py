@@ -6,13 +6,10 @@ One :class:`Orchestrator` draws tasks from a :class:`DatasetCursor`, starts a *g
 runs every episode against the engine(s) through :class:`EngineClient`, scores it, filters the group
 and puts it into the :class:`TrajectoryBuffer` the trainer reads from.
 
-An episode, turn by turn (token-in/token-out; :mod:`agentrl.rollout.tokenize`):
-    prompt_ids = chat template of ``await env.reset(task)`` (rendered once, with ``env.tools``)
-    loop: ``/generate`` with the exact ids so far -> sampled ids + logprobs + ``weight_version``
-          (loss_mask 1) -> ``await env.step(decoded action)`` -> observation tokenized once, alone
-          (loss_mask 0) -> until terminated / truncated / max_turns / max_total_tokens / context length.
-    reward: the env's, else ``run_verifier(name)`` with ``config.verifier`` or, when that is unset, the
-    env's own ``verifier`` (a raising verifier marks it FAILED; with neither, start-up fails).
+An episode, turn by turn, token-in/token-out, is :class:`~agentrl.rollout.episode.EpisodeRunner`'s
+(``episode.py``); this module decides which episodes run and when, and what becomes of their groups.
+The reward is the env's, else ``rollout.verifier``'s or, when that is unset, the env's own ``verifier``
+(with neither, start-up fails).
 
 Weight updates (the trainer's loop)::
 
@@ -48,35 +45,30 @@ Public API (what ``train_async.py`` uses)::
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from agentrl.buffer import Group, StalenessController, TrajectoryBuffer, within_bound
-from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
+from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
+from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env
 from agentrl.metrics import MetricsSink
-from agentrl.rewards.base import resolve_verifier, run_verifier
+from agentrl.rewards.base import resolve_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
+from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.tokenize import ChatTokenizer
 from agentrl.types import Status, Trajectory
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Outcomes of a draw (what accounting() counts).
 TRAINED = "trained"
-
-
-class _Restart(Exception):  # control flow, not an error
-    """Re-run an episode from scratch (too stale to be trained, or interrupted with interrupt_mode=restart)."""
 
 
 @dataclass
@@ -84,16 +76,6 @@ class _GroupRun:
     draw: Draw
     start_version: int
     task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-
-def _parse_version(v: str | None, fallback: int) -> int:
-    """The engine's weight_version as an int; SGLang's initial "default" (or anything else) -> fallback."""
-    if v is None:
-        return fallback
-    try:
-        return int(v)
-    except ValueError:
-        return fallback
 
 
 class Orchestrator:
@@ -145,12 +127,14 @@ class Orchestrator:
         self._groups: dict[str, _GroupRun] = {}  # running
         self._buffered: dict[str, Draw] = {}  # accepted into the buffer, not yet handed to the trainer
         self._episode_slots = 0  # episodes reserved by running groups (concurrency cap)
-        self._engine_open = asyncio.Event()
+        self._engine_open = asyncio.Event()  # cleared while a weight update pauses the engines
         self._engine_open.set()
+        self.episodes = EpisodeRunner(
+            config, engine_client, self.chat, env_factory, self.controller, self._engine_open
+        )
         self._paused = False
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
-        self._rid = itertools.count()
         self.drawn = 0
         self.trained = 0
         self.outcomes: list[tuple[str, str]] = []  # (uid, outcome) when config.record_outcomes
@@ -323,8 +307,8 @@ class Orchestrator:
         attempt = stale = 0
         while True:
             try:
-                traj = await self._episode(g, i, self.cfg.sampling, self.m, train=True)
-            except _Restart as why:
+                traj = await self.episodes.run(g.draw, i, self.cfg.sampling, self.m, train=True)
+            except Restart as why:
                 if why.args and why.args[0] == "too stale":
                     stale += 1
                     if stale > self.cfg.max_stale_restarts:
@@ -347,176 +331,6 @@ class Orchestrator:
                 return traj
             attempt += 1
             self.m.count("episode_retries")
-
-    def _doomed(self, min_version: int | None) -> bool:
-        """Tokens this old can never be trained within the bound: re-run instead of finishing."""
-        return not within_bound(self.controller.version, min_version, self.controller.max_staleness)
-
-    async def _env_call(self, aw: Awaitable[T]) -> T:
-        if self.cfg.env_step_timeout is None:
-            return await aw
-        return await asyncio.wait_for(aw, self.cfg.env_step_timeout)
-
-    async def _episode(
-        self, g: _GroupRun, i: int, sampling: SamplingParams, m: RolloutMetrics, train: bool
-    ) -> Trajectory:
-        task, uid = g.draw.task, g.draw.uid
-        t0 = time.monotonic()
-        env: Env | None = None
-        traj = Trajectory(
-            task_id=g.draw.task_id, group_id=uid, prompt_ids=[], sample_index=i, label=task.get("label")
-        )
-        phase = "env"
-        try:
-            env = self.env_factory()
-            messages = await self._env_call(env.reset(dict(task)))
-            phase = "tokenizer"
-            traj.prompt_ids = self.chat.prompt_ids(messages, getattr(env, "tools", None))
-            stop = [*sampling.stop, *(getattr(env, "stop", None) or [])]
-            limit = self.cfg.token_limit
-            status = Status.TRUNCATED  # max_turns reached unless something below ends it first
-            tool_time = 0.0
-            for _turn in range(self.cfg.max_turns):
-                room = limit - len(traj.prompt_ids) - len(traj.response_ids)
-                if room <= 0:
-                    break
-                phase = "engine"
-                ids, lps, vers = await self._generate_turn(g, traj, sampling, stop, room, m, train)
-                phase = "tokenizer"
-                text = self.chat.action_text(ids)
-                traj.append_model_tokens(ids, lps, vers, text)
-                m.turn(len(ids))
-                if len(traj.prompt_ids) + len(traj.response_ids) >= limit:
-                    break
-                phase = "env"
-                ts = time.monotonic()
-                res = await self._env_call(env.step(text))
-                dt = time.monotonic() - ts
-                tool_time += dt
-                m.tool(dt)
-                if res.info:
-                    traj.info.update(res.info)
-                if res.reward is not None:
-                    traj.reward = float(res.reward)
-                if res.terminated:
-                    status = Status.COMPLETED
-                    break
-                if res.truncated:
-                    break
-                if res.observation:
-                    phase = "tokenizer"
-                    fmt = getattr(res, "observation_format", "message")
-                    obs = self.chat.observation_ids(
-                        res.observation, ids[-1] if ids else None, fmt, res.observation_role
-                    )
-                    if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
-                        break  # the observation does not fit the context: truncated
-                    traj.append_observation_tokens(obs, res.observation)
-                    m.observation(len(obs))
-            traj.status = status
-            traj.timings["tool_s"] = tool_time
-            if traj.reward is None:
-                phase = "verifier"
-                verifier = self.cfg.verifier or env.verifier  # the config's wins, else the env's
-                if verifier is None:
-                    traj.status = Status.FAILED
-                    traj.error = (
-                        "no reward: the env gave none, names no verifier, and rollout.verifier is not set"
-                    )
-                    m.failure("reward")
-                elif not await run_verifier(verifier, traj, traj.label, self.cfg.verifier_timeout):
-                    m.failure("verifier")
-        except (_Restart, asyncio.CancelledError):
-            raise
-        except Exception as err:
-            kind = "engine" if isinstance(err, EngineError) else phase
-            traj.status = Status.FAILED
-            traj.error = f"{kind}: {type(err).__name__}: {err}"
-            m.failure(kind)
-        finally:
-            if env is not None:
-                try:
-                    await env.close()
-                except Exception:
-                    m.failure("env_close")
-        traj.timings["episode_s"] = time.monotonic() - t0
-        m.episode(traj.status.value, len(traj.response_ids), traj.num_turns)
-        return traj
-
-    async def _generate_turn(
-        self,
-        g: _GroupRun,
-        traj: Trajectory,
-        sampling: SamplingParams,
-        stop: list[str],
-        room: int,
-        m: RolloutMetrics,
-        train: bool,
-    ) -> tuple[list[int], list[float], list[int]]:
-        """One model turn; survives interruptions (resubmits the tokens so far) and engine restarts."""
-        # versions never decrease within an episode, so the oldest model token is the first one
-        traj_min = next((v for v, mk in zip(traj.policy_versions, traj.loss_mask, strict=True) if mk), None)
-        ids: list[int] = []
-        lps: list[float] = []
-        vers: list[int] = []
-        errors = aborts = 0
-        while True:
-            if not self._engine_open.is_set():
-                await self._engine_open.wait()
-            oldest = (
-                min(vers[0], traj_min) if vers and traj_min is not None else (vers[0] if vers else traj_min)
-            )
-            if train and self._doomed(oldest):
-                m.count("stale_episode_restarts")
-                raise _Restart("too stale")
-            max_new = min(sampling.max_new_tokens - len(ids), room - len(ids))
-            if max_new <= 0:
-                return ids, lps, vers
-            sp = sampling.model_copy(update={"max_new_tokens": max_new, "stop": stop})
-            sent_version = self.controller.version
-            m.request_started(len(traj.prompt_ids) + len(traj.response_ids) + len(ids))
-            t = time.monotonic()
-            try:
-                res = await self.engine.generate(
-                    traj.prompt_ids + traj.response_ids + ids,
-                    sp,
-                    rid=f"{g.draw.uid}/{traj.sample_index}/{next(self._rid)}",
-                )
-            except EngineRequestError:
-                raise  # the engine rejected the request: re-sending the same one will not help
-            except EngineError:
-                errors += 1
-                m.count("engine_errors")
-                if errors > self.cfg.engine_retries:
-                    raise
-                await asyncio.sleep(min(self.cfg.engine_retry_backoff * 2 ** (errors - 1), 4.0))
-                continue
-            finally:
-                m.request_ended(time.monotonic() - t)
-            v = _parse_version(res.weight_version, sent_version)
-            if v > self.controller.version:
-                # the engine serves weights the trainer has not announced: a setup error, never silent
-                m.count("engine_version_ahead")
-                if m.counters["engine_version_ahead"] == 1:
-                    log.warning(
-                        "engine reports weight_version %s but the policy version is %d; call "
-                        "resume_after_update(version) with the version the engines were given",
-                        res.weight_version,
-                        self.controller.version,
-                    )
-            ids += res.output_ids
-            lps += res.logprobs
-            vers += [v] * len(res.output_ids)
-            if not res.aborted:
-                return ids, lps, vers
-            aborts += 1
-            m.count("interrupted_requests")
-            if aborts > 10_000:
-                raise EngineError("a request was aborted 10000 times in a row")
-            if train and self.cfg.interrupt_mode == "restart":
-                m.count("interrupt_restarts")
-                raise _Restart("interrupted")
-            # continue: resubmit prompt + everything sampled so far, under the new version
 
     # ================================================================ weight updates
     async def pause_for_update(self) -> None:
@@ -558,7 +372,7 @@ class Orchestrator:
             async with sem:
                 attempt = 0
                 while True:
-                    traj = await self._episode(g, 0, sp, self.eval_m, train=False)
+                    traj = await self.episodes.run(g.draw, 0, sp, self.eval_m, train=False)
                     if traj.status != Status.FAILED or attempt >= self.cfg.max_retries:
                         return traj
                     attempt += 1
