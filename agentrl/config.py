@@ -78,8 +78,11 @@ def build_config(cls: type[T], data: dict[str, Any] | None = None, source: str =
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Load ``cls`` from a YAML file (optional) plus ``key=value`` overrides."""
+def read_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """The raw mapping of a YAML file (optional) with ``key=value`` overrides applied, and a description
+    of its source for error messages; validate it with :func:`build_config`."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -97,7 +100,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     if overrides:
         data = apply_overrides(data, overrides)
         source += " + overrides"
-    return build_config(cls, data, source)
+    return data, source
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Load ``cls`` from a YAML file (optional) plus ``key=value`` overrides."""
+    return build_config(cls, *read_config(path, overrides))
 
 
 def dump_config(cfg: BaseModel) -> str:
