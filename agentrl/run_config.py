@@ -1,8 +1,10 @@
 """RunConfig: the one validated config of a ``train_async.py`` run, composed of the components' configs.
 
-Loaded from one YAML file plus ``key=value`` overrides (``rollout.group_size=4 trainer.lr=1e-4``); any
-unknown or invalid field fails with its dotted path. ``trainer.model_path`` defaults to the run's
-``model_path``; ``model_path: auto`` means "the Search-R1 bootstrap's SFT checkpoint" (the CPU demo).
+Loaded from one YAML file plus ``key=value`` overrides (``rollout.group_size=4 trainer.lr=1e-4``) by
+:func:`agentrl.recipe.load_run_config`; any unknown or invalid field fails with its dotted path. This is
+the generic part, the same for every env and verifier. A run's ``recipe`` (:mod:`agentrl.recipe`) may
+validate it with a subclass that adds its own sections, as the Search-R1 demo adds ``bootstrap`` and
+``retrieval``. ``trainer.model_path`` defaults to the run's ``model_path``.
 """
 
 from __future__ import annotations
@@ -13,16 +15,18 @@ from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
 from agentrl.engine.launcher import SGLangConfig
-from agentrl.examples.search_r1.bootstrap import BootstrapConfig
 from agentrl.rollout.config import RolloutConfig
 from agentrl.trainer.trainer import TrainerConfig
 
 
 class DataConfig(ConfigModel):
-    """Where tasks come from (Search-R1 parquet: ``<path>/train.parquet`` and ``<path>/test.parquet``)."""
+    """Where tasks come from: one task dict per JSONL line or parquet row (what ``env.reset`` receives;
+    its ``label`` goes to the verifier), read by the run's recipe."""
 
-    path: str = Field("auto", description="directory or parquet file; auto = the bootstrap's synthetic world")
-    corpus: str = Field("auto", description="retrieval corpus jsonl; auto = the bootstrap's world corpus")
+    path: str = Field(
+        description="a directory holding <split>.jsonl (or .jsonl.gz, .parquet) per split, or one such file "
+        "of training tasks (then there are no held-out tasks)"
+    )
     train_split: str = Field("train", description="split name of the training tasks")
     test_split: str = Field("test", description="split name of the held-out tasks")
     max_train_tasks: int | None = Field(None, ge=1, description="use at most this many training tasks")
@@ -31,16 +35,8 @@ class DataConfig(ConfigModel):
 class EnvConfig(ConfigModel):
     """Which registered env every episode gets, and its constructor arguments."""
 
-    name: str = Field("search", description="registered env name (agentrl.envs.make_env)")
+    name: str = Field(description="registered env name or module:Class (agentrl.envs.make_env)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments of the env")
-
-
-class RetrievalConfig(ConfigModel):
-    """The Search-R1 /retrieve server (started when the env needs one)."""
-
-    enabled: bool = Field(True, description="start a local retrieval server over data.corpus")
-    url: str | None = Field(None, description="use this running server instead of starting one")
-    topk: int = Field(3, ge=1, description="passages per search")
 
 
 class EngineSetupConfig(ConfigModel):
@@ -101,18 +97,17 @@ class RayConfig(ConfigModel):
 class RunConfig(ConfigModel):
     """One training run of ``train_async.py``."""
 
-    output_dir: str = Field(
-        "runs/search_r1", description="metrics, checkpoints, plot, weights for the engines"
+    recipe: str = Field(
+        "default",
+        description="what the run does around the loop (its model and tasks, services, held-out figures, "
+        "report): a registered recipe name or module:Class; see agentrl.recipe",
     )
+    output_dir: str = Field("runs/run", description="metrics, checkpoints, plot, weights for the engines")
     seed: int = Field(0, description="seed of the run (rollout order, trainer init)")
     steps: int = Field(20, ge=0, description="training steps; each one is a weight sync (version + 1)")
-    model_path: str = Field("auto", description="HF model dir; auto = the bootstrap's SFT checkpoint")
-    bootstrap: BootstrapConfig | None = Field(
-        default_factory=BootstrapConfig, description="Search-R1 CPU demo: world, tiny model, SFT warm start"
-    )
-    data: DataConfig = Field(default_factory=DataConfig, description="tasks")
-    env: EnvConfig = Field(default_factory=EnvConfig, description="the env of every episode")
-    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig, description="retrieval server")
+    model_path: str = Field(description="HF model dir, or pretrained:NAME (agentrl.models.pretrained)")
+    data: DataConfig = Field(description="tasks")
+    env: EnvConfig = Field(description="the env of every episode")
     engine: EngineSetupConfig = Field(default_factory=EngineSetupConfig, description="inference engines")
     placement: Literal["colocated", "disaggregated"] = Field(
         "disaggregated",
@@ -138,24 +133,24 @@ class RunConfig(ConfigModel):
     @classmethod
     def _trainer_model_path(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            # the run's model_path (or its default, e.g. a recipe's "auto"); a missing one is reported
+            # once, as model_path, not again under trainer and engine.sglang
+            default = cls.model_fields["model_path"].default
+            model_path = data.get("model_path", default if isinstance(default, str) else "")
             trainer = data.get("trainer")
             trainer = dict(trainer) if isinstance(trainer, dict) else ({} if trainer is None else trainer)
             if isinstance(trainer, dict):
-                trainer.setdefault("model_path", data.get("model_path", "auto"))
+                trainer.setdefault("model_path", model_path)
             data = {**data, "trainer": trainer}
             engine = data.get("engine")
             if isinstance(engine, dict) and isinstance(engine.get("sglang"), dict):
                 sglang = dict(engine["sglang"])
-                sglang.setdefault("model_path", data.get("model_path", "auto"))
+                sglang.setdefault("model_path", model_path)
                 data["engine"] = {**engine, "sglang": sglang}
         return data
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.model_path == "auto" and self.bootstrap is None:
-            raise ValueError("model_path is 'auto' but bootstrap is off: give model_path (an HF model dir)")
-        if self.data.path == "auto" and self.bootstrap is None:
-            raise ValueError("data.path is 'auto' but bootstrap is off: give data.path (Search-R1 parquet)")
         if self.engine.backend == "external" and not self.engine.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
         share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU

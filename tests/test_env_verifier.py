@@ -139,10 +139,11 @@ async def test_train_async_checks_the_verifier_before_starting_engines() -> None
     spec.loader.exec_module(train_async)
     from agentrl.run_config import RunConfig
 
-    cfg = RunConfig.model_validate({"env": {"name": "tool"}, "rollout": {"verifier": None}})
+    run = {"model_path": "/m", "data": {"path": "/d"}}
+    cfg = RunConfig.model_validate({**run, "env": {"name": "tool"}, "rollout": {"verifier": None}})
     with pytest.raises(ConfigError, match=r"rollout\.verifier: not set"):
         await train_async.check_verifier(cfg, {})
-    cfg = RunConfig.model_validate({"env": {"name": "math"}, "rollout": {"verifier": None}})
+    cfg = RunConfig.model_validate({**run, "env": {"name": "math"}, "rollout": {"verifier": None}})
     assert await train_async.check_verifier(cfg, {}) == "math"
 
 

@@ -9,24 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.config import ConfigError, load_config
-from agentrl.run_config import RunConfig
+from agentrl.config import ConfigError
+from agentrl.recipe import load_run_config
 
 GPU_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "search_r1" / "config_gpu.yaml"
 
 
 def test_colocated_gpu_config_halves_one_gpu() -> None:
-    cfg = load_config(RunConfig, GPU_CONFIG, [])
+    cfg = load_run_config(GPU_CONFIG, [])
     assert (cfg.engine.gpus_per_engine, cfg.trainer_gpus_per_rank, cfg.gpus_needed()) == (0.5, 0.5, 1.0)
 
 
 def test_disaggregated_takes_a_gpu_each() -> None:
-    cfg = load_config(RunConfig, GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"])
+    cfg = load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"])
     assert (cfg.engine.gpus_per_engine, cfg.trainer_gpus_per_rank, cfg.gpus_needed()) == (1.0, 1.0, 2.0)
 
 
 def test_cpu_defaults_reserve_no_gpu() -> None:
-    cfg = load_config(RunConfig, None, ["model_path=/m", "bootstrap=null", "data.path=/d"])
+    cfg = load_run_config(None, ["model_path=/m", "data.path=/d", "env.name=math"])
     assert cfg.gpus_needed() == 0
 
 
@@ -40,7 +40,7 @@ def test_cpu_defaults_reserve_no_gpu() -> None:
 )
 def test_bad_gpu_placement_names_the_field(overrides: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
-        load_config(RunConfig, GPU_CONFIG, overrides)
+        load_run_config(GPU_CONFIG, overrides)
 
 
 def test_too_few_gpus_fails_at_start_instead_of_waiting() -> None:
@@ -52,11 +52,11 @@ def test_too_few_gpus_fails_at_start_instead_of_waiting() -> None:
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
-    cfg = load_config(RunConfig, GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"])
+    cfg = load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"])
     ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(ConfigError, match=r"reserves 2 GPUs .* but Ray has 1"):
             mod.check_gpus(cfg)
-        mod.check_gpus(load_config(RunConfig, GPU_CONFIG, []))  # colocated: one GPU is enough
+        mod.check_gpus(load_run_config(GPU_CONFIG, []))  # colocated: one GPU is enough
     finally:
         ray.shutdown()

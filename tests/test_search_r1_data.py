@@ -416,8 +416,9 @@ def test_first_action_calibration_sets_the_search_probability(practice_setup):
 
 
 def test_search_prob_needs_think_off():
-    from agentrl.config import ConfigError, load_config
-    from agentrl.run_config import RunConfig
+    from agentrl.config import ConfigError
+    from agentrl.recipe import load_run_config
 
+    recipe = "recipe=agentrl.examples.search_r1.recipe:SearchR1Recipe"
     with pytest.raises(ConfigError, match="search_prob"):
-        load_config(RunConfig, None, ["bootstrap.sft.search_prob=0.3", "bootstrap.sft.think=true"])
+        load_run_config(None, [recipe, "bootstrap.sft.search_prob=0.3", "bootstrap.sft.think=true"])

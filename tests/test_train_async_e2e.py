@@ -20,6 +20,7 @@ from agentrl.metrics import read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = """
+recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe
 output_dir: {out}
 steps: 3
 bootstrap:

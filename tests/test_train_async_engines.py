@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.config import load_config
-from agentrl.run_config import RunConfig
+from agentrl.recipe import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = Path(__file__).parent / "fixtures" / "fake_sglang.py"
@@ -46,14 +45,13 @@ def test_sglang_backend_launches_in_ray_actors_and_stops(tmp_path: Path) -> None
     wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STAND_IN}" "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     records = [tmp_path / f"record_{i}.json" for i in range(2)]
-    cfg = load_config(
-        RunConfig,
+    cfg = load_run_config(
         None,
         [
             f"output_dir={tmp_path}",
             "model_path=/models/m",
-            "bootstrap=null",
             "data.path=/data",
+            "env.name=math",
             "engine.backend=sglang",
             "engine.num_engines=2",
             f"engine.sglang.python={wrapper}",

@@ -27,7 +27,7 @@ from agentrl.types import Trajectory
 
 @dataclass
 class OrchestratorSpec:
-    """A picklable recipe for an orchestrator (what a Ray actor receives as its ``builder``).
+    """A picklable description of an orchestrator (what a Ray actor receives as its ``builder``).
 
     ``env_factory`` must be picklable too: an env class, or ``functools.partial(EnvClass, **kwargs)``.
     """

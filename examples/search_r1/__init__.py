@@ -3,6 +3,9 @@
 * :mod:`.data` -- the Search-R1 data format (parquet tasks, jsonl corpus) and its loaders.
 * :mod:`.world` -- a deterministic synthetic world written in that format, and gold demonstrations.
 * :mod:`.retrieval_server` -- BM25 retrieval: in-process :class:`RetrievalIndex` and the ``/retrieve`` server.
+* :mod:`.bootstrap` -- the CPU demo's warm start: world, tiny model, SFT (cached).
+* :mod:`.recipe` -- the demo as a ``train_async.py`` recipe: :class:`SearchR1Config` (the run config plus
+  ``bootstrap`` and ``retrieval``) and :class:`SearchR1Recipe` (its hooks; see :mod:`agentrl.recipe`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 _EXPORTS = {
     "data": ["SEARCH_R1_TEMPLATE", "Passage", "Task", "extract_question", "format_docs", "iter_corpus",
              "load_tasks", "make_prompt", "write_corpus", "write_tasks"],
+    "recipe": ["SearchR1Config", "SearchR1Recipe"],
     "retrieval_server": ["RetrievalIndex", "RetrievalServer", "ServerLimits", "start_retrieval_server"],
     "world": ["INFORMATION_TEMPLATE", "WORLD_FORMAT_VERSION", "Demo", "World", "WorldConfig", "generate_world", "gold_demo"],
 }  # fmt: skip

@@ -1,0 +1,168 @@
+"""The Search-R1 demo as a recipe for ``train_async.py``: ``recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe``.
+
+Around the generic loop it adds (see :mod:`agentrl.recipe` for the hooks):
+
+* config: :class:`SearchR1Config`, the generic run config plus ``bootstrap`` (world, tiny model, SFT
+  warm start) and ``retrieval`` (the /retrieve server), ``data.corpus``, and ``auto`` defaults;
+* ``prepare``: the bootstrap (cached) when ``model_path`` or ``data`` is ``auto``, then the Search-R1
+  parquet tasks (:func:`.data.load_tasks`);
+* ``start_services``: the bm25s /retrieve server over the corpus (or ``retrieval.url``), handed to the
+  search env as ``retrieval_url`` and ``topk``;
+* ``eval_metrics``: held-out exact match (the share of episodes with reward 1; a failed one is wrong);
+  ``batch_metrics``: searches per episode;
+* ``finish``: ``reward_em.png`` (with searches and response length) and the summary table.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from agentrl.config import ConfigModel
+from agentrl.recipe import DefaultRecipe, Evals, History, Prepared, plot_run, print_summary, summary_rows
+from agentrl.run_config import DataConfig, EnvConfig, RunConfig
+from agentrl.types import Status, Trajectory
+
+from .bootstrap import BootstrapConfig
+
+RECIPE = "agentrl.examples.search_r1.recipe:SearchR1Recipe"
+EXACT_MATCH = "eval/exact_match"
+
+
+class SearchR1DataConfig(DataConfig):
+    """Search-R1 parquet tasks (``<path>/train.parquet``, ``<path>/test.parquet``) and the passage corpus."""
+
+    path: str = Field("auto", description="directory or parquet file; auto = the bootstrap's synthetic world")
+    corpus: str = Field("auto", description="retrieval corpus jsonl; auto = the bootstrap's world corpus")
+
+
+class RetrievalConfig(ConfigModel):
+    """The Search-R1 /retrieve server the search env queries."""
+
+    enabled: bool = Field(True, description="start a local retrieval server over data.corpus")
+    url: str | None = Field(None, description="use this running server instead of starting one")
+    topk: int = Field(3, ge=1, description="passages per search")
+
+
+class SearchR1Config(RunConfig):
+    """A Search-R1 run: the generic run config plus the demo's bootstrap and retrieval sections."""
+
+    recipe: str = Field(RECIPE, description="this recipe (agentrl.recipe)")
+    output_dir: str = Field(
+        "runs/search_r1", description="metrics, checkpoints, plot, weights for the engines"
+    )
+    model_path: str = Field(
+        "auto", description="HF model dir or pretrained:NAME; auto = the bootstrap's SFT checkpoint"
+    )
+    bootstrap: BootstrapConfig | None = Field(
+        default_factory=BootstrapConfig, description="Search-R1 CPU demo: world, tiny model, SFT warm start"
+    )
+    data: SearchR1DataConfig = Field(default_factory=SearchR1DataConfig, description="tasks and corpus")
+    env: EnvConfig = Field(default_factory=lambda: EnvConfig(name="search"), description="the search env")
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig, description="retrieval server")
+
+    @model_validator(mode="after")
+    def _needs_bootstrap(self) -> SearchR1Config:
+        if self.model_path == "auto" and self.bootstrap is None:
+            raise ValueError("model_path is 'auto' but bootstrap is off: give model_path (an HF model dir)")
+        if self.data.path == "auto" and self.bootstrap is None:
+            raise ValueError("data.path is 'auto' but bootstrap is off: give data.path (Search-R1 parquet)")
+        return self
+
+
+def exact_match(trajs: list[Trajectory]) -> float:
+    """Held-out accuracy: the share of episodes whose reward is 1 (a failed episode counts as wrong)."""
+    return sum(1.0 for t in trajs if t.status != Status.FAILED and (t.reward or 0) >= 1.0) / max(
+        1, len(trajs)
+    )
+
+
+def behaviour_panel(ax: Any, rows: History) -> None:
+    """What the policy does: searches per episode and response length, against step."""
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r.get("batch/searches", 0) for r in rows], color="C2", label="searches per episode")
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylabel("searches per episode")
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    twin.plot(steps, [r["batch/response_tokens"] for r in rows], color="C3", label="response tokens")
+    twin.set_ylabel("response tokens per episode")
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper left")
+
+
+class SearchR1Recipe(DefaultRecipe):
+    """See the module docstring."""
+
+    config = SearchR1Config
+    cfg: SearchR1Config
+
+    def prepare(self) -> Prepared:
+        """The model dir, the tasks and the corpus; the bootstrap makes what is ``auto`` (cached).
+
+        ``model_path: pretrained:NAME`` is a real model written from the package index (cached, see
+        ``agentrl.models.pretrained``); ``auto`` is the bootstrap's SFT checkpoint.
+        """
+        from agentrl.models.pretrained import resolve_model_path
+
+        from .data import load_tasks
+
+        cfg = self.cfg
+        model, data, corpus = resolve_model_path(cfg.model_path), cfg.data.path, cfg.data.corpus
+        world: Path | None = None
+        if cfg.bootstrap is not None and model == "auto":
+            from .bootstrap import bootstrap
+
+            boot = bootstrap(cfg.bootstrap)
+            model, world = str(boot.sft_model_dir), boot.world_dir
+        elif cfg.bootstrap is not None and "auto" in (data, corpus):  # a real model: only the world is needed
+            from .bootstrap import build_world
+
+            world = build_world(cfg.bootstrap)
+        if world is not None:
+            data = str(world) if data == "auto" else data
+            corpus = str(world / "corpus.jsonl") if corpus == "auto" else corpus
+        self.corpus = corpus
+        train = load_tasks(data, cfg.data.train_split, limit=cfg.data.max_train_tasks)
+        test = load_tasks(data, cfg.data.test_split, limit=cfg.eval.num_tasks)
+        return Prepared(model, train, test)  # type: ignore[arg-type]  # Task is a TypedDict
+
+    def start_services(self, services: list[Any]) -> dict[str, Any]:
+        """The /retrieve server over the corpus (unless ``retrieval.url`` names a running one)."""
+        r = self.cfg.retrieval
+        env_kwargs: dict[str, Any] = {"topk": r.topk}
+        if r.url:
+            env_kwargs["retrieval_url"] = r.url
+        elif r.enabled:
+            import ray
+
+            from agentrl.cluster import start_service
+
+            from .retrieval_server import start_retrieval_server
+
+            services.append(
+                start_service("retrieval", functools.partial(start_retrieval_server, self.corpus))
+            )
+            env_kwargs["retrieval_url"] = ray.get(services[-1].url.remote())
+        return env_kwargs
+
+    def batch_metrics(self, batch: list[Trajectory]) -> dict[str, float]:
+        """Searches per episode (SearchEnv reports ``num_searches`` in its last step's info)."""
+        if not batch or not any("num_searches" in t.info for t in batch):
+            return {}
+        return {"batch/searches": sum(t.info.get("num_searches", 0) for t in batch) / len(batch)}
+
+    def eval_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
+        return {EXACT_MATCH: exact_match(trajs)}
+
+    def finish(self, result: dict[str, Any], history: History, evals: Evals) -> dict[str, Any]:
+        """``reward_em.png`` and the summary; ``em_before`` / ``em_after`` lead ``summary.json``."""
+        out, nan = Path(self.cfg.output_dir), float("nan")
+        searches = any("batch/searches" in r for r in history if "batch/reward" in r)
+        plot_run(history, evals, out / "reward_em.png", behaviour_panel if searches else None)
+        print_summary(summary_rows(result, history, out, "reward_em.png"))
+        before, after = result.get("eval_before", {}), result.get("eval_after", {})
+        return {"em_before": before.get(EXACT_MATCH, nan), "em_after": after.get(EXACT_MATCH, nan), **result}

@@ -1,0 +1,217 @@
+"""The recipe hook (agentrl.recipe): the generic loop gets its model, tasks, services, held-out figures and
+report from the run's recipe. The contract check names what a recipe lacks; ``recipe`` is read before
+the rest of the config, which its config model validates (bad fields named); the default recipe reads
+JSONL and parquet tasks; the core imports nothing from the examples; and ``train_async.py`` runs a
+non-search env with its verifier through the default recipe, end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from agentrl.config import ConfigError
+from agentrl.metrics import read_metrics
+from agentrl.recipe import (
+    DefaultRecipe,
+    Prepared,
+    check_recipe,
+    load_run_config,
+    make_recipe,
+    read_tasks,
+    resolve_recipe,
+)
+from agentrl.run_config import RunConfig
+from agentrl.types import Status, Trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+SEARCH_R1 = "agentrl.examples.search_r1.recipe:SearchR1Recipe"
+GENERIC = ["model_path=/m", "data.path=/d", "env.name=math"]
+
+
+def _traj(reward: float | None, status: Status = Status.COMPLETED, **info: Any) -> Trajectory:
+    return Trajectory(task_id="t", group_id="g", prompt_ids=[1], reward=reward, status=status, info=info)
+
+
+# ---- the contract --------------------------------------------------------------------------------------
+def test_the_shipped_recipes_pass_the_contract_check() -> None:
+    assert check_recipe(DefaultRecipe) == []
+    assert check_recipe(resolve_recipe(SEARCH_R1)) == []
+    assert resolve_recipe("default") is DefaultRecipe
+
+
+def test_the_contract_check_names_what_is_wrong() -> None:
+    class NoHooks:
+        config: ClassVar[Any] = dict
+
+    problems = check_recipe(NoHooks)
+    assert problems[0].startswith("config must be RunConfig or a subclass")
+    assert [p.split("(")[0] for p in problems[1:]] == [
+        "prepare",
+        "start_services",
+        "batch_metrics",
+        "eval_metrics",
+        "finish",
+    ]
+    instance = DefaultRecipe(load_run_config(None, GENERIC))
+    assert check_recipe(instance) == [f"a recipe is a class, got {instance!r}"]
+
+
+def test_a_bad_recipe_name_fails_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"recipe: unknown recipe 'serch'; known recipes: default"):
+        load_run_config(None, [*GENERIC, "recipe=serch"])
+    with pytest.raises(
+        ConfigError, match=r"recipe: cannot load recipe 'agentrl.recipe:nothing': .* no attribute 'nothing'"
+    ):
+        load_run_config(None, [*GENERIC, "recipe=agentrl.recipe:nothing"])
+    with pytest.raises(ConfigError, match=r"recipe: 'agentrl.recipe:read_tasks': a recipe is a class"):
+        load_run_config(None, [*GENERIC, "recipe=agentrl.recipe:read_tasks"])
+    with pytest.raises(ConfigError, match=r"recipe: a recipe name or module:Class, got 3"):
+        load_run_config(None, [*GENERIC, "recipe=3"])
+
+
+# ---- config: the recipe's model validates the whole file ----------------------------------------------
+def test_the_recipe_picks_the_config_model_and_bad_fields_are_named() -> None:
+    demo = load_run_config(ROOT / "examples" / "search_r1" / "config.yaml")
+    assert type(demo).__name__ == "SearchR1Config" and demo.bootstrap is not None
+    assert type(make_recipe(demo)).__name__ == "SearchR1Recipe"
+    generic = load_run_config(None, GENERIC)
+    assert type(generic) is RunConfig and isinstance(make_recipe(generic), DefaultRecipe)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, ["data.path=/d", "bootstrap.sft.steps=3", "env.kwargs=3"])
+    msg = str(err.value)
+    assert "model_path: Field required" in msg
+    assert "env.kwargs: Input should be a valid dictionary" in msg
+    assert "bootstrap: unknown field" in msg and "need recipe: module:Class" in msg  # the hint
+    assert "trainer.model_path" not in msg  # a missing model_path is reported once
+
+
+def test_a_config_of_another_recipe_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"recipe: .* takes a SearchR1Config, got a RunConfig"):
+        make_recipe(RunConfig.model_validate({"recipe": SEARCH_R1, "model_path": "/m", "data": {"path": "/d"},
+                                              "env": {"name": "search"}}))  # fmt: skip
+
+
+def test_the_core_imports_nothing_from_the_examples() -> None:
+    code = (
+        "import sys, agentrl.run_config, agentrl.recipe; "
+        "bad = [m for m in sys.modules if m.startswith('agentrl.examples')]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    for path in [ROOT / "train_async.py", *(ROOT / "agentrl").rglob("*.py")]:
+        assert "env.name ==" not in path.read_text(), f"{path} special-cases an env by name"
+
+
+# ---- the default recipe ---------------------------------------------------------------------------------
+def test_default_recipe_reads_jsonl_and_parquet_splits(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "train.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": f"{i}+1", "label": i + 1}) for i in range(5))
+    )
+    pq.write_table(pa.Table.from_pylist([{"prompt": "2+2", "label": "4"}] * 3), tmp_path / "test.parquet")
+    cfg = load_run_config(None, ["model_path=/m", f"data.path={tmp_path}", "env.name=math",
+                                 "data.max_train_tasks=4", "eval.num_tasks=2"])  # fmt: skip
+    model_dir, train, held_out = DefaultRecipe(cfg).prepare()
+    assert model_dir == "/m"
+    assert train == [{"prompt": f"{i}+1", "label": i + 1} for i in range(4)]
+    assert held_out == [{"prompt": "2+2", "label": "4"}] * 2
+    # one file: training tasks only, no evaluation
+    cfg = load_run_config(None, ["model_path=/m", f"data.path={tmp_path / 'train.jsonl'}", "env.name=math"])
+    assert DefaultRecipe(cfg).prepare() == Prepared(
+        "/m", [{"prompt": f"{i}+1", "label": i + 1} for i in range(5)], []
+    )
+    cfg = load_run_config(
+        None, ["model_path=/m", f"data.path={tmp_path}", "env.name=math", "data.train_split=dev"]
+    )
+    with pytest.raises(FileNotFoundError, match=r"no dev.jsonl, .jsonl.gz or .parquet \(data.train_split\)"):
+        DefaultRecipe(cfg).prepare()
+
+
+def test_a_bad_task_line_is_named(tmp_path: Path) -> None:
+    f = tmp_path / "tasks.jsonl"
+    f.write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"tasks.jsonl:2: a task must be a JSON object, got list"):
+        read_tasks(f)
+    f.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"tasks.jsonl:2: not JSON"):
+        read_tasks(f)
+
+
+def test_default_and_search_r1_figures() -> None:
+    trajs = [_traj(1.0), _traj(0.5), _traj(None, Status.FAILED), _traj(1.0, num_searches=2)]
+    assert DefaultRecipe.eval_metrics(None, trajs) == {"eval/reward": 0.625, "eval/failed": 0.25}  # type: ignore[arg-type]
+    search = resolve_recipe(SEARCH_R1)
+    assert search.eval_metrics(None, trajs) == {"eval/exact_match": 0.5}  # type: ignore[arg-type]
+    assert search.batch_metrics(None, trajs) == {"batch/searches": 0.5}  # type: ignore[arg-type]
+    assert search.batch_metrics(None, trajs[:3]) == {}  # type: ignore[arg-type]  # an env that counts none
+
+
+def test_finish_plots_and_prints_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_run_config(None, [*GENERIC, f"output_dir={tmp_path}"])
+    history = [
+        {"step": 1.0, "batch/reward": 0.2, "batch/response_tokens": 9.0},
+        {"step": 2.0, "eval/reward": 0.5},
+    ]
+    result = {"eval_before": {"eval/reward": 0.25}, "eval_after": {"eval/reward": 0.5}, "steps": 2,
+              "policy_version": 2, "wall_s": 3.0, "mean_wait_batch_s": 0.5, "accounting": {"trained": 4}}  # fmt: skip
+    assert (
+        DefaultRecipe(cfg).finish(result, history, [(0, {"eval/reward": 0.25}), (2, {"eval/reward": 0.5})])
+        == result
+    )
+    assert (tmp_path / "reward.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    for row in (r"held-out reward before +0\.250", r"held-out reward after +0\.500", r"final train reward +0\.200",
+                r"tasks trained / dropped +4 / 0", rf"outputs +{tmp_path}/ \(metrics.jsonl, tb/, reward.png"):  # fmt: skip
+        assert re.search(row, out), (row, out)
+
+
+# ---- end to end: a non-search env and its verifier through the default recipe -------------------------
+@pytest.mark.slow
+def test_train_async_runs_any_env_through_the_default_recipe(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"task_id": f"q{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(12)]
+    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:8]) + "\n")
+    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows[8:]) + "\n")
+    cfg = tmp_path / "math.yaml"
+    cfg.write_text(
+        f"""
+output_dir: {tmp_path / "run"}
+steps: 2
+model_path: {tiny_model_dir}
+data: {{path: {data}}}
+env: {{name: math}}
+engine: {{max_batch_size: 8}}
+rollout: {{group_size: 2, batch_size: 2, max_concurrency: 8, max_turns: 1, max_total_tokens: 256,
+          sampling: {{temperature: 1.0, max_new_tokens: 12}}, eval_sampling: {{temperature: 0.0, max_new_tokens: 12}},
+          filter_zero_variance: false}}
+trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 4}}
+ray: {{num_cpus: 2}}
+"""
+    )
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "4 held-out tasks" in proc.stdout and "held-out reward before RL" in proc.stdout
+    out = tmp_path / "run"
+    rows_logged = read_metrics(out / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows_logged if "policy_version" in r] == [1, 2]
+    evals = [r for r in rows_logged if "eval/reward" in r]
+    assert len(evals) == 2 and all(r["eval/num_tasks"] == 4 and r["eval/failed"] == 0 for r in evals)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (
+        set(summary["eval_after"]) == {"eval/reward", "eval/failed"} and summary["accounting"]["trained"] >= 4
+    )
+    assert (out / "reward.png").is_file() and "recipe: default" in (out / "config.yaml").read_text()
