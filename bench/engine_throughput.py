@@ -3,10 +3,14 @@
 For each concurrency C in ``--concurrency`` (default 1,16,64) it runs 2*C requests with at most C in
 flight against ``python -m agentrl.engine.local_server`` and reports generated tokens/s; then, in the same
 run and on the same device, HF ``model.generate`` on batches of C prompts of the same length and the same
-number of new tokens (sampling at temperature 1, EOS ignored). Prints ONE JSON line.
+number of new tokens (sampling at temperature 1, EOS ignored). ``--multi-turn K`` adds agent-like
+episodes: ``--concurrency``'s largest C episodes at once, each K turns whose prompt is the previous
+prompt + output + ``--obs-len`` new tokens, and reports prefill tokens computed against submitted (what
+prefix reuse saves). Prints ONE JSON line.
 
 CPU (default): the tiny test model. GPU: ``--device cuda --shape qwen2.5-0.5b --dtype bfloat16`` builds a
 randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896).
+``--server-args "--no-cuda-graphs"`` (etc.) passes flags to the server, to measure one lever at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import shutil
 import sys
 import tempfile
@@ -69,6 +74,43 @@ async def engine_round(
         return sum(counts), time.perf_counter() - t0
 
 
+async def multi_turn_round(
+    url: str, episodes: int, turns: int, prompt_len: int, obs_len: int, new_tokens: int, vocab: int
+) -> dict[str, float]:
+    """``episodes`` agent episodes at once, ``turns`` turns each; returns tokens/s and prefill accounting."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    async with EngineClient(url, timeout=3600) as client:
+        before = (await client.server_info())[0]
+
+        async def episode(e: int) -> tuple[int, int]:
+            seq = prompts(1, prompt_len, vocab, seed=10_000 + e)[0]
+            made = submitted = 0
+            for t in range(turns):
+                if t:
+                    seq = seq + prompts(1, obs_len, vocab, seed=20_000 + e * turns + t)[0]
+                submitted += len(seq)
+                out = await client.generate(seq, sp)
+                seq = seq + out.output_ids
+                made += len(out.output_ids)
+            return made, submitted
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(episode(e) for e in range(episodes)))
+        wall = time.perf_counter() - t0
+        after = (await client.server_info())[0]
+    computed = after.get("prefill_tokens", 0) - before.get("prefill_tokens", 0)
+    submitted = sum(s for _, s in done)
+    return {
+        "episodes": episodes,
+        "turns": turns,
+        "obs_len": obs_len,
+        "engine_tok_s": round(sum(m for m, _ in done) / wall, 1),
+        "prefill_tokens_submitted": submitted,
+        "prefill_tokens_computed": computed,
+        "computed_over_submitted": round(computed / submitted, 3) if submitted else None,
+    }
+
+
 @torch.no_grad()
 def hf_round(
     model, conc: int, prompt_len: int, new_tokens: int, vocab: int, device: str
@@ -108,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--multi-turn", type=int, default=0, help="turns per agent episode (0: no multi-turn case)"
+    )
+    p.add_argument("--obs-len", type=int, default=200, help="multi-turn: new tokens per observation")
+    p.add_argument("--server-args", default="", help="extra flags for the engine server (quoted)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     a = p.parse_args(argv)
     concs = [int(c) for c in a.concurrency.split(",")]
 
@@ -120,27 +168,37 @@ def main(argv: list[str] | None = None) -> None:
     engine: dict[int, tuple[int, float]] = {}
     server = start_local_server(
         model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
-        log_file=tmp / "server.log",
+        log_file=tmp / "server.log", extra_args=shlex.split(a.server_args),
     )  # fmt: skip
+    multi: dict[str, float] | None = None
     try:
         for c in concs:
             engine[c] = asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab))
+        if a.multi_turn:
+            multi = asyncio.run(
+                multi_turn_round(
+                    server.url, max(concs), a.multi_turn, a.prompt_len, a.obs_len, a.max_new_tokens, vocab
+                )
+            )
+        info = asyncio.run(_server_info(server.url))
     finally:
         server.stop()  # frees the device before the baseline runs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
-    hf = {c: hf_round(model, c, a.prompt_len, a.max_new_tokens, vocab, a.device) for c in concs}
+    hf = (
+        {}
+        if a.no_hf
+        else {c: hf_round(model, c, a.prompt_len, a.max_new_tokens, vocab, a.device) for c in concs}
+    )
 
     results = {}
     for c in concs:
         e_tok, e_s = engine[c]
-        h_tok, h_s = hf[c]
-        results[str(c)] = {
-            "engine_tok_s": round(e_tok / e_s, 1),
-            "hf_generate_tok_s": round(h_tok / h_s, 1),
-            "ratio_engine_over_hf": round((e_tok / e_s) / (h_tok / h_s), 3),
-            "requests": 2 * c,
-        }
+        results[str(c)] = {"engine_tok_s": round(e_tok / e_s, 1), "requests": 2 * c}
+        if c in hf:
+            h_tok, h_s = hf[c]
+            results[str(c)]["hf_generate_tok_s"] = round(h_tok / h_s, 1)
+            results[str(c)]["ratio_engine_over_hf"] = round((e_tok / e_s) / (h_tok / h_s), 3)
     print(
         json.dumps(
             {
@@ -153,11 +211,19 @@ def main(argv: list[str] | None = None) -> None:
                 "prompt_len": a.prompt_len,
                 "max_new_tokens": a.max_new_tokens,
                 "results": results,
+                "multi_turn": multi,
+                "server_args": a.server_args,
+                "engine_info": {k: info.get(k) for k in ("engine", "context_len", "prefix_cache_slots")},
                 "note": "engine: HTTP + continuous batching, 2*C requests with C in flight; hf: generate on batches of C",
             }
         )
     )
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _server_info(url: str) -> dict:
+    async with EngineClient(url, timeout=60) as client:
+        return (await client.server_info())[0]
 
 
 if __name__ == "__main__":

@@ -11,12 +11,15 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platfo
       --platform manylinux2014_x86_64 --platform any)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
     -d "$out" megatron-core==0.19.2 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
-    typing-extensions bm25s gguf jsonschema jsonschema-specifications referencing rpds-py click==8.2.1
+    typing-extensions bm25s gguf jsonschema jsonschema-specifications referencing rpds-py click==8.2.1 \
+    pytest-asyncio
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+mkdir "$tmp/site"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
     -d "$tmp" ray==2.52.1
-(cd "$tmp" && unzip -q ray-*.whl && rm -rf ray-*.whl ray/jars ray/rllib ray/dashboard/client \
-    && tar cf - . | gzip -6 > ray_site.tar.gz)
+# the archive is written beside site/, never inside the folder tar is reading
+(cd "$tmp/site" && unzip -q ../ray-*.whl && rm -rf ray/jars ray/rllib ray/dashboard/client \
+    && tar cf - . | gzip -6 > ../ray_site.tar.gz)
 mv "$tmp/ray_site.tar.gz" "$out/"
 du -sh "$out"

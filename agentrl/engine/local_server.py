@@ -7,8 +7,9 @@ with the same endpoints and JSON shapes as ``sglang.launch_server`` (see the SGL
 ``/update_weights_from_disk``, ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/update_weight_version``, ``/get_weight_version``,
 ``/get_model_info``, ``/get_server_info``, ``/health``, ``/health_generate``. agentrl's
-:class:`~agentrl.engine.client.EngineClient` cannot tell it from SGLang. Generation runs on transformers'
-continuous batching (:mod:`agentrl.engine._cb_engine` explains what is added around it).
+:class:`~agentrl.engine.client.EngineClient` cannot tell it from SGLang. Generation runs in
+:class:`~agentrl.engine.embedded.EmbeddedEngine` (continuous batching over a slot KV cache, CUDA graphs for
+decode on a GPU, prefix reuse across turns).
 
 Semantics worth knowing (all as SGLang, unless marked):
 
@@ -51,15 +52,15 @@ from typing import Any
 
 from aiohttp import web
 
-from agentrl.engine._cb_engine import CBEngine, EngineBadRequest, EngineFailed, RequestSampling
 from agentrl.engine._proc import ServerProcess, ServerStartError, is_loopback
+from agentrl.engine.embedded import EmbeddedEngine, EngineBadRequest, EngineFailed, RequestSampling
 
 __all__ = ["LocalServer", "ServerStartError", "build_app", "is_loopback", "main", "start_local_server"]
 
 log = logging.getLogger("agentrl.engine.local_server")
 
 _OPEN_PATHS = {"/health", "/health_generate"}
-ENGINE_NAME = "agentrl-embedded (stand-in for SGLang, transformers continuous batching)"
+ENGINE_NAME = "agentrl-embedded (stand-in for SGLang)"
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -84,7 +85,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 
 
 def build_app(
-    engine: CBEngine, api_key: str | None = None, served_model_path: str | None = None
+    engine: EmbeddedEngine, api_key: str | None = None, served_model_path: str | None = None
 ) -> web.Application:
     """The aiohttp application answering SGLang's native endpoints for ``engine``."""
 
@@ -121,7 +122,7 @@ def build_app(
             "finish_reason": fr,
             "prompt_tokens": len(rec.prompt_ids),
             "completion_tokens": len(rec.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": rec.cached_tokens,
             "weight_version": rec.weight_version,
             "e2e_latency": rec.latency,
         }
@@ -309,6 +310,11 @@ def build_app(
                 "num_running_requests": engine.num_running,
                 "paused": engine.paused_mode,
                 "api_key_required": bool(api_key),
+                "context_len": engine.context_len,
+                "prefix_cache_slots": 0
+                if engine.prefix_cache is None
+                else len(engine.prefix_cache._free) + len(engine.prefix_cache),
+                **engine.stats,
                 **engine.memory_info(),
             }
         )
@@ -366,20 +372,40 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint"
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together at most")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per forward pass at most")
     p.add_argument(
-        "--num-blocks", type=int, default=None, help="KV cache blocks (default: 1024 on CPU, auto on GPU)"
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="tokens per prefill step (default 8192 GPU, 2048 CPU)",
     )
-    p.add_argument("--page-size", type=int, default=None, help="tokens per KV cache block")
+    p.add_argument(
+        "--context-len",
+        type=int,
+        default=None,
+        help="KV slot length = longest prompt + output (default: the model's, up to 8192, as memory allows)",
+    )
+    p.add_argument(
+        "--prefix-cache-slots",
+        type=int,
+        default=None,
+        help="finished sequences kept for prefix reuse (default: max-batch-size; 0 turns reuse off)",
+    )
     p.add_argument(
         "--mem-fraction",
         type=float,
         default=None,
         help="GPU: share of the memory free after loading the model that the KV cache may take "
-        "(default: transformers' choice; lower it when a trainer shares the GPU)",
+        "(default 0.8; lower it when a trainer shares the GPU)",
+    )
+    p.add_argument("--no-cuda-graphs", action="store_true", help="GPU: decode without CUDA graphs")
+    p.add_argument(
+        "--compile", action="store_true", help="GPU: torch.compile the decode step and sampler (slower start)"
     )
     p.add_argument(
-        "--no-prefix-sharing", action="store_true", help="disable prefix KV sharing between requests"
+        "--warmup-len",
+        type=int,
+        default=2048,
+        help="GPU: capture the decode graphs of attention lengths up to this at start-up (0: on first use)",
     )
     p.add_argument("--default-max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
@@ -404,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit("--device cuda but no CUDA device is available")
         dev = torch.device(args.device)
         torch.cuda.set_device(dev.index if dev.index is not None else 0)  # plain "cuda" means GPU 0
+    # The generation step runs in a worker thread beside the HTTP loop; a short GIL switch interval keeps
+    # either from waiting the default 5 ms for the other.
+    sys.setswitchinterval(0.0005)
     log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, args.dtype)
     asyncio.run(_serve(args))
 
@@ -411,19 +440,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 async def _serve(args: argparse.Namespace) -> None:
     import signal
 
-    engine = CBEngine(
+    engine = EmbeddedEngine(
         args.model,
         device=args.device,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
-        max_batch_tokens=args.max_batch_tokens,
-        num_blocks=args.num_blocks,
-        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_len=args.context_len,
+        prefix_cache_slots=args.prefix_cache_slots,
         mem_fraction=args.mem_fraction,
-        prefix_sharing=not args.no_prefix_sharing,
         seed=args.seed,
         default_max_new_tokens=args.default_max_new_tokens,
+        cuda_graphs=not args.no_cuda_graphs,
+        compile=args.compile,
     )
+    if args.warmup_len:
+        t0 = time.perf_counter()
+        n = await asyncio.to_thread(engine.warmup, args.warmup_len)
+        if n:
+            log.info("captured %d decode CUDA graphs in %.1f s", n, time.perf_counter() - t0)
     app = build_app(engine, api_key=args.api_key)
     # handler_cancellation: a client that disconnects (timeout, crash) cancels its generation instead of
     # leaving it to run to max_new_tokens.

@@ -1,0 +1,367 @@
+"""The embedded engine's model runner: a decoder forward over a slot KV cache, with CUDA graphs for decode.
+
+Every sequence in the engine owns one **slot** of a static KV cache, ``[layers, slots, kv_heads,
+context_len + 1, head_dim]`` for keys and for values. The engine keeps its running sequences in slots
+``0 .. n-1`` (it compacts on removal), so a decode step over ``n`` sequences reads one contiguous slice
+``[:B, :, :L]`` with ``B >= n`` and ``L`` the longest sequence, each rounded up to a bucket; on a GPU
+each ``(B, L)`` bucket is one captured CUDA graph, replayed with no per-layer Python. Slots past
+``max_batch`` hold finished sequences for prefix reuse (:mod:`agentrl.engine.prefix_cache`). The last
+column of every slot is scratch: padded prefill tokens and padded decode rows write there, and no
+attention ever reads it.
+
+The forward is written here over the HF model's own modules (embedding, norms, q/k/v/o projections,
+MLP, LM head) for the Llama, Qwen2 and Qwen3 families, so the weights the trainer pushes are the
+weights served, with no copy. Prefill ("extend") handles a batch of sequences that each already have
+``start`` tokens cached and add ``n`` new ones (a fresh prompt, a prompt whose prefix was found in the
+cache, or one chunk of a long prompt) with torch SDPA; decode computes attention for one new token per
+sequence as two batched matmuls over the cached keys and values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("agentrl.engine")
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _bucket(x: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= x:
+            return b
+    raise ValueError(f"{x} is over the largest bucket {buckets[-1]}")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes with a captured graph: 1, 2, 4, 8, then steps of 8 to 64, of 32 beyond."""
+    out = [b for b in (1, 2, 4) if b < max_batch]
+    b = 8
+    while b < max_batch:
+        out.append(b)
+        b += 8 if b < 64 else 32
+    return [*out, max_batch]
+
+
+def length_buckets(context_len: int, smallest: int = 128) -> list[int]:
+    """Attention lengths of decode steps: powers of two from ``smallest``, and ``context_len`` itself."""
+    out, b = [], smallest
+    while b < context_len:
+        out.append(b)
+        b *= 2
+    return [*out, context_len]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the HF Llama/Qwen modules compute it (fp32 statistics, weight applied in the input dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def pre_attention(
+    x: torch.Tensor, w: tuple, cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, kv: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, q/k/v projections, (Qwen3) q/k norms and RoPE; ``x`` is [..., hidden], heads come out in
+    dim -2. ``w`` = (ln1, wq, bq, wk, bk, wv, bv, q_norm, k_norm, ...), biases and norms may be None."""
+    ln1, wq, bq, wk, bk, wv, bv, qn, kn = w[:9]
+    h = rms_norm(x, ln1, eps)
+    lead = h.shape[:-1]
+    q = F.linear(h, wq, bq).view(*lead, heads, d)
+    k = F.linear(h, wk, bk).view(*lead, kv, d)
+    v = F.linear(h, wv, bv).view(*lead, kv, d)
+    if qn is not None:
+        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def post_attention(x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
+    """Output projection + residual, then the SwiGLU MLP + residual."""
+    wo, bo, ln2, wg, bg, wu, bu, wd, bd = w[9:]
+    x = x + F.linear(o, wo, bo)
+    h = rms_norm(x, ln2, eps)
+    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+
+
+def decode_attention(
+    q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, masked: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per row against its cached keys: q [b, heads, d], kk/vv [b, kv, length, d], ``masked``
+    [b, 1, 1, length] True past the row's position. Two batched matmuls (GQA by grouping the query heads)."""
+    b, heads, d = q.shape
+    kv = kk.shape[1]
+    qg = q.view(b, kv, heads // kv, d)
+    s = torch.matmul(qg, kk.transpose(-1, -2)).float() * scale  # [b, kv, group, length]
+    p = torch.softmax(s.masked_fill(masked, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(p, vv).reshape(b, heads * d)
+
+
+def lm_head(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(rms_norm(x, norm, eps), weight).float()
+
+
+def _layer_weights(layer: torch.nn.Module) -> tuple:
+    """The tensors of one decoder layer, in the order pre_attention / post_attention read them (the module's
+    own parameters: in-place weight updates reach them)."""
+    a, m = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    return (
+        layer.input_layernorm.weight,
+        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+        None if q_norm is None else q_norm.weight,
+        None if k_norm is None else k_norm.weight,
+        a.o_proj.weight, a.o_proj.bias,
+        layer.post_attention_layernorm.weight,
+        m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+    )  # fmt: skip
+
+
+@dataclass
+class ExtendBatch:
+    """A prefill step: row ``r`` adds ``new[r]`` tokens at positions ``start[r]..`` of slot ``slots[r]``."""
+
+    slots: list[int]
+    tokens: list[list[int]]  # the new tokens of each row
+    start: list[int]  # tokens already in the slot's cache
+
+
+class ModelRunner:
+    """Forward passes of one HF causal LM over a slot KV cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_slots: int,
+        context_len: int,
+        max_batch: int,
+        cuda_graphs: bool = True,
+        compile: bool = False,
+    ) -> None:
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the embedded engine serves {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
+                f"{cfg.model_type!r}; serve it with SGLang (engine.backend: sglang)"
+            )
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError(
+                "the embedded engine has no sliding-window attention; serve this model with SGLang"
+            )
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        attn = self.layers[0].self_attn
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"the embedded engine's MLP is SwiGLU; {cfg.hidden_act!r} is not served")
+        self.weights = [_layer_weights(layer) for layer in self.layers]
+        self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        self.final_norm = self.inner.norm.weight
+        self.lm_head_weight = model.get_output_embeddings().weight
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.context_len = context_len
+        self.max_batch = max_batch
+        self.num_slots = num_slots
+        shape = (len(self.layers), num_slots, self.n_kv, context_len + 1, self.head_dim)
+        # Zeros, not empty: masked keys still enter SDPA's sums, and garbage bits could be NaN.
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        pos = torch.arange(context_len + 1, device=self.device)[None]
+        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        cos, sin = self.inner.rotary_emb(dummy, pos)  # the model's own RoPE (scaling variants included)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [context_len + 1, head_dim]
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        # Decode attention: torch SDPA (fused on CPU), or two batched matmuls over the cached keys/values.
+        default = "sdpa" if self.device.type == "cpu" else "matmul"
+        self.decode_attention = os.environ.get("AGENTRL_DECODE_ATTENTION", default)
+        self.batch_buckets = batch_buckets(max_batch)
+        self.length_buckets = length_buckets(context_len)
+        self._ids = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._pos = torch.full((max_batch,), context_len, dtype=torch.long, device=self.device)
+        self._rows = torch.arange(max_batch, device=self.device)
+        self._logits = torch.zeros(max_batch, self.vocab_size, dtype=torch.float32, device=self.device)
+        # torch.compile fuses each layer's element-wise work (norms, RoPE, softmax, SiLU); a decode step is
+        # otherwise ~45 small kernels per layer, which even a CUDA graph replays at a few microseconds each.
+        # The pieces are functions of tensors (not modules), so one compilation serves every layer.
+        self._pre, self._post, self._attn, self._head = (
+            pre_attention,
+            post_attention,
+            decode_attention,
+            lm_head,
+        )
+        if compile and self.device.type == "cuda":
+            self._pre, self._post, self._attn, self._head = (
+                torch.compile(f, dynamic=True)
+                for f in (pre_attention, post_attention, decode_attention, lm_head)
+            )
+        self._decode_fn = self._decode_forward
+        self._pinned = (
+            torch.empty(2 * max_batch, dtype=torch.long).pin_memory() if self.device.type == "cuda" else None
+        )
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    @staticmethod
+    def kv_bytes_per_token(model: torch.nn.Module) -> int:
+        """KV cache bytes one token takes in one slot (keys and values, all layers)."""
+        cfg = model.config
+        heads = int(cfg.num_attention_heads)
+        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        elem = next(model.parameters()).element_size()
+        return 2 * int(cfg.num_hidden_layers) * kv * head_dim * elem
+
+    # ------------------------------------------------------------------ cache slots
+    def copy_slot(self, src: int, dst: int, n: int, start: int = 0) -> None:
+        """Copy cached positions ``start..n-1`` of slot ``src`` into slot ``dst`` (all layers)."""
+        if n > start and src != dst:
+            self.k[:, dst, :, start:n].copy_(self.k[:, src, :, start:n])
+            self.v[:, dst, :, start:n].copy_(self.v[:, src, :, start:n])
+
+    # ------------------------------------------------------------------ shared pieces
+    def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        return self._head(x, self.final_norm, self.norm_eps, self.lm_head_weight)
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def extend(self, batch: ExtendBatch) -> torch.Tensor:
+        """Run the new tokens of every row through the model, writing their KV into the rows' slots.
+        Returns fp32 logits [rows, vocab] at each row's last new token."""
+        dev = self.device
+        rows = len(batch.slots)
+        width = max(len(t) for t in batch.tokens)
+        lens = torch.tensor([len(t) for t in batch.tokens], device=dev)
+        start = torch.tensor(batch.start, device=dev)
+        slots = torch.tensor(batch.slots, device=dev)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        for r, t in enumerate(batch.tokens):
+            ids[r, : len(t)] = torch.tensor(t)
+        ids = ids.to(dev)
+        offs = torch.arange(width, device=dev)
+        pos = start[:, None] + offs[None]  # [rows, width]
+        valid = offs[None] < lens[:, None]
+        write = torch.where(valid, pos, self.context_len)  # padding writes to the scratch column
+        keys = max(s + len(t) for s, t in zip(batch.start, batch.tokens, strict=True))
+        kpos = torch.arange(keys, device=dev)
+        mask = (kpos[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, width, keys]
+        cos, sin = self.cos[pos.clamp(max=self.context_len)], self.sin[pos.clamp(max=self.context_len)]
+        group = self.n_heads // self.n_kv
+
+        x = self.inner.embed_tokens(ids)
+        for i, w in enumerate(self.weights):
+            q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
+            self.k[i][slots[:, None], :, write] = k
+            self.v[i][slots[:, None], :, write] = v
+            kk = self.k[i].index_select(0, slots)[:, :, :keys]
+            vv = self.v[i].index_select(0, slots)[:, :, :keys]
+            if group > 1:
+                kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask, scale=self.scale)
+            x = self._post(x, o.transpose(1, 2).reshape(rows, width, -1), w, self.norm_eps)
+        last = x[torch.arange(rows, device=dev), lens - 1]
+        return self._logits_of(last)
+
+    # ------------------------------------------------------------------ decode
+    def _decode_forward(self, b: int, length: int) -> torch.Tensor:
+        """One token for rows (= slots) ``0..b-1`` from the static id/position buffers; attends to ``length``
+        cached positions. Graph-capturable: no host syncs, fixed shapes."""
+        ids, pos, rows = self._ids[:b], self._pos[:b], self._rows[:b]
+        cos, sin = self.cos[pos], self.sin[pos]
+        group = self.n_heads // self.n_kv
+        masked = torch.arange(length, device=self.device)[None, None, None, :] > pos[:, None, None, None]
+        # masked: [b, 1, 1, length], True where a key is past the row's position
+        x = self.inner.embed_tokens(ids)
+        for i, w in enumerate(self.weights):
+            q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
+            self.k[i][rows, :, pos] = k  # KV writes stay outside compiled code: no copy of the cache
+            self.v[i][rows, :, pos] = v
+            kk, vv = self.k[i][:b, :, :length], self.v[i][:b, :, :length]  # [b, kv, length, d]
+            if self.decode_attention == "sdpa":
+                o = F.scaled_dot_product_attention(
+                    q[:, :, None], kk, vv, attn_mask=~masked, scale=self.scale, enable_gqa=group > 1
+                ).reshape(b, -1)
+            else:
+                o = self._attn(q, kk, vv, masked, self.scale)
+            x = self._post(x, o, w, self.norm_eps)
+        return self._logits_of(x)
+
+    @torch.inference_mode()
+    def decode(self, ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for the sequences in slots ``0..len(ids)-1``: ``ids[r]`` is the token at
+        ``positions[r]`` (its KV is written there). Returns fp32 logits [rows, vocab] (a view, valid until
+        the next call)."""
+        n = len(ids)
+        b = _bucket(n, self.batch_buckets) if self.cuda_graphs else n
+        length = _bucket(max(positions) + 1, self.length_buckets)
+        host = torch.tensor(ids + [0] * (b - n) + positions + [self.context_len] * (b - n), dtype=torch.long)
+        if self._pinned is not None:  # the previous step's copy is done: its tokens were read back since
+            self._pinned[: 2 * b].copy_(host)
+            host = self._pinned[: 2 * b]
+        both = host.to(self.device, non_blocking=True)
+        self._ids[:b].copy_(both[:b])
+        self._pos[:b].copy_(both[b:])
+        if not self.cuda_graphs:
+            return self._decode_fn(b, length)
+        graph = self._graphs.get((b, length))
+        if graph is None:
+            graph = self._capture(b, length)
+        graph.replay()
+        return self._logits[:n]
+
+    def _capture(self, b: int, length: int) -> torch.cuda.CUDAGraph:
+        """Capture the decode graph of bucket (b, length). The warm-up runs write only to the scratch
+        column (positions set to it), so capturing while sequences are cached is safe."""
+        saved = self._pos[:b].clone()
+        self._pos[:b].fill_(self.context_len)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self._logits[:b].copy_(self._decode_fn(b, length))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            self._logits[:b].copy_(self._decode_fn(b, length))
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._pos[:b].copy_(saved)
+        self._graphs[(b, length)] = graph
+        return graph
+
+    def capture_all(self, max_length: int | None = None) -> int:
+        """Capture every decode bucket up to ``max_length`` now (start-up), so none is captured mid-run."""
+        if not self.cuda_graphs:
+            return 0
+        for length in self.length_buckets:
+            if max_length is not None and length > max(max_length, self.length_buckets[0]):
+                break
+            for b in self.batch_buckets:
+                if (b, length) not in self._graphs:
+                    self._capture(b, length)
+        return len(self._graphs)
+
+    def drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ExtendBatch", "ModelRunner", "batch_buckets", "length_buckets"]
