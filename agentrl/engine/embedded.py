@@ -126,8 +126,8 @@ def plan_kv_cache(
     budget: int, per_token: int, max_batch: int, cache_slots: int, model_context: int, context_len: int | None
 ) -> tuple[int, int]:
     """(context_len, cache_slots) that fit ``budget`` bytes of KV cache. Without an explicit context length,
-    running sequences get the model's context if it fits; else prefix-cache slots are given up (down to
-    none) before the context shrinks, never below 1,024 tokens unless even that does not fit."""
+    running sequences get the model's context (up to 8,192) if it fits beside the prefix-cache slots; else
+    the context shrinks, down to 1,024 tokens, and only then are prefix-cache slots given up."""
     if context_len is None:
         want = min(model_context, 8192)
         context_len = budget // ((max_batch + cache_slots) * per_token)
@@ -250,8 +250,16 @@ class EmbeddedEngine:
         return {i for i in ids if i >= 0}
 
     def warmup(self, max_length: int = 2048) -> int:
-        """Capture the decode CUDA graphs of attention lengths up to ``max_length`` now; returns how many."""
-        return self.runner.capture_all(max_length)
+        """Capture the decode CUDA graphs of attention lengths up to ``max_length`` now, and with
+        ``compile`` compile the prefill and sampling shapes (torch.compile treats sizes 1 and >1 apart), so
+        no request pays for either. Call before serving; returns the number of graphs."""
+        graphs = self.runner.capture_all(max_length)
+        if self.runner.compiled:
+            for rows, width in ((1, 1), (1, 8), (2, 1), (2, 8)):
+                logits = self.runner.extend(ExtendBatch(list(range(rows)), [[0] * width] * rows, [0] * rows))
+                with torch.inference_mode():
+                    sample_tokens(logits, [RequestSampling()] * rows, [0] * rows, [width] * rows)
+        return graphs
 
     def memory_info(self) -> dict[str, float]:
         """GPU memory of this engine's process (GiB): peak allocated by torch (weights, KV cache,

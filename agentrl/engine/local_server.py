@@ -399,7 +399,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPU: decode without CUDA graphs")
     p.add_argument(
-        "--compile", action="store_true", help="GPU: torch.compile the decode step and sampler (slower start)"
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GPU: torch.compile the layer pieces and the sampler (about 1.5x the decode speed, ~30 s more "
+        "start-up); --no-compile to skip",
     )
     p.add_argument(
         "--warmup-len",

@@ -208,7 +208,8 @@ class ModelRunner:
             decode_attention,
             lm_head,
         )
-        if compile and self.device.type == "cuda":
+        self.compiled = compile and self.device.type == "cuda"
+        if self.compiled:
             self._pre, self._post, self._attn, self._head = (
                 torch.compile(f, dynamic=True)
                 for f in (pre_attention, post_attention, decode_attention, lm_head)

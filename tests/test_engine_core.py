@@ -1,0 +1,219 @@
+"""The embedded engine's parts on CPU: prefix index, seeded sampling, the model runner, the schedule.
+
+The HTTP protocol is covered by test_engine_local_server.py; here the pieces are driven directly:
+the prefix cache's matching, in-place extension and LRU; sampling noise that depends only on (seed,
+position) and follows the distribution; prefill in chunks equal to prefill in one go; a next turn reusing
+its prefix with the same result as without; slots freed after aborts and retractions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.engine.embedded import EmbeddedEngine, plan_kv_cache
+from agentrl.engine.prefix_cache import PrefixCache
+from agentrl.engine.runner import ExtendBatch, ModelRunner
+from agentrl.engine.sampling import RequestSampling, sample_tokens, uniform_noise
+
+# ----------------------------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_matches_longest_prefix_and_extends_past_blocks() -> None:
+    pc = PrefixCache([10, 11], block=4)
+    seq = list(range(100, 111))  # 11 tokens: two whole blocks + 3
+    assert pc.insert(seq) == (10, 0)
+    assert pc.lookup([*seq, 5, 6], max_len=100) == (10, 11)  # whole blocks, then token by token
+    assert pc.lookup([*seq[:9], 1, 2, 3], max_len=100) == (10, 9)
+    assert pc.lookup(seq, max_len=6) == (10, 6)  # capped (a prompt must keep one token to prefill)
+    assert pc.lookup([1, 2, 3, 4, 5], max_len=100) == (None, 0)
+    assert pc.lookup(seq[:3], max_len=100) == (None, 0)  # under one block
+
+
+def test_prefix_cache_replaces_the_turn_it_extends_and_skips_what_it_holds() -> None:
+    pc = PrefixCache([10, 11], block=4)
+    turn1 = list(range(100, 110))
+    assert pc.insert(turn1) == (10, 0)
+    assert pc.insert(turn1[:8]) == (None, 0)  # already held
+    turn2 = turn1 + list(range(200, 220))
+    assert pc.insert(turn2) == (10, 10)  # same slot; its first 10 positions already hold this KV
+    assert len(pc) == 1
+    assert pc.lookup([*turn2, 1], max_len=100) == (10, 30)
+
+
+def test_prefix_cache_evicts_least_recently_used_and_clears() -> None:
+    pc = PrefixCache([0, 1], block=4)
+    a, b, c = ([k] * 8 for k in (1, 2, 3))
+    slot_a, _ = pc.insert(a)
+    slot_b, _ = pc.insert(b)
+    assert pc.lookup([*a, 9], 100)[0] == slot_a  # a is now the most recent
+    slot_c, _ = pc.insert(c)
+    assert slot_c == slot_b
+    assert pc.lookup([*b, 9], 100) == (None, 0)
+    assert pc.lookup([*a, 9], 100) == (slot_a, 8)
+    pc.clear()
+    assert len(pc) == 0 and pc.lookup([*a, 9], 100) == (None, 0)
+    assert {pc.insert(a)[0], pc.insert(b)[0]} == {0, 1}
+    assert PrefixCache([], block=4).insert(a) == (None, 0)
+
+
+# ----------------------------------------------------------------------------------- sampling
+
+
+def test_noise_depends_only_on_seed_and_position() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    params = [RequestSampling(temperature=1.0)] * 6
+    seeds, pos = [11, 12, 13, 11, 12, 13], [5, 5, 5, 6, 6, 6]
+    together, lp = sample_tokens(logits, params, seeds, pos)
+    alone = [sample_tokens(logits[i : i + 1], params[:1], [seeds[i]], [pos[i]])[0][0] for i in range(6)]
+    assert together == alone
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(together)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(lp, dtype=torch.float32), ref, atol=1e-6)
+    u = uniform_noise(torch.tensor([1, 2], dtype=torch.int32), 100_000)
+    assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+def test_sampling_follows_the_distribution_and_its_filters() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 8000
+    logits = probs.log().repeat(n, 1)
+    toks, _ = sample_tokens(logits, [RequestSampling(temperature=1.0)] * n, [7] * n, list(range(n)))
+    freq = torch.bincount(torch.tensor(toks), minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.02), freq
+    hot, _ = sample_tokens(logits[:n], [RequestSampling(temperature=2.0)] * n, [7] * n, list(range(n)))
+    flat = torch.softmax(probs.log() / 2.0, -1)
+    assert torch.allclose(torch.bincount(torch.tensor(hot), minlength=4).float() / n, flat, atol=0.02)
+    for p in (
+        RequestSampling(temperature=1.0, top_k=1),
+        RequestSampling(temperature=1.0, top_p=0.2),
+        RequestSampling(temperature=1.0, min_p=0.9),
+        RequestSampling(temperature=0.0),
+    ):
+        got, _ = sample_tokens(logits[:200], [p] * 200, [3] * 200, list(range(200)))
+        assert set(got) == {0}, p
+    two, _ = sample_tokens(logits, [RequestSampling(temperature=1.0, top_k=2)] * n, [5] * n, list(range(n)))
+    assert set(two) == {0, 1}
+    mixed, _ = sample_tokens(
+        logits[:4], [RequestSampling(temperature=0.0), RequestSampling(temperature=1.0)] * 2, [1] * 4, [0] * 4
+    )
+    assert mixed[0] == mixed[2] == 0
+
+
+# ----------------------------------------------------------------------------------- runner
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_runner_prefill_in_chunks_equals_one_go_and_decode_equals_hf(tiny_hf) -> None:
+    r = ModelRunner(tiny_hf, num_slots=4, context_len=128, max_batch=2)
+    seq = list(range(20, 60))
+    whole = r.extend(ExtendBatch([0], [seq], [0]))
+    r.extend(ExtendBatch([1], [seq[:13]], [0]))
+    r.extend(ExtendBatch([1], [seq[13:29]], [13]))
+    parts = r.extend(ExtendBatch([1], [seq[29:]], [29]))
+    assert torch.allclose(whole, parts, atol=1e-5)
+    assert torch.allclose(r.k[:, 0, :, :40], r.k[:, 1, :, :40], atol=1e-5)
+    with torch.no_grad():
+        ref = tiny_hf(torch.tensor([[*seq, 77]])).logits[0].float()
+    assert torch.allclose(whole[0], ref[-2], atol=1e-4)
+    step = r.decode([77, 77], [40, 40])
+    assert torch.allclose(step[0], ref[-1], atol=1e-4) and torch.allclose(step[1], ref[-1], atol=1e-4)
+    # a padded batch of unequal rows gives each row its own result
+    mixed = r.extend(ExtendBatch([0, 1], [seq[:5], seq], [0, 0]))
+    assert torch.allclose(mixed[1], whole[0], atol=1e-5)
+
+
+def test_kv_plan_shrinks_context_then_gives_up_prefix_slots() -> None:
+    per_tok = 1000
+    ctx, slots = plan_kv_cache(64 * 4096 * per_tok * 2, per_tok, 64, 64, 4096, None)
+    assert (ctx, slots) == (4096, 64)
+    ctx, slots = plan_kv_cache(64 * 4096 * per_tok, per_tok, 64, 64, 4096, None)
+    assert (ctx, slots) == (2048, 64)  # the context shrinks first, down to 1,024 tokens
+    ctx, slots = plan_kv_cache(64 * 512 * per_tok, per_tok, 64, 64, 4096, None)
+    assert slots == 0 and ctx == 512
+    with pytest.raises(ValueError, match="max_batch_size"):
+        plan_kv_cache(64 * 10 * per_tok, per_tok, 64, 0, 4096, None)
+
+
+# ----------------------------------------------------------------------------------- the schedule
+
+
+def _greedy(n: int) -> RequestSampling:
+    return RequestSampling(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+async def _run_all(engine: EmbeddedEngine, prompts: list[list[int]], sp: RequestSampling, tag: str):
+    return await asyncio.gather(*(engine.generate(p, sp, f"{tag}{i}") for i, p in enumerate(prompts)))
+
+
+async def test_chunked_prefill_and_prefix_reuse_change_nothing(tiny_model_dir: Path) -> None:
+    prompts = [list(range(30 + i, 70 + 2 * i)) for i in range(6)]
+    plain = EmbeddedEngine(tiny_model_dir, max_batch_size=4, prefix_cache_slots=0)
+    chunked = EmbeddedEngine(tiny_model_dir, max_batch_size=4, max_prefill_tokens=16, prefix_cache_slots=8)
+    a = await _run_all(plain, prompts, _greedy(12), "a")
+    b = await _run_all(chunked, prompts, _greedy(12), "b")
+    assert [x.output_ids for x in a] == [x.output_ids for x in b]
+    for x, y in zip(a, b, strict=True):
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+    assert chunked.stats["prefill_tokens"] == sum(len(p) for p in prompts)
+
+    # next turns: prompt + output + observation; the reusing engine prefills only what is new
+    turn2 = [p + x.output_ids + [5, 6, 7, 8] for p, x in zip(prompts, a, strict=True)]
+    before = dict(chunked.stats)
+    a2 = await _run_all(plain, turn2, _greedy(8), "a2")
+    b2 = await _run_all(chunked, turn2, _greedy(8), "b2")
+    assert [x.output_ids for x in a2] == [x.output_ids for x in b2]
+    computed = chunked.stats["prefill_tokens"] - before["prefill_tokens"]
+    assert computed == 5 * len(turn2)  # the last output token (no KV yet) + 4 observation tokens
+    assert all(x.cached_tokens == len(t) - 5 for x, t in zip(b2, turn2, strict=True))
+    assert not chunked._active and not plain._active
+
+
+async def test_aborts_and_retraction_free_every_slot(tiny_model_dir: Path) -> None:
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=3)
+    prompts = [list(range(40 + i, 60 + i)) for i in range(10)]
+    long = RequestSampling(temperature=1.0, max_new_tokens=200, ignore_eos=True)
+    tasks = [asyncio.create_task(engine.generate(p, long, f"r{i}")) for i, p in enumerate(prompts)]
+    while engine.stats["decode_steps"] < 3:
+        await asyncio.sleep(0.005)
+    engine.abort("r1")
+    engine.abort("r7")  # still waiting for a slot
+    engine.pause("retract")
+    for _ in range(2000):
+        if not engine._active and not engine._waiting:
+            break  # all taken out, their tokens kept
+        await asyncio.sleep(0.005)
+    assert not engine._active and not engine._waiting
+    engine.continue_generation()
+    recs = await asyncio.gather(*tasks)
+    kinds = [r.finish_reason["type"] for r in recs]
+    assert kinds[1] == kinds[7] == "abort"
+    assert all(
+        k == "length" and len(r.output_ids) == 200
+        for i, (k, r) in enumerate(zip(kinds, recs, strict=False))
+        if i not in (1, 7)
+    )
+    assert not engine._active and not engine._waiting and not engine._requests
+    for r in recs:
+        assert all(math.isfinite(x) and x <= 0 for x in r.logprobs)
+
+
+async def test_context_limit_is_a_clear_error(tiny_model_dir: Path) -> None:
+    from agentrl.engine.sampling import EngineBadRequest
+
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2, context_len=64)
+    with pytest.raises(EngineBadRequest, match="context of 64 tokens"):
+        await engine.generate(list(range(60)), _greedy(10), "x")
+    rec = await engine.generate(list(range(50)), _greedy(14), "y")
+    assert len(rec.output_ids) == 14
