@@ -18,7 +18,7 @@ import torch
 from agentrl.engine.embedded import EmbeddedEngine, plan_kv_cache
 from agentrl.engine.prefix_cache import PrefixCache
 from agentrl.engine.runner import ExtendBatch, ModelRunner
-from agentrl.engine.sampling import RequestSampling, sample_tokens, uniform_noise
+from agentrl.engine.sampling import RequestSampling, row_uniform, sample_tokens
 
 # ----------------------------------------------------------------------------------- prefix cache
 
@@ -74,9 +74,9 @@ def test_noise_depends_only_on_seed_and_position() -> None:
     assert together == alone
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(together)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(lp, dtype=torch.float32), ref, atol=1e-6)
-    u = uniform_noise(torch.tensor([1, 2], dtype=torch.int32), 100_000)
+    u = torch.tensor([row_uniform(7, p) for p in range(20_000)])
     assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
-    assert not torch.equal(u[0], u[1])
+    assert row_uniform(7, 3) != row_uniform(8, 3)
 
 
 def test_sampling_follows_the_distribution_and_its_filters() -> None:

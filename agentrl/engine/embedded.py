@@ -30,6 +30,7 @@ import logging
 import random
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import torch
 
 from agentrl.engine.prefix_cache import PrefixCache
 from agentrl.engine.runner import ExtendBatch, ModelRunner
-from agentrl.engine.sampling import EngineBadRequest, RequestSampling, compile_sampler, sample_tokens
+from agentrl.engine.sampling import EngineBadRequest, RequestSampling, sample_tokens
 
 log = logging.getLogger("agentrl.engine")
 
@@ -177,7 +178,54 @@ class EmbeddedEngine:
         on_gpu = self.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens or (8192 if on_gpu else 2048)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        # All torch work runs on one device thread, from loading on: on CPU a second thread running torch
+        # ops gets its own OpenMP team, and the two teams made each decode step 2-3x slower on 2 cores.
+        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="agentrl-engine")
+        slots = self._device_thread.submit(
+            self._load,
+            AutoModelForCausalLM,
+            mem_fraction,
+            prefix_cache_slots,
+            context_len,
+            cuda_graphs,
+            compile,
+        ).result()
+        self.prefix_cache = (
+            PrefixCache(list(range(max_batch_size, max_batch_size + slots))) if slots else None
+        )
+        log.info(
+            "KV cache: %d running + %d prefix slots x %d tokens (%.2f GiB)",
+            max_batch_size, slots, self.context_len,
+            2 * self.runner.k.numel() * self.runner.k.element_size() / 2**30,
+        )  # fmt: skip
+
+        self.weight_version = "default"
+        self._rng = random.Random(seed)
+        self._requests: dict[str, _Request] = {}  # rid -> request
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []  # index = slot
+        self._epoch = 0
+        self._retract = False
+        self._since_prefill = 0
+        # slot copies (src, dst, n, start) decided since the last step, run before the next one
+        self._copies: list[tuple[int, int, int, int]] = []
+        self._drain = _DrainLock()
+        self._step_lock = asyncio.Lock()
+        self._work = asyncio.Event()
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self.paused_mode: str | None = None
+        self._groups: dict[str, Any] = {}
+        self._task: asyncio.Task | None = None
+        self._fatal: BaseException | None = None
+        self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
+
+    def _load(self, auto_model, mem_fraction, prefix_cache_slots, context_len, cuda_graphs, compile) -> int:
+        """Device thread: the model, the KV cache plan and the runner; returns the prefix-cache slots."""
+        max_batch_size, on_gpu = self.max_batch_size, self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        model = auto_model.from_pretrained(self.model_path, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -207,35 +255,7 @@ class EmbeddedEngine:
             cuda_graphs=cuda_graphs,
             compile=compile,
         )
-        if compile and on_gpu:
-            compile_sampler()
-        self.prefix_cache = (
-            PrefixCache(list(range(max_batch_size, max_batch_size + slots))) if slots else None
-        )
-        log.info(
-            "KV cache: %d running + %d prefix slots x %d tokens (%.2f GiB)",
-            max_batch_size, slots, self.context_len,
-            2 * self.runner.k.numel() * self.runner.k.element_size() / 2**30,
-        )  # fmt: skip
-
-        self.weight_version = "default"
-        self._rng = random.Random(seed)
-        self._requests: dict[str, _Request] = {}  # rid -> request
-        self._waiting: deque[_Request] = deque()
-        self._active: list[_Request] = []  # index = slot
-        self._epoch = 0
-        self._retract = False
-        self._since_prefill = 0
-        self._drain = _DrainLock()
-        self._step_lock = asyncio.Lock()
-        self._work = asyncio.Event()
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
-        self.paused_mode: str | None = None
-        self._groups: dict[str, Any] = {}
-        self._task: asyncio.Task | None = None
-        self._fatal: BaseException | None = None
-        self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
+        return slots
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -253,6 +273,9 @@ class EmbeddedEngine:
         """Capture the decode CUDA graphs of attention lengths up to ``max_length`` now, and with
         ``compile`` compile the prefill and sampling shapes (torch.compile treats sizes 1 and >1 apart), so
         no request pays for either. Call before serving; returns the number of graphs."""
+        return self._device_thread.submit(self._warmup, max_length).result()
+
+    def _warmup(self, max_length: int) -> int:
         graphs = self.runner.capture_all(max_length)
         if self.runner.compiled:
             for rows, width in ((1, 1), (1, 8), (2, 1), (2, 8)):
@@ -282,6 +305,7 @@ class EmbeddedEngine:
     def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self._device_thread.shutdown(wait=False, cancel_futures=True)
         from agentrl.engine.dist import abort_process_group
 
         for name in list(self._groups):  # shutting down: no waiting on a trainer that may be gone
@@ -405,7 +429,7 @@ class EmbeddedEngine:
                     continue
                 try:
                     async with self._step_lock:
-                        result = await asyncio.to_thread(self._execute, *step)
+                        result = await self._on_device(self._execute, *step)
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
                     self._fail(step[1], err)
@@ -448,7 +472,7 @@ class EmbeddedEngine:
             if self.prefix_cache is not None:
                 src, n = self.prefix_cache.lookup(r.seq, len(r.seq) - 1)
                 if src is not None:
-                    self.runner.copy_slot(src, r.slot, n)
+                    self._copies.append((src, r.slot, n, 0))
                     r.cached = n
                     if not r.output_ids:
                         r.cached_tokens = n
@@ -487,8 +511,18 @@ class EmbeddedEngine:
             return "decode", list(self._active), None
         return None
 
+    def _on_device(self, fn, *args) -> asyncio.Future:
+        """Run ``fn`` on the engine's one device thread: every forward, slot copy and weight copy happens
+        there, in order (on CPU a second thread of torch work would fight it for the cores)."""
+        return asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
+
     def _execute(self, kind: str, rows: list[_Request], batch: ExtendBatch | None):
-        """Worker thread: one forward + sampling. Returns (ids, logprobs) of the rows that sample."""
+        """Device thread: the slot copies queued since the last step (prefix hits, cache inserts,
+        compaction, in the order they were decided), then one forward + sampling. Returns (ids,
+        logprobs) of the rows that sample."""
+        copies, self._copies = self._copies, []
+        for src, dst, n, start in copies:
+            self.runner.copy_slot(src, dst, n, start=start)
         if kind == "prefill":
             logits = self.runner.extend(batch)
             done = [i for i, r in enumerate(rows) if batch.start[i] + len(batch.tokens[i]) == len(r.seq)]
@@ -564,10 +598,10 @@ class EmbeddedEngine:
             if pc is not None and r.epoch == self._epoch and r.cached >= pc.block:
                 dst, have = pc.insert(r.seq[: r.cached])
                 if dst is not None:
-                    self.runner.copy_slot(r.slot, dst, r.cached, start=have)
+                    self._copies.append((r.slot, dst, r.cached, have))
             last = self._active.pop()
             if last is not r:
-                self.runner.copy_slot(last.slot, r.slot, last.cached)
+                self._copies.append((last.slot, r.slot, last.cached, 0))
                 last.slot = r.slot
                 self._active[r.slot] = last
             r.slot = -1
@@ -598,7 +632,7 @@ class EmbeddedEngine:
         if abort_all:
             self.abort(None)
         async with self._drain.write(), self._step_lock:
-            await asyncio.to_thread(apply)
+            await self._on_device(apply)
             if flush:
                 self._flush_prefix_cache()
             if weight_version is not None:
@@ -632,9 +666,10 @@ class EmbeddedEngine:
             new = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
             return {k: v for k, v in new.state_dict().items()}
 
-        # Read the checkpoint before taking the lock: generation continues while the disk is read.
+        # Read the checkpoint before taking the lock: on a GPU generation continues meanwhile; on CPU the read
+        # (torch work) runs on the device thread, between steps.
         try:
-            tensors = await asyncio.to_thread(load)
+            tensors = await (asyncio.to_thread(load) if self.device.type == "cuda" else self._on_device(load))
         except (OSError, ValueError) as err:
             raise EngineBadRequest(f"cannot load weights from {model_path!r}: {err}") from None
         self._validate(tensors)

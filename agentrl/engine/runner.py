@@ -272,8 +272,8 @@ class ModelRunner:
             q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
             self.k[i][slots[:, None], :, write] = k
             self.v[i][slots[:, None], :, write] = v
-            kk = self.k[i].index_select(0, slots)[:, :, :keys]
-            vv = self.v[i].index_select(0, slots)[:, :, :keys]
+            kk = self.k[i][:, :, :keys].index_select(0, slots)  # slice first: copy only the keys in use
+            vv = self.v[i][:, :, :keys].index_select(0, slots)
             if group > 1:
                 kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask, scale=self.scale)

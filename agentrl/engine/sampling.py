@@ -1,4 +1,4 @@
-"""Sampling for the embedded engine: per-request parameters, counter-based seeded noise, raw logprobs.
+"""Sampling for the embedded engine: per-request parameters, counter-based seeded draws, raw logprobs.
 
 A request's ``sampling_params`` (SGLang's names) become a :class:`RequestSampling`. One decode step then
 samples every row at once on the device (:func:`sample_tokens`): temperature, top-k, top-p and min-p per
@@ -101,33 +101,15 @@ def row_key(seed: int, position: int) -> int:
     return z - (1 << 32) if z & 0x80000000 else z
 
 
-def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) floats [rows, vocab]: murmur3's 32-bit finaliser of ``key ^ (id * golden)``.
-    int32 arithmetic wraps; ``>>`` on int32 is arithmetic, so each shift is masked to be logical."""
-    ids = torch.arange(vocab, dtype=torch.int32, device=keys.device) * -1640531527  # 0x9E3779B9
-    x = keys.to(torch.int32)[:, None] ^ ids[None]
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * -2048144789  # 0x85EBCA6B
-    x = x ^ ((x >> 13) & 0x7FFFF)
-    x = x * -1028477387  # 0xC2B2AE35
-    x = x ^ ((x >> 16) & 0xFFFF)
-    return (((x >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+def row_uniform(seed: int, position: int) -> float:
+    """The uniform (0, 1) draw of (seed, position): 24 bits of :func:`row_key`."""
+    return (((row_key(seed, position) >> 8) & 0xFFFFFF) + 0.5) / (1 << 24)
 
 
-def gumbel_max(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The Gumbel-max sample of each row of scaled logits ``x``, its noise keyed by ``keys`` [rows]."""
-    u = uniform_noise(keys, x.shape[-1])
-    return (x - torch.log(-torch.log(u))).argmax(dim=-1)
-
-
-_gumbel_max = gumbel_max
-
-
-def compile_sampler() -> None:
-    """Fuse the noise hash, Gumbel transform and argmax into a few kernels (GPU; ~20 passes over
-    [rows, vocab] otherwise). Same values: integer hashing, then the same float ops."""
-    global _gumbel_max
-    _gumbel_max = torch.compile(gumbel_max, dynamic=True)
+def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of scaled (and filtered) logits ``x``, the token whose CDF interval holds ``u[row]``."""
+    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=x.shape[-1] - 1)
 
 
 def filter_logits(
@@ -157,8 +139,8 @@ def filter_logits(
 def sample_tokens(
     logits: torch.Tensor, params: list[RequestSampling], seeds: list[int], positions: list[int]
 ) -> tuple[list[int], list[float]]:
-    """Sample one token per row of fp32 ``logits`` [rows, vocab]; row ``r`` follows ``params[r]`` with noise
-    keyed by (``seeds[r]``, ``positions[r]``). Returns the ids and their raw-logit logprobs (one host sync)."""
+    """Sample one token per row of fp32 ``logits`` [rows, vocab]; row ``r`` follows ``params[r]``
+    with its draw keyed by (``seeds[r]``, ``positions[r]``). Returns the ids and their raw-logit logprobs (one host sync)."""
     dev, vocab = logits.device, logits.shape[-1]
     tokens = logits.argmax(dim=-1)  # temperature 0 = greedy
     temps = [p.temperature for p in params]
@@ -172,8 +154,8 @@ def sample_tokens(
                 torch.tensor([p.top_p for p in params], device=dev),
                 torch.tensor([p.min_p for p in params], device=dev),
             )
-        keys = torch.tensor([row_key(s, q) for s, q in zip(seeds, positions, strict=True)], dtype=torch.int32)
-        picked = _gumbel_max(x, keys.to(dev))
+        u = torch.tensor([row_uniform(s, q) for s, q in zip(seeds, positions, strict=True)], device=dev)
+        picked = inverse_cdf(x, u)
         if all(t > 0 for t in temps):
             tokens = picked
         else:
@@ -187,10 +169,9 @@ def sample_tokens(
 __all__ = [
     "EngineBadRequest",
     "RequestSampling",
-    "compile_sampler",
     "filter_logits",
-    "gumbel_max",
+    "inverse_cdf",
     "row_key",
+    "row_uniform",
     "sample_tokens",
-    "uniform_noise",
 ]
