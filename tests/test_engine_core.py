@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.engine.embedded import EmbeddedEngine, plan_kv_cache
+from agentrl.engine.embedded import EmbeddedEngine
 from agentrl.engine.prefix_cache import PrefixCache
-from agentrl.engine.runner import ExtendBatch, ModelRunner
+from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.engine.sampling import RequestSampling, row_uniform, sample_tokens
 
 # ----------------------------------------------------------------------------------- prefix cache

@@ -25,7 +25,7 @@ RL semantics kept from SGLang:
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import random
 import time
@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from agentrl.engine.prefix_cache import PrefixCache
-from agentrl.engine.runner import ExtendBatch, ModelRunner
+from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.engine.sampling import EngineBadRequest, RequestSampling, sample_tokens
+from agentrl.engine.weights import DrainLock, WeightGroups, check_weights, copy_weights, load_checkpoint
 
 log = logging.getLogger("agentrl.engine")
 
@@ -82,68 +83,6 @@ class _Request:
     epoch: int = 0  # prefix-cache epoch at admission (KV from older weights is never cached)
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     created: float = field(default_factory=time.perf_counter)
-
-
-class _DrainLock:
-    """Readers = requests inside the engine; the writer (a weight update) waits for them to finish and
-    holds new ones back meanwhile (writer preference, so a steady request stream cannot starve updates)."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    @contextlib.asynccontextmanager
-    async def read(self):
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def write(self):
-        async with self._cond:
-            self._writers_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
-def plan_kv_cache(
-    budget: int, per_token: int, max_batch: int, cache_slots: int, model_context: int, context_len: int | None
-) -> tuple[int, int]:
-    """(context_len, cache_slots) that fit ``budget`` bytes of KV cache. Without an explicit context length,
-    running sequences get the model's context (up to 8,192) if it fits beside the prefix-cache slots; else
-    the context shrinks, down to 1,024 tokens, and only then are prefix-cache slots given up."""
-    if context_len is None:
-        want = min(model_context, 8192)
-        context_len = budget // ((max_batch + cache_slots) * per_token)
-        if context_len < want:
-            fit = max(0, budget // (min(want, 1024) * per_token) - max_batch)
-            cache_slots = min(cache_slots, fit)
-            context_len = budget // ((max_batch + cache_slots) * per_token)
-        context_len = min(context_len, want)
-    context_len = min(int(context_len), model_context) // 16 * 16
-    if context_len < 64:
-        raise ValueError(
-            f"a KV cache of {budget / 2**30:.2f} GiB holds only {context_len} tokens for each of "
-            f"{max_batch} sequences: lower max_batch_size or give the engine more memory (mem_fraction)"
-        )
-    return context_len, cache_slots
 
 
 class EmbeddedEngine:
@@ -209,13 +148,13 @@ class EmbeddedEngine:
         self._since_prefill = 0
         # slot copies (src, dst, n, start) decided since the last step, run before the next one
         self._copies: list[tuple[int, int, int, int]] = []
-        self._drain = _DrainLock()
+        self._drain = DrainLock()
         self._step_lock = asyncio.Lock()
         self._work = asyncio.Event()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self.paused_mode: str | None = None
-        self._groups: dict[str, Any] = {}
+        self.groups = WeightGroups(self.device)
         self._task: asyncio.Task | None = None
         self._fatal: BaseException | None = None
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
@@ -306,10 +245,7 @@ class EmbeddedEngine:
         if self._task is not None:
             self._task.cancel()
         self._device_thread.shutdown(wait=False, cancel_futures=True)
-        from agentrl.engine.dist import abort_process_group
-
-        for name in list(self._groups):  # shutting down: no waiting on a trainer that may be gone
-            abort_process_group(self._groups.pop(name)[0])
+        self.groups.abort_all()  # shutting down: no waiting on a trainer that may be gone
 
     # ------------------------------------------------------------------ requests (event loop)
     async def generate(self, input_ids: list[int], sampling: RequestSampling, rid: str) -> GenerationRecord:
@@ -638,53 +574,22 @@ class EmbeddedEngine:
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
-    def _check_and_copy(self, tensors: dict[str, torch.Tensor]) -> None:
-        # state_dict(keep_vars) names tied weights under both names (named_parameters drops duplicates).
-        params = self.model.state_dict(keep_vars=True)
-        errors = []
-        for name, t in tensors.items():
-            if name not in params:
-                errors.append(f"unknown parameter {name!r}")
-            elif tuple(params[name].shape) != tuple(t.shape):
-                errors.append(f"{name}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}")
-        if errors:
-            raise EngineBadRequest("; ".join(errors[:10]))
-        with torch.no_grad():
-            for name, t in tensors.items():
-                params[name].data.copy_(t.to(device=params[name].device, dtype=params[name].dtype))
-
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None, abort_all: bool, flush: bool = True
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         path = Path(model_path)
         if not await asyncio.to_thread(path.is_dir):
             raise EngineBadRequest(f"model_path {model_path!r} is not a directory")
-
-        def load() -> dict[str, torch.Tensor]:
-            new = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
-            return {k: v for k, v in new.state_dict().items()}
-
         # Read the checkpoint before taking the lock: on a GPU generation continues meanwhile; on CPU the read
         # (torch work) runs on the device thread, between steps.
+        load = functools.partial(load_checkpoint, path, self.dtype)
         try:
             tensors = await (asyncio.to_thread(load) if self.device.type == "cuda" else self._on_device(load))
         except (OSError, ValueError) as err:
             raise EngineBadRequest(f"cannot load weights from {model_path!r}: {err}") from None
-        self._validate(tensors)
-        await self._update(lambda: self._check_and_copy(tensors), abort_all, weight_version, flush)
+        check_weights(self.model, tensors)
+        await self._update(lambda: copy_weights(self.model, tensors), abort_all, weight_version, flush)
         self.model_path = str(path)
-
-    def _validate(self, tensors: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.state_dict())
-        errors = [
-            f"{n}: {('unknown' if n not in params else f'shape {tuple(t.shape)} != {tuple(params[n].shape)}')}"
-            for n, t in tensors.items()
-            if n not in params or tuple(params[n].shape) != tuple(t.shape)
-        ]
-        if errors:
-            raise EngineBadRequest("weights do not fit the served model: " + "; ".join(errors[:10]))
 
     async def init_weights_update_group(
         self,
@@ -695,31 +600,11 @@ class EmbeddedEngine:
         group_name: str,
         backend: str,
     ) -> None:
-        from agentrl.engine.dist import init_custom_process_group
-
-        if group_name in self._groups:
-            raise EngineBadRequest(f"weight update group {group_name!r} already exists")
-        if backend == "nccl" and self.device.type != "cuda":
-            raise EngineBadRequest("backend nccl needs the engine on cuda; use gloo on CPU")
-        # The engine has one rank (tp_size 1): rank_offset + 0.
-        pg = await asyncio.to_thread(
-            init_custom_process_group,
-            backend,
-            f"tcp://{master_address}:{int(master_port)}",
-            int(world_size),
-            int(rank_offset),
-            group_name,
-        )
-        self._groups[group_name] = (pg, backend)
+        await self.groups.join(master_address, master_port, rank_offset, world_size, group_name, backend)
 
     async def destroy_weights_update_group(self, group_name: str, timeout: float = 30.0) -> bool:
         """Leave the group (the trainer leaves its end at the same time); bounded, aborts past ``timeout``."""
-        from agentrl.engine.dist import leave_process_group
-
-        entry = self._groups.pop(group_name, None)
-        if entry is None:
-            raise EngineBadRequest(f"no weight update group {group_name!r}")
-        return await leave_process_group(entry[0], timeout)
+        return await self.groups.leave(group_name, timeout)
 
     async def update_weights_from_distributed(
         self,
@@ -731,39 +616,11 @@ class EmbeddedEngine:
         abort_all: bool,
         flush: bool = True,
     ) -> None:
-        from agentrl.engine.dist import parse_dtype
-
-        if group_name not in self._groups:
-            raise EngineBadRequest(
-                f"no weight update group {group_name!r}; call /init_weights_update_group first"
-            )
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise EngineBadRequest("names, dtypes and shapes must have the same length")
-        pg, backend = self._groups[group_name]
-        recv_device = self.device if backend == "nccl" else torch.device("cpu")
-        try:
-            specs = [
-                (n, parse_dtype(d), [int(x) for x in s])
-                for n, d, s in zip(names, dtypes, shapes, strict=True)
-            ]
-        except ValueError as err:
-            raise EngineBadRequest(str(err)) from None
-
-        def receive() -> dict[str, torch.Tensor]:
-            import torch.distributed as dist
-
-            out = {}
-            for name, dt, shape in specs:
-                t = torch.empty(shape, dtype=dt, device=recv_device)
-                dist.broadcast(t, src=0, group=pg)
-                out[name] = t
-            return out
-
         # Receive first (the trainer is blocked in broadcast until we do), even if the names turn out to be
         # wrong: refusing before receiving would leave the trainer hanging in its collective.
-        tensors = await asyncio.to_thread(receive)
-        self._validate(tensors)
-        await self._update(lambda: self._check_and_copy(tensors), abort_all, weight_version, flush)
+        tensors = await self.groups.receive(group_name, names, dtypes, shapes)
+        check_weights(self.model, tensors)
+        await self._update(lambda: copy_weights(self.model, tensors), abort_all, weight_version, flush)
 
 
 __all__ = ["EmbeddedEngine", "EngineBadRequest", "EngineFailed", "GenerationRecord", "RequestSampling"]

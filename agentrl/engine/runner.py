@@ -57,6 +57,29 @@ def length_buckets(context_len: int, smallest: int = 128) -> list[int]:
     return [*out, context_len]
 
 
+def plan_kv_cache(
+    budget: int, per_token: int, max_batch: int, cache_slots: int, model_context: int, context_len: int | None
+) -> tuple[int, int]:
+    """(context_len, cache_slots) that fit ``budget`` bytes of KV cache. Without an explicit context length,
+    running sequences get the model's context (up to 8,192) if it fits beside the prefix-cache slots; else
+    the context shrinks, down to 1,024 tokens, and only then are prefix-cache slots given up."""
+    if context_len is None:
+        want = min(model_context, 8192)
+        context_len = budget // ((max_batch + cache_slots) * per_token)
+        if context_len < want:
+            fit = max(0, budget // (min(want, 1024) * per_token) - max_batch)
+            cache_slots = min(cache_slots, fit)
+            context_len = budget // ((max_batch + cache_slots) * per_token)
+        context_len = min(context_len, want)
+    context_len = min(int(context_len), model_context) // 16 * 16
+    if context_len < 64:
+        raise ValueError(
+            f"a KV cache of {budget / 2**30:.2f} GiB holds only {context_len} tokens for each of "
+            f"{max_batch} sequences: lower max_batch_size or give the engine more memory (mem_fraction)"
+        )
+    return context_len, cache_slots
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -365,4 +388,11 @@ class ModelRunner:
         self._pool = None
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ExtendBatch", "ModelRunner", "batch_buckets", "length_buckets"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ExtendBatch",
+    "ModelRunner",
+    "batch_buckets",
+    "length_buckets",
+    "plan_kv_cache",
+]

@@ -1,0 +1,171 @@
+"""Weights into the embedded engine: checks, copies, checkpoint reads, broadcast groups, the update lock.
+
+A weight update (from disk or by broadcast from the trainer) must not mix weights within a generation
+step, and SGLang's contract is that it waits for in-flight requests while holding new ones back. The
+:class:`DrainLock` gives that: requests hold it shared while inside the engine, an update holds it
+exclusively. :class:`WeightGroups` owns the process groups of ``/init_weights_update_group`` and receives
+broadcast tensors; :func:`check_weights` names every tensor that does not fit the served model before
+anything is copied, so a bad update changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.engine.sampling import EngineBadRequest
+
+
+class DrainLock:
+    """Readers = requests inside the engine; the writer (a weight update) waits for them to finish and
+    holds new ones back meanwhile (writer preference, so a steady request stream cannot starve updates)."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def read(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def write(self):
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`EngineBadRequest` naming the tensors that are not parameters of ``model`` or have
+    another shape. (``state_dict`` names tied weights under both names.)"""
+    params = model.state_dict(keep_vars=True)
+    errors = [
+        f"{n}: {('unknown' if n not in params else f'shape {tuple(t.shape)} != {tuple(params[n].shape)}')}"
+        for n, t in tensors.items()
+        if n not in params or tuple(params[n].shape) != tuple(t.shape)
+    ]
+    if errors:
+        raise EngineBadRequest("weights do not fit the served model: " + "; ".join(errors[:10]))
+
+
+def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``model``'s parameters in place (same storage: CUDA graphs stay valid)."""
+    check_weights(model, tensors)
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            params[name].data.copy_(t.to(device=params[name].device, dtype=params[name].dtype))
+
+
+def load_checkpoint(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict of the HF checkpoint directory ``path``, in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).state_dict())
+
+
+class WeightGroups:
+    """The engine's ends of weight-broadcast process groups (one rank each: tp_size 1)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._groups: dict[str, tuple[Any, str]] = {}
+
+    async def join(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        name: str,
+        backend: str,
+    ) -> None:
+        from agentrl.engine.dist import init_custom_process_group
+
+        if name in self._groups:
+            raise EngineBadRequest(f"weight update group {name!r} already exists")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise EngineBadRequest("backend nccl needs the engine on cuda; use gloo on CPU")
+        pg = await asyncio.to_thread(
+            init_custom_process_group,
+            backend,
+            f"tcp://{master_address}:{int(master_port)}",
+            int(world_size),
+            int(rank_offset),
+            name,
+        )
+        self._groups[name] = (pg, backend)
+
+    async def leave(self, name: str, timeout: float) -> bool:
+        """Leave the group; bounded: aborts it past ``timeout``. True if it was left cleanly."""
+        from agentrl.engine.dist import leave_process_group
+
+        entry = self._groups.pop(name, None)
+        if entry is None:
+            raise EngineBadRequest(f"no weight update group {name!r}")
+        return await leave_process_group(entry[0], timeout)
+
+    async def receive(
+        self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> dict[str, torch.Tensor]:
+        """Receive one broadcast of ``names`` (rank 0 sends) into new tensors."""
+        from agentrl.engine.dist import parse_dtype
+
+        if name not in self._groups:
+            raise EngineBadRequest(f"no weight update group {name!r}; call /init_weights_update_group first")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise EngineBadRequest("names, dtypes and shapes must have the same length")
+        pg, backend = self._groups[name]
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        try:
+            specs = [
+                (n, parse_dtype(d), [int(x) for x in s])
+                for n, d, s in zip(names, dtypes, shapes, strict=True)
+            ]
+        except ValueError as err:
+            raise EngineBadRequest(str(err)) from None
+
+        def receive() -> dict[str, torch.Tensor]:
+            import torch.distributed as dist
+
+            out = {}
+            for n, dt, shape in specs:
+                t = torch.empty(shape, dtype=dt, device=device)
+                dist.broadcast(t, src=0, group=pg)
+                out[n] = t
+            return out
+
+        return await asyncio.to_thread(receive)
+
+    def abort_all(self) -> None:
+        from agentrl.engine.dist import abort_process_group
+
+        for name in list(self._groups):
+            abort_process_group(self._groups.pop(name)[0])
+
+
+__all__ = ["DrainLock", "WeightGroups", "check_weights", "copy_weights", "load_checkpoint"]
