@@ -51,10 +51,10 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
     urls = []
     for i in range(e.num_engines):
         if e.backend == "embedded":
-            from agentrl.engine.local_server import start_local_server
+            from agentrl.engine.embedded_server import start_embedded_server
 
             start = functools.partial(
-                start_local_server,
+                start_embedded_server,
                 model_dir,
                 device=e.device,
                 dtype=e.dtype,

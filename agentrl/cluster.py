@@ -10,7 +10,7 @@ their own when their parent dies.
 rendezvous).
 
 What a service runs is a picklable zero-argument ``start`` callable returning a handle with ``.url`` and
-``.stop()`` (``start_local_server``, ``SGLangLauncher``, ``start_retrieval_server``...).
+``.stop()`` (``start_embedded_server``, ``SGLangLauncher``, ``start_retrieval_server``...).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class EngineSetupConfig(ConfigModel):
 
     backend: Literal["embedded", "sglang", "external"] = Field(
         "embedded",
-        description="embedded: agentrl.engine.local_server; sglang: launch SGLang; external: use urls",
+        description="embedded: agentrl.engine.embedded_server; sglang: launch SGLang; external: use urls",
     )
     num_engines: int = Field(
         1, ge=1, description="engine servers to start (each behind least-loaded routing)"

@@ -1,7 +1,7 @@
 """Throughput of the embedded engine (over HTTP, through EngineClient) against HF ``generate``.
 
 For each concurrency C in ``--concurrency`` (default 1,16,64) it runs 2*C requests with at most C in
-flight against ``python -m agentrl.engine.local_server`` and reports generated tokens/s; then, in the same
+flight against ``python -m agentrl.engine.embedded_server`` and reports generated tokens/s; then, in the same
 run and on the same device, HF ``model.generate`` on batches of C prompts of the same length and the same
 number of new tokens (sampling at temperature 1, EOS ignored). ``--multi-turn K`` adds agent-like
 episodes: ``--concurrency``'s largest C episodes at once, each K turns whose prompt is the previous
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from agentrl.engine.client import EngineClient
-from agentrl.engine.local_server import start_local_server
+from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.models.tiny import QWEN25_05B, build_tiny_model
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
 
     engine: dict[int, tuple[int, float]] = {}
-    server = start_local_server(
+    server = start_embedded_server(
         model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
         log_file=tmp / "server.log", extra_args=shlex.split(a.server_args),
     )  # fmt: skip

@@ -124,12 +124,12 @@ async def weight_sync(
     trainer, model_dir: Path, engine_device: str, dtype: str, work: Path, tokens_check: int
 ) -> dict:
     from agentrl.engine.client import EngineClient
-    from agentrl.engine.local_server import start_local_server
+    from agentrl.engine.embedded_server import start_embedded_server
     from agentrl.engine.types import SamplingParams
     from agentrl.types import Trajectory
 
     out: dict = {}
-    server = start_local_server(
+    server = start_embedded_server(
         model_dir,
         device=engine_device.split(":")[0],
         dtype=dtype,

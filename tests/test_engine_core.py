@@ -1,6 +1,6 @@
 """The embedded engine's parts on CPU: prefix index, seeded sampling, the model runner, the schedule.
 
-The HTTP protocol is covered by test_engine_local_server.py; here the pieces are driven directly:
+The HTTP protocol is covered by test_engine_embedded_server.py; here the pieces are driven directly:
 the prefix cache's matching, in-place extension and LRU; sampling noise that depends only on (seed,
 position) and follows the distribution; prefill in chunks equal to prefill in one go; a next turn reusing
 its prefix with the same result as without; slots freed after aborts and retractions.

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from agentrl.config import ConfigError
 from agentrl.engine.client import EngineClient
-from agentrl.engine.local_server import start_local_server
+from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env
 from agentrl.rewards import VerifierConfigError, get_verifier, register_verifier, resolve_verifier
@@ -31,7 +31,7 @@ TASKS = [{"prompt": "What is 2 + 3?", "label": "5"}, {"prompt": "Who wrote Hamle
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[Any]:
-    srv = start_local_server(tiny_model_dir, max_batch_size=8)
+    srv = start_embedded_server(tiny_model_dir, max_batch_size=8)
     yield srv
     srv.stop()
 

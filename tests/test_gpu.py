@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from agentrl.engine.client import EngineClient
-from agentrl.engine.local_server import start_local_server
+from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
@@ -72,7 +72,7 @@ async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> No
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
     try:
         for engine_dies_first in (False, True):
-            server = start_local_server(tiny_model_dir, device="cuda", dtype="bfloat16", env=env)
+            server = start_embedded_server(tiny_model_dir, device="cuda", dtype="bfloat16", env=env)
             client = EngineClient(server.url, timeout=120)
             try:
                 await trainer.init_weight_sync_group(client, num_engine_ranks=1, backend="nccl")
@@ -100,7 +100,7 @@ async def test_smollm2_on_gpu_engine_matches_trainer(tmp_path: Path) -> None:
 
     model_dir = convert("smollm2-135m-instruct")
     trainer = _trainer(model_dir)
-    server = start_local_server(
+    server = start_embedded_server(
         model_dir, device="cuda", dtype="bfloat16", extra_args=["--mem-fraction", "0.2"]
     )
     client = EngineClient(server.url, timeout=120)
@@ -134,7 +134,7 @@ def _teacher_gap(model, prompt: list[int], output: list[int], logprobs: list[flo
 async def test_engine_graphs_and_compile_on_gpu(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    server = start_local_server(
+    server = start_embedded_server(
         tiny_model_dir, device="cuda", dtype="bfloat16", timeout=600,
         extra_args=["--compile", "--warmup-len", "256", "--max-batch-size", "16"],
     )  # fmt: skip

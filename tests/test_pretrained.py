@@ -79,12 +79,12 @@ async def test_engine_logprobs_equal_a_teacher_forced_forward(smollm2: Path, hf_
     from transformers import AutoTokenizer
 
     from agentrl.engine.client import EngineClient
-    from agentrl.engine.local_server import start_local_server
+    from agentrl.engine.embedded_server import start_embedded_server
     from agentrl.engine.types import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     prompt = _prompt_ids(tok, "Where was Mira Tolven born?")
-    server = start_local_server(smollm2)
+    server = start_embedded_server(smollm2)
     try:
         async with EngineClient(server.url) as client:
             res = await client.generate(

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrl.engine.client import EngineClient
-from agentrl.engine.local_server import start_local_server
+from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.rollout import ChatTokenizer, Orchestrator, RolloutConfig
 from agentrl.testing.envs import SyntheticEnv
@@ -39,7 +39,7 @@ class RecordingClient(EngineClient):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path):
-    srv = start_local_server(tiny_model_dir, max_batch_size=16)
+    srv = start_embedded_server(tiny_model_dir, max_batch_size=16)
     yield srv
     srv.stop()
 

@@ -46,7 +46,7 @@ checkpoint: {{interval: 2}}
 def _leftovers() -> list[str]:
     """Processes a run may start: engines, retrieval servers, Ray daemons and workers."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    pats = ("agentrl.engine.local_server", "retrieval_server", "raylet", "gcs_server", "ray::")
+    pats = ("agentrl.engine.embedded_server", "retrieval_server", "raylet", "gcs_server", "ray::")
     return [line for line in out.splitlines() if any(p in line for p in pats) and "ps -eo" not in line]
 
 

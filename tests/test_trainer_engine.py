@@ -14,7 +14,7 @@ import torch
 from _trainer_helpers import free_port
 
 from agentrl.engine.client import EngineClient
-from agentrl.engine.local_server import start_local_server
+from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
@@ -66,7 +66,7 @@ def _max_abs_diff(trainer, trajs: list[Trajectory]) -> float:
 async def test_trainer_engine_consistency_and_weight_sync(
     trainer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server = start_local_server(tiny_model_dir)
+    server = start_embedded_server(tiny_model_dir)
     client = EngineClient(server.url)
     try:
         trajs = await _rollouts(client, 6, version=0, seed=1)

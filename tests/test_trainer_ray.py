@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _trainer_helpers import make_trajectories
 
-from agentrl.engine.local_server import start_local_server
+from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.trainer.trainer import TrainerConfig
 
 
@@ -17,7 +17,7 @@ def test_trainer_group_on_ray(tiny_model_dir: Path, tmp_path: Path) -> None:
     from agentrl.trainer.ray_actor import TrainerGroup
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    server = start_local_server(tiny_model_dir)
+    server = start_embedded_server(tiny_model_dir)
     group = None
     try:
         group = TrainerGroup(TrainerConfig(model_path=str(tiny_model_dir), lr=1e-3), world_size=1)

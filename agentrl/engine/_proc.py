@@ -2,7 +2,7 @@
 with the log tail, and a stop that signals the whole group (SIGTERM, then SIGKILL) and then removes the
 scratch directory the process was given (port file, default log), so nothing is left in the temp dir.
 
-Shared by the SGLang launcher and the embedded engine's ``start_local_server``.
+Shared by the SGLang launcher and the embedded engine's ``start_embedded_server``.
 """
 
 from __future__ import annotations

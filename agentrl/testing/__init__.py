@@ -5,6 +5,6 @@
 * :mod:`agentrl.testing.envs`: synthetic envs (fixed turns, tool latency, injected errors, random
   terminal rewards).
 
-The real parts they stand beside: the embedded engine (:mod:`agentrl.engine.local_server`), SGLang, and
+The real parts they stand beside: the embedded engine (:mod:`agentrl.engine.embedded_server`), SGLang, and
 the built-in envs (:mod:`agentrl.envs`).
 """

@@ -1,6 +1,6 @@
 """The embedded engine: a stand-in for SGLang that speaks SGLang's native HTTP API on CPU or one GPU.
 
-``python -m agentrl.engine.local_server --model DIR --host 127.0.0.1 --port N [--device cpu|cuda]
+``python -m agentrl.engine.embedded_server --model DIR --host 127.0.0.1 --port N [--device cpu|cuda]
 [--dtype float32|bfloat16] [--api-key K] [--max-batch-size B]`` serves a Hugging Face checkpoint directory
 with the same endpoints and JSON shapes as ``sglang.launch_server`` (see the SGLang reference notes):
 ``/generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
@@ -28,7 +28,7 @@ Semantics worth knowing (all as SGLang, unless marked):
 Security: it binds 127.0.0.1 by default and refuses a non-loopback ``--host`` without ``--api-key``. With
 a key, every endpoint except ``/health`` and ``/health_generate`` requires ``Authorization: Bearer KEY``.
 
-:func:`start_local_server` runs it as a subprocess (own process group, waits for ``/health``) and returns a
+:func:`start_embedded_server` runs it as a subprocess (own process group, waits for ``/health``) and returns a
 handle with ``.url`` and ``.stop()``; tests and ``train_async.py`` use it.
 """
 
@@ -55,9 +55,9 @@ from aiohttp import web
 from agentrl.engine._proc import ServerProcess, ServerStartError, is_loopback
 from agentrl.engine.embedded import EmbeddedEngine, EngineBadRequest, EngineFailed, RequestSampling
 
-__all__ = ["LocalServer", "ServerStartError", "build_app", "is_loopback", "main", "start_local_server"]
+__all__ = ["EmbeddedServer", "ServerStartError", "build_app", "is_loopback", "main", "start_embedded_server"]
 
-log = logging.getLogger("agentrl.engine.local_server")
+log = logging.getLogger("agentrl.engine.embedded_server")
 
 _OPEN_PATHS = {"/health", "/health_generate"}
 ENGINE_NAME = "agentrl-embedded (stand-in for SGLang)"
@@ -360,7 +360,7 @@ def build_app(
 # ---------------------------------------------------------------------------------------------- CLI
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m agentrl.engine.local_server",
+        prog="python -m agentrl.engine.embedded_server",
         description="Embedded engine speaking SGLang's native HTTP API (a stand-in for SGLang).",
     )
     p.add_argument("--model", "--model-path", dest="model", required=True, help="HF checkpoint directory")
@@ -508,8 +508,8 @@ def _write_port_file(path: str, port: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- helper
-class LocalServer:
-    """Handle of an embedded-engine subprocess (from :func:`start_local_server`)."""
+class EmbeddedServer:
+    """Handle of an embedded-engine subprocess (from :func:`start_embedded_server`)."""
 
     def __init__(self, process: ServerProcess, host: str, port: int, api_key: str | None) -> None:
         self.process = process
@@ -534,14 +534,14 @@ class LocalServer:
         """Stop the server and everything it started (SIGTERM, then SIGKILL, to its process group)."""
         return self.process.stop()
 
-    def __enter__(self) -> LocalServer:
+    def __enter__(self) -> EmbeddedServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def start_local_server(
+def start_embedded_server(
     model_dir: str | Path,
     port: int = 0,
     host: str = "127.0.0.1",
@@ -553,8 +553,8 @@ def start_local_server(
     timeout: float = 180.0,
     log_file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
-) -> LocalServer:
-    """Start ``python -m agentrl.engine.local_server`` in its own process group and wait for ``/health``.
+) -> EmbeddedServer:
+    """Start ``python -m agentrl.engine.embedded_server`` in its own process group and wait for ``/health``.
 
     ``port=0`` lets the server pick a free port (reported back through a file, so there is no race).
     Raises :class:`ServerStartError` with the server's log tail if it exits or is not healthy in time.
@@ -565,7 +565,7 @@ def start_local_server(
     argv = [
         sys.executable,
         "-m",
-        "agentrl.engine.local_server",
+        "agentrl.engine.embedded_server",
         "--model",
         str(model_dir),
         "--host",
@@ -592,7 +592,7 @@ def start_local_server(
     bound = int(port_file.read_text())
     h = f"[{host}]" if ":" in host else host
     proc.wait_healthy(f"http://{h}:{bound}/health", timeout=max(1.0, timeout - (time.monotonic() - t0)))
-    return LocalServer(proc, host, bound, api_key)
+    return EmbeddedServer(proc, host, bound, api_key)
 
 
 if __name__ == "__main__":

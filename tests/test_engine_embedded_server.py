@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentrl.cluster import free_port
 from agentrl.engine._proc import ServerStartError
 from agentrl.engine.client import EngineClient, EngineRequestError
-from agentrl.engine.local_server import LocalServer, start_local_server
+from agentrl.engine.embedded_server import EmbeddedServer, start_embedded_server
 from agentrl.engine.types import SamplingParams
 
 KEY = "test-admin-key"
@@ -45,7 +45,7 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path):
-    srv = start_local_server(tiny_model_dir, api_key=KEY, max_batch_size=64)
+    srv = start_embedded_server(tiny_model_dir, api_key=KEY, max_batch_size=64)
     yield srv
     srv.stop()
     assert not _pid_alive(srv.pid), "server process survived stop()"
@@ -62,7 +62,7 @@ def tokenizer(tiny_model_dir: Path):
 
 
 @pytest.fixture
-async def client(server: LocalServer):
+async def client(server: EmbeddedServer):
     c = EngineClient(server.url, api_key=KEY, timeout=120)
     yield c
     await c.close()
@@ -141,7 +141,7 @@ async def test_stop_token_ids_and_stop_strings(client, tokenizer) -> None:
     assert len(r.logprobs) == len(r.output_ids)
 
 
-async def test_eos_stops_unless_ignored(client, server: LocalServer, tiny_model_dir: Path) -> None:
+async def test_eos_stops_unless_ignored(client, server: EmbeddedServer, tiny_model_dir: Path) -> None:
     eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     base = (await client.generate(PROMPTS[2], greedy)).output_ids
@@ -166,7 +166,7 @@ async def test_64_concurrent_calls_complete_with_correct_lengths(client) -> None
 
 
 # ------------------------------------------------------------------------------------------ abort / pause
-async def _wait_running(server: LocalServer, n: int, timeout: float = 30.0) -> None:
+async def _wait_running(server: EmbeddedServer, n: int, timeout: float = 30.0) -> None:
     """Wait until the server has n requests in flight (so an abort lands mid-generation)."""
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
         deadline = time.monotonic() + timeout
@@ -361,7 +361,7 @@ async def test_update_weights_from_distributed_gloo(client, tiny_model_dir, hf_m
 
 
 # ------------------------------------------------------------------------------------------ protocol / security
-async def test_api_key_guards_every_endpoint_but_health(server: LocalServer) -> None:
+async def test_api_key_guards_every_endpoint_but_health(server: EmbeddedServer) -> None:
     async with aiohttp.ClientSession() as s:
         for path, body in [
             ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
@@ -385,7 +385,7 @@ async def test_api_key_guards_every_endpoint_but_health(server: LocalServer) -> 
             assert resp.status == 200
 
 
-async def test_native_json_shapes_and_bad_requests(server: LocalServer, tokenizer) -> None:
+async def test_native_json_shapes_and_bad_requests(server: EmbeddedServer, tokenizer) -> None:
     h = {"Authorization": f"Bearer {KEY}"}
     async with aiohttp.ClientSession(headers=h) as s:
         body = {
@@ -437,7 +437,7 @@ async def test_native_json_shapes_and_bad_requests(server: LocalServer, tokenize
 
 
 def test_refuses_non_loopback_host_without_api_key(tiny_model_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "agentrl.engine.local_server", "--model", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "agentrl.engine.embedded_server", "--model", str(tiny_model_dir)]
     proc = subprocess.run(
         [*cmd, "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120
     )
@@ -451,7 +451,7 @@ async def test_gpu_logprobs_fp32_and_bf16(tiny_model_dir: Path) -> None:
     """On one GPU: fp32 logprobs match a teacher-forced forward on the GPU; bf16 serves sane answers."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
     for dtype in ("float32", "bfloat16"):
-        srv = start_local_server(tiny_model_dir, device="cuda", dtype=dtype)
+        srv = start_embedded_server(tiny_model_dir, device="cuda", dtype=dtype)
         try:
             async with EngineClient(srv.url) as c:
                 sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
@@ -468,12 +468,12 @@ async def test_gpu_logprobs_fp32_and_bf16(tiny_model_dir: Path) -> None:
 
 
 def test_a_stopped_or_failed_server_leaves_no_temp_dir(tiny_model_dir: Path, tmp_path: Path) -> None:
-    srv = start_local_server(tiny_model_dir, max_batch_size=2)
+    srv = start_embedded_server(tiny_model_dir, max_batch_size=2)
     scratch = srv.process.scratch_dir
     assert scratch is not None and (scratch / "port").is_file()
     srv.stop()
     assert not scratch.exists()
     before = set(Path(tempfile.gettempdir()).glob("agentrl-engine-*"))
     with pytest.raises(ServerStartError, match="exited with code"):
-        start_local_server(tmp_path / "no-model-here", timeout=60)
+        start_embedded_server(tmp_path / "no-model-here", timeout=60)
     assert set(Path(tempfile.gettempdir()).glob("agentrl-engine-*")) <= before
