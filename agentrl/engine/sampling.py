@@ -2,8 +2,8 @@
 
 A request's ``sampling_params`` (SGLang's names) become a :class:`RequestSampling`. One decode step then
 samples every row at once on the device (:func:`sample_tokens`): temperature, top-k, top-p and min-p per
-row, greedy where the temperature is 0, by the Gumbel-max trick with noise that is a **hash of (seed,
-position, vocabulary id)**. The noise of a row therefore depends on nothing but its request's seed and
+row, greedy where the temperature is 0, by inverse-CDF sampling with one uniform draw per token that is a
+**hash of (seed, position)**. The draw of a row therefore depends on nothing but its request's seed and
 the position being sampled: not on which other requests share the step, not on a generator's state,
 not on whether the request was retracted and resumed. Requests without a ``sampling_seed`` get one
 drawn from the engine's seeded generator when they arrive.
