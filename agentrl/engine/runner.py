@@ -20,7 +20,6 @@ sequence as two batched matmuls over the cached keys and values.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +153,7 @@ def _layer_weights(layer: torch.nn.Module) -> tuple:
 
 @dataclass
 class ExtendBatch:
-    """A prefill step: row ``r`` adds ``new[r]`` tokens at positions ``start[r]..`` of slot ``slots[r]``."""
+    """A prefill step: row ``r`` adds ``tokens[r]`` at positions ``start[r]..`` of slot ``slots[r]``."""
 
     slots: list[int]
     tokens: list[list[int]]  # the new tokens of each row
@@ -210,12 +209,12 @@ class ModelRunner:
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
         cos, sin = self.inner.rotary_emb(dummy, pos)  # the model's own RoPE (scaling variants included)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [context_len + 1, head_dim]
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(self.lm_head_weight.shape[0])
 
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        # Decode attention: torch SDPA (fused on CPU), or two batched matmuls over the cached keys/values.
-        default = "sdpa" if self.device.type == "cpu" else "matmul"
-        self.decode_attention = os.environ.get("AGENTRL_DECODE_ATTENTION", default)
+        # Decode attention: torch SDPA on CPU (fused there), two batched matmuls over the cached keys and
+        # values on a GPU (graph-captured and compiled with the rest of the step).
+        self.decode_attention = "sdpa" if self.device.type == "cpu" else "matmul"
         self.batch_buckets = batch_buckets(max_batch)
         self.length_buckets = length_buckets(context_len)
         self._ids = torch.zeros(max_batch, dtype=torch.long, device=self.device)
@@ -237,7 +236,6 @@ class ModelRunner:
                 torch.compile(f, dynamic=True)
                 for f in (pre_attention, post_attention, decode_attention, lm_head)
             )
-        self._decode_fn = self._decode_forward
         self._pinned = (
             torch.empty(2 * max_batch, dtype=torch.long).pin_memory() if self.device.type == "cuda" else None
         )
@@ -344,7 +342,7 @@ class ModelRunner:
         self._ids[:b].copy_(both[:b])
         self._pos[:b].copy_(both[b:])
         if not self.cuda_graphs:
-            return self._decode_fn(b, length)
+            return self._decode_forward(b, length)
         graph = self._graphs.get((b, length))
         if graph is None:
             graph = self._capture(b, length)
@@ -360,11 +358,11 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):
-                self._logits[:b].copy_(self._decode_fn(b, length))
+                self._logits[:b].copy_(self._decode_forward(b, length))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            self._logits[:b].copy_(self._decode_fn(b, length))
+            self._logits[:b].copy_(self._decode_forward(b, length))
         if self._pool is None:
             self._pool = graph.pool()
         self._pos[:b].copy_(saved)
@@ -382,10 +380,6 @@ class ModelRunner:
                 if (b, length) not in self._graphs:
                     self._capture(b, length)
         return len(self._graphs)
-
-    def drop_graphs(self) -> None:
-        self._graphs.clear()
-        self._pool = None
 
 
 __all__ = [
