@@ -311,9 +311,7 @@ def build_app(
                 "paused": engine.paused_mode,
                 "api_key_required": bool(api_key),
                 "context_len": engine.context_len,
-                "prefix_cache_slots": 0
-                if engine.prefix_cache is None
-                else len(engine.prefix_cache._free) + len(engine.prefix_cache),
+                "prefix_cache_slots": 0 if engine.prefix_cache is None else engine.prefix_cache.num_slots,
                 **engine.stats,
                 **engine.memory_info(),
             }

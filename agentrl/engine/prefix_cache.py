@@ -14,6 +14,7 @@ computed with the old weights).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -23,13 +24,12 @@ class _Entry:
     keys: list[int] = field(default_factory=list)
 
 
-def _chain(tokens: list[int], block: int, limit: int | None = None) -> list[int]:
-    keys, h = [], 0
-    n = len(tokens) // block if limit is None else min(limit, len(tokens) // block)
-    for i in range(n):
+def _chain(tokens: list[int], block: int) -> Iterator[int]:
+    """The chain keys of the whole blocks of ``tokens``: key ``i`` covers blocks ``0..i``."""
+    h = 0
+    for i in range(len(tokens) // block):
         h = hash((h, tuple(tokens[i * block : (i + 1) * block])))
-        keys.append(h)
-    return keys
+        yield h
 
 
 class PrefixCache:
@@ -37,11 +37,10 @@ class PrefixCache:
 
     def __init__(self, slots: list[int], block: int = 16) -> None:
         self.block = block
+        self.num_slots = len(slots)
         self._free = list(reversed(slots))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # slot -> entry, least recent first
         self._by_key: dict[int, int] = {}  # chain key -> slot
-        self.hits = 0
-        self.lookups = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,19 +48,15 @@ class PrefixCache:
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int | None, int]:
         """The slot holding the longest cached prefix of ``tokens`` (at most ``max_len`` of them), and its
         length; (None, 0) when nothing matches. Marks the entry used."""
-        self.lookups += 1
         slot, n = self._match(tokens, max_len)
         if slot is not None:
             self._entries.move_to_end(slot)
-            self.hits += 1
         return slot, n
 
     def _match(self, tokens: list[int], max_len: int) -> tuple[int | None, int]:
         best_slot, best = None, 0
-        h = 0
-        for i in range(min(len(tokens), max_len) // self.block):
-            h = hash((h, tuple(tokens[i * self.block : (i + 1) * self.block])))
-            slot = self._by_key.get(h)
+        for i, key in enumerate(_chain(tokens[:max_len], self.block)):
+            slot = self._by_key.get(key)
             if slot is None:
                 break
             best_slot, best = slot, (i + 1) * self.block
@@ -96,7 +91,7 @@ class PrefixCache:
             self._unindex(slot, old)
         else:
             return None, 0
-        entry = _Entry(tokens=list(tokens), keys=_chain(tokens, self.block))
+        entry = _Entry(tokens=list(tokens), keys=list(_chain(tokens, self.block)))
         self._entries[slot] = entry
         for k in entry.keys:
             self._by_key[k] = slot  # the newest entry with this prefix wins
