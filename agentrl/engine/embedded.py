@@ -174,9 +174,8 @@ class EmbeddedEngine:
         per_token = ModelRunner.kv_bytes_per_token(self.model)
         if on_gpu:
             free = torch.cuda.mem_get_info(self.device)[0]
-            reserve = (
-                6 * max_batch_size * self.vocab_size * 4 + 2**30
-            )  # logits, sampling, prefill activations
+            # logits, sampling and prefill activations
+            reserve = 6 * max_batch_size * self.vocab_size * 4 + 2**30
             budget = int((mem_fraction or 0.8) * free) - reserve
         else:
             budget = 2 * 2**30
@@ -185,7 +184,6 @@ class EmbeddedEngine:
         self.context_len, slots = plan_kv_cache(
             budget, per_token, max_batch_size, slots, model_context, context_len
         )
-        self.max_context = self.context_len
         self.runner = ModelRunner(
             self.model,
             max_batch_size + slots,
@@ -236,6 +234,11 @@ class EmbeddedEngine:
     @property
     def healthy(self) -> bool:
         return self._fatal is None and (self._task is None or not self._task.done())
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + output a request may ask for (a KV slot's length)."""
+        return self.context_len
 
     @property
     def num_running(self) -> int:
@@ -392,7 +395,7 @@ class EmbeddedEngine:
             keep = deque()
             for r in self._waiting:
                 if r.abort:
-                    self._leave(r, {"type": "abort", "message": "aborted"}, in_slot=False)
+                    self._leave(r, {"type": "abort", "message": "aborted"})
                 else:
                     keep.append(r)
             self._waiting = keep
@@ -414,18 +417,18 @@ class EmbeddedEngine:
                         r.cached_tokens = n
                     self.stats["cached_tokens"] += n
 
-    def _plan(self) -> tuple[str, list[_Request], Any] | None:
-        """The next step: ("prefill", rows, ExtendBatch) or ("decode", rows, None); None if idle.
+    def _plan(self) -> tuple[str, list[_Request], ExtendBatch | None, list[int]] | None:
+        """The next step: ("prefill", rows, ExtendBatch, sampling) or ("decode", rows, None, sampling), with
+        ``sampling`` the indices of the rows that get a token (a prefill row only once its prompt is all in);
+        None if idle.
 
         Requests that arrive one by one while others decode are gathered for a few decode steps
         (``ADMIT_EVERY``) and prefilled together: every prefill step stalls all decoding rows once."""
-        decoding = any(not r.prefilling for r in self._active)
-        waiting = sum(len(r.seq) for r in self._waiting)
-        if (
-            not decoding
+        if self._waiting and (
+            not any(not r.prefilling for r in self._active)
             or self._since_prefill >= self.ADMIT_EVERY
-            or waiting >= self.max_prefill_tokens // 2
             or len(self._waiting) >= self.max_batch_size - len(self._active)
+            or sum(len(r.seq) for r in self._waiting) >= self.max_prefill_tokens // 2
         ):
             self._admit()
         rows = [r for r in self._active if r.prefilling]
@@ -441,10 +444,11 @@ class EmbeddedEngine:
                 tokens.append(r.seq[r.cached : r.cached + take])
                 start.append(r.cached)
             self._since_prefill = 0
-            return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start)
+            done = [i for i, r in enumerate(picked) if r.cached + len(tokens[i]) == len(r.seq)]
+            return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start), done
         if self._active:
             self._since_prefill += 1
-            return "decode", list(self._active), None
+            return "decode", list(self._active), None, list(range(len(self._active)))
         return None
 
     def _on_device(self, fn, *args) -> asyncio.Future:
@@ -452,7 +456,7 @@ class EmbeddedEngine:
         there, in order (on CPU a second thread of torch work would fight it for the cores)."""
         return asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
 
-    def _execute(self, kind: str, rows: list[_Request], batch: ExtendBatch | None):
+    def _execute(self, kind: str, rows: list[_Request], batch: ExtendBatch | None, done: list[int]):
         """Device thread: the slot copies queued since the last step (prefix hits, cache inserts,
         compaction, in the order they were decided), then one forward + sampling. Returns (ids,
         logprobs) of the rows that sample."""
@@ -461,14 +465,12 @@ class EmbeddedEngine:
             self.runner.copy_slot(src, dst, n, start=start)
         if kind == "prefill":
             logits = self.runner.extend(batch)
-            done = [i for i, r in enumerate(rows) if batch.start[i] + len(batch.tokens[i]) == len(r.seq)]
             if not done:
                 return [], []
             logits = logits[done] if len(done) < len(rows) else logits
-            sampled = [rows[i] for i in done]
         else:
             logits = self.runner.decode([r.seq[-1] for r in rows], [len(r.seq) - 1 for r in rows])
-            sampled = rows
+        sampled = [rows[i] for i in done]
         with torch.inference_mode():
             return sample_tokens(
                 logits,
@@ -477,23 +479,24 @@ class EmbeddedEngine:
                 [len(r.seq) for r in sampled],
             )
 
-    def _commit(self, step: tuple[str, list[_Request], Any], result: tuple[list[int], list[float]]) -> None:
-        kind, rows, batch = step
+    def _commit(
+        self,
+        step: tuple[str, list[_Request], ExtendBatch | None, list[int]],
+        result: tuple[list[int], list[float]],
+    ) -> None:
+        kind, rows, batch, done = step
         ids, lps = result
         if kind == "prefill":
-            sampled = []
-            for i, r in enumerate(rows):
-                n = len(batch.tokens[i])
-                r.cached += n
-                self.stats["prefill_tokens"] += n
-                if r.cached == len(r.seq):
-                    r.prefilling = False
-                    sampled.append(r)
+            for r, new in zip(rows, batch.tokens, strict=True):
+                r.cached += len(new)
+                self.stats["prefill_tokens"] += len(new)
         else:
             self.stats["decode_steps"] += 1
             for r in rows:
                 r.cached += 1
-            sampled = rows
+        sampled = [rows[i] for i in done]
+        for r in sampled:
+            r.prefilling = False
         finished = [r for r, t, lp in zip(sampled, ids, lps, strict=True) if self._append(r, t, lp)]
         for r in sorted(finished, key=lambda r: -r.slot):
             self._leave(r, r.finish)
@@ -522,14 +525,12 @@ class EmbeddedEngine:
                 return x
         return None
 
-    def _leave(
-        self, r: _Request, finish: dict[str, Any] | None, in_slot: bool = True, error: Exception | None = None
-    ) -> None:
+    def _leave(self, r: _Request, finish: dict[str, Any] | None, error: BaseException | None = None) -> None:
         """Take ``r`` out of the engine (finished, aborted, or retracted when ``finish`` is None): keep its
         KV in the prefix cache, free its slot (the last running request moves into it) and wake its caller."""
         if finish is not None:
             r.finish = finish
-        if in_slot and r.slot >= 0:
+        if r.slot >= 0:  # running (a waiting request has no slot yet)
             pc = self.prefix_cache
             if pc is not None and r.epoch == self._epoch and r.cached >= pc.block:
                 dst, have = pc.insert(r.seq[: r.cached])

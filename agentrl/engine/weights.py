@@ -73,8 +73,8 @@ def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` into ``model``'s parameters in place (same storage: CUDA graphs stay valid)."""
-    check_weights(model, tensors)
+    """Copy ``tensors`` into ``model``'s parameters in place (same storage: CUDA graphs stay valid). The
+    caller has run :func:`check_weights` on them first (before taking the update lock)."""
     params = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, t in tensors.items():
