@@ -21,8 +21,10 @@ Semantics worth knowing (all as SGLang, unless marked):
 * ``weight_version`` starts at ``"default"`` and changes only when an update names one.
 * A weight update waits for in-flight requests (or aborts them with ``abort_all_requests``), holds new
   ones, then swaps weights and flushes the prefix cache.
-* Not supported (400 with a clear message): ``stream``, ``n > 1``, penalties, regex / JSON constraints,
-  ``/v1/*`` OpenAI endpoints. ``pause_generation`` modes ``retract`` and ``in_place`` both keep the
+* OpenAI's API: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``
+  (:mod:`agentrl.engine.openai_api`: chat template, tool calls, streaming, OpenAI-style errors).
+* Not supported on ``/generate`` (400 with a clear message): ``stream``, ``n > 1``, penalties, regex /
+  JSON constraints. ``pause_generation`` modes ``retract`` and ``in_place`` both keep the
   requests and recompute their KV on ``continue`` (SGLang's in_place keeps the old KV instead).
 
 Security: it binds 127.0.0.1 by default and refuses a non-loopback ``--host`` without ``--api-key``. With
@@ -54,6 +56,7 @@ from aiohttp import web
 
 from agentrl.engine._proc import ServerProcess, ServerStartError, is_loopback
 from agentrl.engine.embedded import EmbeddedEngine, EngineBadRequest, EngineFailed, RequestSampling
+from agentrl.engine.openai_api import EmbeddedBackend, add_openai_routes
 
 __all__ = ["EmbeddedServer", "ServerStartError", "build_app", "is_loopback", "main", "start_embedded_server"]
 
@@ -352,6 +355,7 @@ def build_app(
             web.get("/health_generate", health_generate),
         ]
     )
+    add_openai_routes(app, EmbeddedBackend(engine, served_model_path))  # /v1/* (OpenAI's API)
     return app
 
 

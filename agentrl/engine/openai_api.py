@@ -1,0 +1,728 @@
+"""OpenAI-compatible endpoints over token-in/token-out generation: ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models``, the way SGLang serves OpenAI's API.
+
+The front end owns tokenization: it renders ``messages`` (and ``tools``) with the model's chat template,
+asks a :class:`CompletionBackend` for tokens, detokenizes them and parses tool calls out of the text.
+Two backends use it: the embedded engine (:func:`add_openai_routes` on the app of
+:mod:`agentrl.engine.embedded_server`, generation in process) and the rollout's recording proxy
+(:mod:`agentrl.rollout.agent_proxy`, which forwards to ``/generate`` and records every token).
+
+What is served: ``messages`` (text, or lists of text parts), ``tools`` / ``tool_choice``, ``n``,
+``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``
+and ``top_logprobs``, ``stream`` (server-sent events, with ``stream_options.include_usage``), and
+SGLang's extra sampling fields (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``). Penalties, ``logit_bias`` and ``response_format`` are refused, not ignored.
+
+Tool calls are parsed in the model family's format, chosen from its chat template: Hermes / Qwen
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (:class:`~agentrl.tools.parsers.HermesParser`),
+or Llama 3's bare JSON object (optionally after ``<|python_tag|>``). A malformed call comes back as plain
+``content`` with ``finish_reason`` ``stop``, never as an error.
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for an unknown
+model, ``messages`` that is not a non-empty list of messages, a bad tool schema or ``tool_choice``, a
+prompt that does not fit the context, an unsupported parameter. A client that disconnects cancels its
+handler, and the backend aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from agentrl.rollout.tokenize import ChatTokenizer
+from agentrl.tools.parsers import HermesParser
+
+__all__ = [
+    "CompletionBackend",
+    "Generation",
+    "OpenAIError",
+    "Prompt",
+    "add_openai_routes",
+    "error_response",
+    "parse_tool_calls",
+    "tool_call_format",
+]
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# Sampling fields SGLang takes beside OpenAI's (sent by the openai SDK through ``extra_body``).
+_EXTRA_SAMPLING = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim")
+_REFUSED = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "response_format": None,
+    "best_of": 1,
+    "suffix": None,
+    "echo": False,
+}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape (``status`` 400 unless said otherwise)."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+
+def error_response(err: OpenAIError) -> web.Response:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return web.json_response(body, status=err.status)
+
+
+@dataclass
+class Prompt:
+    """What one completion continues: the rendered ids, and for chat the messages and tools they came from
+    (a recording backend may continue an episode's exact ids instead of this rendering)."""
+
+    ids: list[int]
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class Generation:
+    """One completion from a backend: sampled ids and their logprobs (raw-model, as ``/generate``)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop | length | abort
+    prompt_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    matched_stop: str | None = None  # the stop string that ended it (trimmed from the text)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    handle: Any = None  # the backend's own record of this generation (see CompletionBackend.on_reply)
+
+
+class CompletionBackend(Protocol):
+    """What the front end needs from whatever samples the tokens."""
+
+    model: str  # the served model id (/v1/models)
+    chat: ChatTokenizer
+    context_len: int  # prompt + completion tokens at most
+
+    def accepts_model(self, name: str) -> bool: ...
+
+    async def generate(
+        self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
+    ) -> Generation:
+        """Sample one completion of ``prompt`` (SGLang ``sampling_params``); abort it in the engine if
+        cancelled. May raise :class:`OpenAIError`."""
+        ...
+
+    def on_reply(self, gen: Generation, message: dict[str, Any] | None) -> None:
+        """The assistant message the client receives for ``gen`` (None for a text completion)."""
+        ...
+
+
+# ---- tool calls ---------------------------------------------------------------------------------------
+def tool_call_format(tokenizer: Any) -> str:
+    """``hermes`` (``<tool_call>`` JSON, Qwen / Hermes templates), ``llama3`` (bare JSON object) or
+    ``hermes`` as the default when the template names neither."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = json.dumps(template)
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3"
+    return "hermes"
+
+
+_HERMES = HermesParser()
+
+
+def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` in OpenAI's shape. A malformed call leaves the whole text as content and
+    no calls: the client sees what the model wrote."""
+    if fmt == "llama3":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, RecursionError):
+            return text, []
+        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            return text, []
+        return None, [_openai_call(obj["name"], args)]
+    parsed = _HERMES.parse(text)
+    if parsed.errors or not parsed.calls:
+        return text, []
+    return (parsed.content or None), [_openai_call(c.name, c.arguments) for c in parsed.calls]
+
+
+def _openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+# ---- request validation -------------------------------------------------------------------------------
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise OpenAIError("tools must be a list of function tools", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise OpenAIError(f'{where}: expected {{"type": "function", "function": {{...}}}}', where)
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise OpenAIError(f"{where}.function: missing or not an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise OpenAIError(
+                f"{where}.function.name: must be 1-64 characters of a-z, A-Z, 0-9, _ or -, got {name!r}",
+                f"{where}.function.name",
+            )
+        params = fn.get("parameters")
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            raise OpenAIError(
+                f"{where}.function.parameters: must be a JSON schema object with type 'object'",
+                f"{where}.function.parameters",
+            )
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise OpenAIError(
+                f"{where}.function.description: must be a string", f"{where}.function.description"
+            )
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
+    """``none``, ``auto``, ``required``, or the name of the one function to call."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not tools:
+            raise OpenAIError("tool_choice 'required' needs tools", "tool_choice")
+        return str(choice)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise OpenAIError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        return str(name)
+    raise OpenAIError("tool_choice must be 'none', 'auto', 'required' or a function object", "tool_choice")
+
+
+def _text(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise OpenAIError(f"{where}.content[{j}]: only text parts are supported", f"{where}.content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise OpenAIError(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (text parts joined); 400 on anything else."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty list of message objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise OpenAIError(f"{where}: must be an object with role one of {sorted(_ROLES)}", where)
+        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
+        content = _text(m.get("content"), where)
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list):
+                raise OpenAIError(f"{where}.tool_calls: must be a list", f"{where}.tool_calls")
+            msg["tool_calls"] = [_check_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        elif content is None:
+            raise OpenAIError(f"{where}.content: missing", f"{where}.content")
+        msg["content"] = content or ""
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _check_call(c: Any, where: str) -> dict[str, Any]:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise OpenAIError(f"{where}: expected {{'function': {{'name', 'arguments'}}}}", where)
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise OpenAIError(f"{where}.function.arguments: not valid JSON", where) from None
+    return {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def sampling_params(body: dict[str, Any], prompt_len: int, context_len: int) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for the request; 400 when the prompt leaves no room or a knob is
+    unsupported."""
+    for key, neutral in _REFUSED.items():
+        if body.get(key) not in (None, neutral):
+            raise OpenAIError(f"{key} is not supported by this server", key, "unsupported_parameter")
+    room = context_len - prompt_len
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise OpenAIError("max_tokens must be a positive integer", "max_tokens")
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise OpenAIError(
+            f"This model's maximum context length is {context_len} tokens. However, you requested "
+            f"{prompt_len + (max_tokens or 1)} tokens ({prompt_len} in the messages, {max_tokens or 1} in "
+            "the completion). Please reduce the length of the messages or completion.",
+            "messages" if max_tokens is None or room < 1 else "max_tokens",
+            "context_length_exceeded",
+        )
+    sp: dict[str, Any] = {"max_new_tokens": max_tokens or room}
+    for key in ("temperature", "top_p"):
+        if body.get(key) is not None:
+            if not isinstance(body[key], int | float):
+                raise OpenAIError(f"{key} must be a number", key)
+            sp[key] = float(body[key])
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise OpenAIError("stop must be a string or a list of up to 16 strings", "stop")
+        if stop:
+            sp["stop"] = stop
+    if body.get("seed") is not None:
+        if not isinstance(body["seed"], int):
+            raise OpenAIError("seed must be an integer", "seed")
+        sp["sampling_seed"] = body["seed"]
+    for key in _EXTRA_SAMPLING:
+        if body.get(key) is not None:
+            sp[key] = body[key]
+    return sp
+
+
+# ---- answers ------------------------------------------------------------------------------------------
+def _finish(gen: Generation, calls: bool) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if gen.finish_reason == "length" else "stop"
+
+
+def _token_text(chat: ChatTokenizer, ids: list[int]) -> list[str]:
+    tok = chat.tok
+    return [tok.convert_tokens_to_string([t]) for t in tok.convert_ids_to_tokens(ids)]
+
+
+def _chat_logprobs(chat: ChatTokenizer, gen: Generation) -> dict[str, Any]:
+    words = _token_text(chat, gen.output_ids)
+    content = []
+    for k, (w, lp) in enumerate(zip(words, gen.logprobs, strict=True)):
+        top = []
+        if gen.top_logprobs is not None:
+            alts = gen.top_logprobs[k]
+            for alt_w, (_tid, alt_lp) in zip(_token_text(chat, [a[0] for a in alts]), alts, strict=True):
+                top.append({"token": alt_w, "logprob": alt_lp, "bytes": list(alt_w.encode())})
+        content.append({"token": w, "logprob": lp, "bytes": list(w.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _decode(chat: ChatTokenizer, gen: Generation, sp: dict[str, Any]) -> str:
+    ids = gen.output_ids
+    # the end-of-turn / EOS token the model stopped on is not part of the message
+    if ids and gen.finish_reason == "stop" and ids[-1] in chat.eot_ids:
+        ids = ids[:-1]
+    text = chat.tok.decode(ids, skip_special_tokens=bool(sp.get("skip_special_tokens", True)))
+    if gen.matched_stop and not sp.get("no_stop_trim"):
+        cut = text.rfind(gen.matched_stop)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    prompt = gens[0].prompt_tokens if gens else 0
+    completion = sum(len(g.output_ids) for g in gens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens if gens else 0},
+    }
+
+
+@dataclass
+class _Frontend:
+    resolve: Callable[[web.Request], CompletionBackend]
+    fmt_cache: dict[int, str] = field(default_factory=dict)
+
+    def _backend(self, request: web.Request, body: dict[str, Any]) -> CompletionBackend:
+        backend = self.resolve(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not backend.accepts_model(model):
+            raise OpenAIError(
+                f"The model {model!r} does not exist; this server serves {backend.model!r}",
+                "model",
+                "model_not_found",
+            )
+        return backend
+
+    async def _generate_n(
+        self, backend: CompletionBackend, prompt: Prompt, sp: dict[str, Any], n: int, top: int
+    ) -> list[Generation]:
+        rid = uuid.uuid4().hex
+        sps = [
+            sp if "sampling_seed" not in sp else {**sp, "sampling_seed": sp["sampling_seed"] + i}
+            for i in range(n)
+        ]
+        return list(
+            await asyncio.gather(*(backend.generate(prompt, s, f"{rid}-{i}", top) for i, s in enumerate(sps)))
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        backend = self._backend(request, body)
+        messages = check_messages(body.get("messages"))
+        tools = check_tools(body.get("tools"))
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+        n, top, want_lp = _n_and_logprobs(body)
+        prompt = Prompt(backend.chat.prompt_ids(messages, tools), messages, tools)
+        sp = sampling_params(body, len(prompt.ids), backend.context_len)
+        gens = await self._generate_n(backend, prompt, sp, n, top)
+        fmt = self.fmt_cache.setdefault(id(backend.chat), tool_call_format(backend.chat.tok))
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        choices = []
+        for i, g in enumerate(gens):
+            text = _decode(backend.chat, g, sp)
+            content, calls = parse_tool_calls(text, fmt) if choice != "none" else (text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            backend.on_reply(g, message)
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": _chat_logprobs(backend.chat, g) if want_lp else None,
+                    "finish_reason": _finish(g, bool(calls)),
+                    "matched_stop": g.matched_stop,
+                }
+            )
+        head = {
+            "id": cid,
+            "created": created,
+            "model": backend.model,
+            "system_fingerprint": _fingerprint(gens),
+        }
+        if body.get("stream"):
+            return await _stream_chat(request, head, choices, _usage(gens), body)
+        return web.json_response(
+            {**head, "object": "chat.completion", "choices": choices, "usage": _usage(gens)}
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        backend = self._backend(request, body)
+        raw = body.get("prompt")
+        if isinstance(raw, str):
+            ids = backend.chat.encode(raw)
+        elif isinstance(raw, list) and raw and all(isinstance(i, int) for i in raw):
+            ids = list(raw)
+        else:
+            raise OpenAIError(
+                "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
+            )
+        if not ids:
+            raise OpenAIError("prompt is empty", "prompt")
+        n, _, _ = _n_and_logprobs({k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")})
+        lp = body.get("logprobs")
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20):
+            raise OpenAIError("logprobs must be an integer from 0 to 20", "logprobs")
+        sp = sampling_params(body, len(ids), backend.context_len)
+        gens = await self._generate_n(backend, Prompt(ids), sp, n, lp or 0)
+        choices = []
+        for i, g in enumerate(gens):
+            backend.on_reply(g, None)
+            text = _decode(
+                backend.chat, g, {**sp, "skip_special_tokens": sp.get("skip_special_tokens", True)}
+            )
+            logprobs = None
+            if lp is not None:
+                words = _token_text(backend.chat, g.output_ids)
+                offsets, pos = [], 0
+                for w in words:
+                    offsets.append(pos)
+                    pos += len(w)
+                logprobs = {
+                    "tokens": words,
+                    "token_logprobs": g.logprobs,
+                    "top_logprobs": [
+                        dict(
+                            zip(
+                                _token_text(backend.chat, [a[0] for a in alts]),
+                                [a[1] for a in alts],
+                                strict=True,
+                            )
+                        )
+                        for alts in (g.top_logprobs or [[] for _ in words])
+                    ]
+                    if lp
+                    else None,
+                    "text_offset": offsets,
+                }
+            choices.append(
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish(g, False)}
+            )
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": backend.model}
+        if body.get("stream"):
+            return await _stream_completion(request, head, choices, _usage(gens), body)
+        return web.json_response(
+            {**head, "object": "text_completion", "choices": choices, "usage": _usage(gens)}
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        backend = self.resolve(request)
+        card = {
+            "id": backend.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "agentrl",
+            "root": backend.model,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+
+def _fingerprint(gens: list[Generation]) -> str | None:
+    v = gens[0].weight_version if gens else None
+    return None if v is None else f"weights-{v}"
+
+
+def _n_and_logprobs(body: dict[str, Any]) -> tuple[int, int, bool]:
+    n = body.get("n", 1) if body.get("n") is not None else 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+        raise OpenAIError("n must be an integer from 1 to 128", "n")
+    want = bool(body.get("logprobs"))
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            raise OpenAIError("top_logprobs must be an integer from 0 to 20", "top_logprobs")
+        if top and not want:
+            raise OpenAIError("top_logprobs requires logprobs: true", "top_logprobs")
+    return n, int(top or 0), want
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, ValueError):
+        raise OpenAIError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    return body
+
+
+# ---- streaming (server-sent events) -------------------------------------------------------------------
+async def _sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _send(resp: web.StreamResponse, obj: Any) -> None:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    await resp.write(f"data: {data}\n\n".encode())
+
+
+async def _stream_chat(
+    request: web.Request,
+    head: dict[str, Any],
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    body: dict,
+) -> web.StreamResponse:
+    """The finished choices as OpenAI's chunk sequence: role, content, tool-call deltas, finish, usage."""
+    resp = await _sse(request)
+    head = {**head, "object": "chat.completion.chunk"}
+    with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    for c in choices:
+        i, msg = c["index"], c["message"]
+        await _send(
+            resp,
+            {
+                **head,
+                "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ],
+            },
+        )
+        if msg.get("content"):
+            lp = c["logprobs"]
+            await _send(
+                resp,
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"content": msg["content"]},
+                            "logprobs": lp,
+                            "finish_reason": None,
+                        }
+                    ],
+                },
+            )
+        for k, call in enumerate(msg.get("tool_calls") or []):
+            delta = {"tool_calls": [{"index": k, **call}]}
+            await _send(resp, {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
+        await _send(
+            resp, {**head, "choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}]}
+        )
+    if with_usage:
+        await _send(resp, {**head, "choices": [], "usage": usage})
+    await _send(resp, "[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def _stream_completion(
+    request: web.Request,
+    head: dict[str, Any],
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    body: dict,
+) -> web.StreamResponse:
+    resp = await _sse(request)
+    for c in choices:
+        await _send(resp, {**head, "object": "text_completion", "choices": [{**c, "finish_reason": None}]})
+        await _send(
+            resp,
+            {
+                **head,
+                "object": "text_completion",
+                "choices": [
+                    {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+                ],
+            },
+        )
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await _send(resp, {**head, "object": "text_completion", "choices": [], "usage": usage})
+    await _send(resp, "[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+# ---- routes -------------------------------------------------------------------------------------------
+def openai_handlers(resolve: Callable[[web.Request], CompletionBackend]) -> dict[str, Callable]:
+    """The three handlers for a backend found per request (the proxy: per episode session)."""
+    front = _Frontend(resolve)
+
+    def guarded(fn):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            try:
+                return await fn(request)
+            except OpenAIError as err:
+                return error_response(err)
+
+        return handler
+
+    return {
+        "chat": guarded(front.chat_completions),
+        "completions": guarded(front.completions),
+        "models": guarded(front.models),
+    }
+
+
+def add_openai_routes(app: web.Application, backend: CompletionBackend, prefix: str = "/v1") -> None:
+    """Register ``{prefix}/chat/completions``, ``{prefix}/completions`` and ``{prefix}/models``."""
+    h = openai_handlers(lambda request: backend)
+    app.add_routes(
+        [
+            web.post(f"{prefix}/chat/completions", h["chat"]),
+            web.post(f"{prefix}/completions", h["completions"]),
+            web.get(f"{prefix}/models", h["models"]),
+        ]
+    )
+
+
+# ---- the embedded engine as a backend -----------------------------------------------------------------
+class EmbeddedBackend:
+    """:class:`CompletionBackend` over an in-process :class:`~agentrl.engine.embedded.EmbeddedEngine`.
+
+    ``top_logprobs`` come from one teacher-forced forward of prompt + completion on the engine's device
+    thread after sampling (the engine itself returns the sampled token's logprob only); the sampled
+    tokens' own ``logprob`` values are the engine's.
+    """
+
+    def __init__(self, engine: Any, served_model: str | None = None) -> None:
+        from pathlib import Path
+
+        self.engine = engine
+        self.model = served_model or engine.model_path
+        self._aliases = {self.model, engine.model_path, Path(engine.model_path).name}
+        self.chat = ChatTokenizer(engine.tokenizer)
+
+    @property
+    def context_len(self) -> int:
+        return int(self.engine.max_context)
+
+    def accepts_model(self, name: str) -> bool:
+        return name in self._aliases
+
+    async def generate(
+        self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
+    ) -> Generation:
+        from agentrl.engine.embedded import EngineFailed
+        from agentrl.engine.sampling import EngineBadRequest, RequestSampling
+
+        try:
+            sp = RequestSampling.from_sglang(sampling, self.engine.default_max_new_tokens)
+            rec = await self.engine.generate(prompt.ids, sp, rid)
+        except EngineBadRequest as err:
+            raise OpenAIError(str(err)) from None
+        except EngineFailed as err:
+            raise OpenAIError(str(err), status=500, type="server_error") from None
+        except asyncio.CancelledError:  # the client went away: nothing may keep generating for it
+            self.engine.abort(rid)
+            raise
+        fr = rec.finish_reason or {}
+        matched = fr.get("matched") if isinstance(fr.get("matched"), str) else None
+        top = None
+        if top_logprobs and rec.output_ids:
+            top = await self.engine._on_device(self._top_logprobs, prompt.ids, rec.output_ids, top_logprobs)
+        return Generation(
+            rec.output_ids, rec.logprobs, str(fr.get("type", "stop")), len(prompt.ids), rec.cached_tokens,
+            rec.weight_version, matched, top,
+        )  # fmt: skip
+
+    def _top_logprobs(self, prompt: list[int], output: list[int], k: int) -> list[list[tuple[int, float]]]:
+        import torch
+
+        model = self.engine.model
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + output[:-1]], device=next(model.parameters()).device)
+            logits = model(ids).logits[0, len(prompt) - 1 :].float().log_softmax(-1)
+            vals, idx = logits.topk(k, dim=-1)
+        return [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(idx, vals, strict=True)]
+
+    def on_reply(self, gen: Generation, message: dict[str, Any] | None) -> None:
+        pass
