@@ -1,7 +1,8 @@
 """The env registry: ``@register_env("name")`` on a class (or factory), ``make_env("name", **config)``.
 
 Built-in envs register on import of :mod:`agentrl.envs`. A name may also be a ``"module:attr"`` path, so a
-config can point at a user env without registering it (``env: my_pkg.envs:WordleEnv``). The rules
+config can point at a user env without registering it (``env: my_pkg.envs:WordleEnv``). An ``async def``
+agent function (``agent(task, client) -> float | None``) is wrapped in an :class:`~.agent.AgentEnv`. The rules
 (overwrite checks, errors listing known names) are :class:`agentrl.registry.Registry`'s.
 """
 
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 
 from agentrl.registry import Registry
 
+from .agent import AgentEnv, is_agent
 from .base import Env
 
 E = TypeVar("E", bound=Callable[..., Env])
@@ -35,6 +37,8 @@ def get_env_factory(name: str) -> Callable[..., Env]:
 def make_env(name: str, **config: Any) -> Env:
     """A new env instance: ``make_env("search", retrieval_url="http://127.0.0.1:8000", max_turns=3)``."""
     factory = get_env_factory(name)
+    if is_agent(factory):
+        return AgentEnv(factory, **config)
     try:
         env = factory(**config)
     except TypeError as err:

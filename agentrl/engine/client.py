@@ -13,6 +13,11 @@
   :class:`EngineRequestError` carrying the server's message. A request that runs past ``timeout``
   raises :class:`EngineTimeout` (not retried: the engine may still be working on it).
 * ``api_key`` is sent as ``Authorization: Bearer <key>``, which is what SGLang's ``--api-key`` checks.
+* ``router=True``: the URL is an ``sglang-router`` (``python -m sglang_router.launch_router``).
+  ``generate`` goes through it, but the router (0.3.2) answers 404 to ``/abort_request``,
+  ``/pause_generation``, ``/continue_generation``, the weight-update endpoints and
+  ``/get_weight_version``; so every control call goes to its workers, listed by the router's
+  ``GET /workers`` (asked again at each control call, so workers added later are reached too).
 
 Distributed weight updates follow SGLang's protocol: the trainer is rank 0 of a new process group and
 the engines' ranks start at ``rank_offset``. Both ``init_weights_update_group`` and
@@ -91,6 +96,7 @@ class EngineClient:
         timeout: float = 600.0,
         max_retries: int = 3,
         backoff: float = 0.5,
+        router: bool = False,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -105,6 +111,8 @@ class EngineClient:
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._rr = itertools.count()
         self._rid_endpoint: dict[str, _Endpoint] = {}
+        self.router = router
+        self._workers: dict[str, _Endpoint] = {}  # router mode: the router's workers, by URL
 
     @property
     def urls(self) -> list[str]:
@@ -209,27 +217,41 @@ class EngineClient:
                 await asyncio.sleep(self._delay(attempt))
         raise EngineUnavailable(f"engine unavailable after {self.max_retries + 1} attempts: {last}")
 
+    async def control_endpoints(self) -> list[_Endpoint]:
+        """Where control calls go: the endpoints, or in router mode the router's workers."""
+        if not self.router:
+            return self.endpoints
+        found: list[_Endpoint] = []
+        for ep in self.endpoints:
+            body = await self._request("GET", "/workers", endpoint=ep)
+            for w in body.get("workers", []) if isinstance(body, dict) else []:
+                url = _normalize_url(str(w["url"]))
+                found.append(self._workers.setdefault(url, _Endpoint(url)))
+        if not found:
+            raise EngineUnavailable(f"the router(s) {self.urls} list no workers (GET /workers)")
+        return found
+
     async def _broadcast(
         self, method: str, path: str, payloads: Sequence[dict[str, Any] | None]
     ) -> list[Any]:
-        """The same control call on every endpoint at once (one payload per endpoint)."""
+        """The same control call on every control endpoint at once (one payload per endpoint)."""
+        endpoints = await self.control_endpoints()
+        if len(payloads) != len(endpoints):
+            raise ValueError(f"{len(payloads)} payloads for {len(endpoints)} endpoints")
         results = await asyncio.gather(
-            *(
-                self._request(method, path, p, endpoint=ep)
-                for ep, p in zip(self.endpoints, payloads, strict=True)
-            ),
+            *(self._request(method, path, p, endpoint=ep) for ep, p in zip(endpoints, payloads, strict=True)),
             return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        for ep, r in zip(self.endpoints, results, strict=True):
+        for ep, r in zip(endpoints, results, strict=True):
             if isinstance(r, dict) and r.get("success") is False:
                 raise EngineRequestError(f"{ep.url}{path} failed: {r.get('message', r)}", 200, ep.url)
         return list(results)
 
     async def _all(self, method: str, path: str, payload: dict[str, Any] | None = None) -> list[Any]:
-        return await self._broadcast(method, path, [payload] * len(self.endpoints))
+        return await self._broadcast(method, path, [payload] * len(await self.control_endpoints()))
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -266,7 +288,7 @@ class EngineClient:
         if rid is None:
             await self._all("POST", "/abort_request", {"abort_all": True})
             return
-        ep = self._rid_endpoint.get(rid)
+        ep = None if self.router else self._rid_endpoint.get(rid)
         if ep is not None:
             await self._request("POST", "/abort_request", {"rid": rid}, endpoint=ep)
         else:  # not (or no longer) ours in flight: tell everyone, harmless where unknown
@@ -312,17 +334,18 @@ class EngineClient:
         following one starts after the previous one's ``tp_size`` ranks (read from
         ``/get_server_info``), or pass one offset per endpoint as a list.
         """
+        endpoints = await self.control_endpoints()
         if isinstance(rank_offset, int):
             offsets = [rank_offset]
-            if len(self.endpoints) > 1:
+            if len(endpoints) > 1:
                 infos = await self._all("GET", "/get_server_info")
                 for info in infos[:-1]:
                     tp = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
                     offsets.append(offsets[-1] + tp)
         else:
             offsets = [int(o) for o in rank_offset]
-            if len(offsets) != len(self.endpoints):
-                raise ValueError(f"{len(offsets)} rank offsets for {len(self.endpoints)} endpoints")
+            if len(offsets) != len(endpoints):
+                raise ValueError(f"{len(offsets)} rank offsets for {len(endpoints)} endpoints")
         payloads: list[dict[str, Any] | None] = [
             {
                 "master_address": master_address,

@@ -7,7 +7,10 @@ runs every episode against the engine(s) through :class:`EngineClient`, scores i
 and puts it into the :class:`TrajectoryBuffer` the trainer reads from.
 
 An episode, turn by turn, token-in/token-out, is :class:`~agentrl.rollout.episode.EpisodeRunner`'s
-(``episode.py``); this module decides which episodes run and when, and what becomes of their groups.
+(``episode.py``); an agent episode (an ``async def agent(task, client)`` on the openai SDK, run through a
+recording proxy) is :class:`~agentrl.rollout.agent.AgentRunner`'s (``agent.py``) and may give several
+rows (trajectories) of one episode. This module decides which episodes run and when, and what becomes of
+their groups.
 The reward is the env's, else ``rollout.verifier``'s or, when that is unset, the env's own ``verifier``
 (with neither, start-up fails).
 
@@ -50,20 +53,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
+from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env
 from agentrl.metrics import MetricsSink
 from agentrl.rewards.base import resolve_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
+from agentrl.rollout.lockstep import LockstepSchedule
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.tokenize import ChatTokenizer
 from agentrl.types import Status, Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.rollout.agent import AgentRunner
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +135,14 @@ class Orchestrator:
         self._groups: dict[str, _GroupRun] = {}  # running
         self._buffered: dict[str, Draw] = {}  # accepted into the buffer, not yet handed to the trainer
         self._episode_slots = 0  # episodes reserved by running groups (concurrency cap)
+        # deterministic mode: batch membership and versions by the step (agentrl.rollout.lockstep)
+        self.lockstep = LockstepSchedule(c.batch_size, c.max_staleness) if config.deterministic else None
         self._engine_open = asyncio.Event()  # cleared while a weight update pauses the engines
         self._engine_open.set()
         self.episodes = EpisodeRunner(
             config, engine_client, self.chat, env_factory, self.controller, self._engine_open
         )
+        self.agents: AgentRunner | None = None  # set by check_verifier when the env is an agent
         self._paused = False
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -153,6 +164,10 @@ class Orchestrator:
         instead of failing every episode; None for an env that ``scores_itself``. ``start`` and ``evaluate``
         call it."""
         env = self.env_factory()
+        if isinstance(env, AgentEnv) and self.agents is None:
+            from agentrl.rollout.agent import AgentRunner  # imports openai_api, which imports this package
+
+            self.agents = AgentRunner(self.episodes)
         try:
             name = resolve_verifier(
                 self.cfg.verifier, env.verifier, f"env {type(env).__name__}", env.scores_itself
@@ -185,6 +200,8 @@ class Orchestrator:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._engine_open.set()  # nobody waits forever on a pause that will never be lifted
+        if self.agents is not None:
+            await self.agents.close()
         await self.buffer.set_exhausted(True)
 
     # ================================================================ admission
@@ -204,7 +221,10 @@ class Orchestrator:
         while not self._stopping:
             ctl.changed.clear()  # cleared before checking: no wake-up is lost (single event loop)
             blocked = (
-                self._paused or self._episode_slots + n > self.cfg.max_concurrency or ctl.capacity() <= 0
+                self._paused
+                or self._episode_slots + n > self.cfg.max_concurrency
+                or ctl.capacity() <= 0
+                or (self.lockstep is not None and not self.lockstep.may_start(ctl.version))
             )
             draw = None if blocked else self._next_draw()
             if draw is None:
@@ -216,6 +236,8 @@ class Orchestrator:
                 self._pending.appendleft(draw)
                 continue
             self._episode_slots += n
+            if self.lockstep is not None:
+                self.lockstep.start(draw.uid)
             g = _GroupRun(draw, ctl.version)
             self._groups[draw.uid] = g
             g.task = asyncio.create_task(self._run_group(g), name=f"group-{draw.uid}")
@@ -224,12 +246,16 @@ class Orchestrator:
     async def _run_group(self, g: _GroupRun) -> None:
         uid = g.draw.uid
         try:
-            trajs = list(await asyncio.gather(*(self._run_member(g, i) for i in range(self.cfg.group_size))))
+            members = await asyncio.gather(*(self._run_member(g, i) for i in range(self.cfg.group_size)))
+            trajs = [t for rows in members for t in rows]
             kept, reason = self._judge(trajs)
             if kept is None:
                 self._drop(g.draw, reason)
                 return
             self._buffered[uid] = g.draw
+            if self.lockstep is not None:  # held until its batch is complete, then in draw order
+                await self._release(self.lockstep.completed(Group(uid, kept, g.start_version)))
+                return
             if await self.buffer.put_group(Group(uid, kept, g.start_version)):
                 return  # accepted (the buffer told the controller)
             # Rule 2 of agentrl.buffer: it would be trained too stale (a straggler, or an over-sampled
@@ -277,7 +303,19 @@ class Orchestrator:
                 return None, "zero_variance"
         return kept, ""
 
+    async def _release(self, groups: list[Group]) -> None:
+        """Deterministic mode: a complete batch goes to the buffer, whole and in draw order."""
+        if not groups:
+            return
+        assert self.lockstep is not None
+        async with self.lockstep.release_lock:
+            for grp in groups:
+                if not await self.buffer.put_group(grp):  # the schedule keeps every batch within η
+                    raise RuntimeError(f"deterministic schedule: group {grp.uid} would be trained too stale")
+
     def _drop(self, draw: Draw, reason: str) -> None:
+        if self.lockstep is not None:
+            self.lockstep.dropped(draw.uid)  # the batch takes the next draw in its place
         self.m.drop(reason)
         self.controller.finish(accepted=False)  # frees its capacity: dropping never deadlocks
         if self.cfg.record_outcomes:
@@ -303,38 +341,60 @@ class Orchestrator:
         self.controller.notify()
 
     # ================================================================ episodes
-    async def _run_member(self, g: _GroupRun, i: int) -> Trajectory:
+    async def _episode(
+        self, draw: Draw, i: int, sampling: SamplingParams, m: RolloutMetrics, train: bool
+    ) -> list[Trajectory]:
+        """One episode's rows: one for an Env episode, one or more for an agent's."""
+        if self.agents is not None:
+            return await self.agents.run(draw, i, sampling, m, train)
+        return [await self.episodes.run(draw, i, sampling, m, train)]
+
+    async def _run_member(self, g: _GroupRun, i: int) -> list[Trajectory]:
         attempt = stale = 0
         while True:
             try:
-                traj = await self.episodes.run(g.draw, i, self.cfg.sampling, self.m, train=True)
+                rows = await self._episode(g.draw, i, self.cfg.sampling, self.m, train=True)
             except Restart as why:
                 if why.args and why.args[0] == "too stale":
                     stale += 1
                     if stale > self.cfg.max_stale_restarts:
                         # e.g. an engine that still reports old weights after an update
                         self.m.failure("stale")
-                        return Trajectory(
-                            task_id=g.draw.task_id,
-                            group_id=g.draw.uid,
-                            prompt_ids=[],
-                            sample_index=i,
-                            label=g.draw.task.get("label"),
-                            status=Status.FAILED,
-                            error=f"stale: restarted {stale - 1} times and still more than "
-                            f"{self.controller.max_staleness} versions behind version {self.controller.version} "
-                            "(does the engine report the updated weight_version?)",
-                        )
+                        return [
+                            Trajectory(
+                                task_id=g.draw.task_id,
+                                group_id=g.draw.uid,
+                                prompt_ids=[],
+                                sample_index=i,
+                                label=g.draw.task.get("label"),
+                                status=Status.FAILED,
+                                error=f"stale: restarted {stale - 1} times and still more than "
+                                f"{self.controller.max_staleness} versions behind version {self.controller.version} "
+                                "(does the engine report the updated weight_version?)",
+                            )
+                        ]
                 continue
-            if traj.status != Status.FAILED or attempt >= self.cfg.max_retries:
-                traj.info["attempts"] = attempt + 1
-                return traj
+            if all(t.status != Status.FAILED for t in rows) or attempt >= self.cfg.max_retries:
+                for t in rows:
+                    t.info["attempts"] = attempt + 1
+                return rows
             attempt += 1
             self.m.count("episode_retries")
 
     # ================================================================ weight updates
     async def pause_for_update(self) -> None:
-        """Stop admitting, pause the engines (abort mode) and wait for in-flight requests to come back."""
+        """Stop admitting, pause the engines (abort mode) and wait for in-flight requests to come back.
+        Deterministic mode first waits, without interrupting anything, until every batch generated under
+        the live version is complete."""
+        if self.lockstep is not None:
+            lockstep = self.lockstep
+            await self.controller.wait_until(
+                lambda: (
+                    self._stopping
+                    or lockstep.caught_up(self.version)
+                    or (not self._groups and not self._has_work())
+                )
+            )
         self._paused = True
         self._engine_open.clear()
         await self.engine.pause(mode="abort")
@@ -372,7 +432,7 @@ class Orchestrator:
             async with sem:
                 attempt = 0
                 while True:
-                    traj = await self.episodes.run(g.draw, 0, sp, self.eval_m, train=False)
+                    traj = (await self._episode(g.draw, 0, sp, self.eval_m, train=False))[0]
                     if traj.status != Status.FAILED or attempt >= self.cfg.max_retries:
                         return traj
                     attempt += 1
@@ -444,3 +504,7 @@ class Orchestrator:
         self.trained = int(state.get("trained", 0))
         self.m.load_state_dict(state.get("metrics", {}))
         self.controller.on_resume(int(state["version"] if version is None else version))
+        if self.lockstep is not None:  # batches restart at the resumed version (re-drawn tasks first)
+            self.lockstep = LockstepSchedule(
+                self.controller.batch_size, self.controller.max_staleness, self.controller.version
+            )

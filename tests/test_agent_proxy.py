@@ -1,0 +1,225 @@
+"""Agents as envs: plain openai-SDK agents run by the orchestrator through the recording proxy, against the
+embedded engine over loopback HTTP. The recorded trajectories equal, token for token, what the engine was
+sent and generated; history the agent edits starts a new trajectory (counted as drift, same reward); a
+weight update mid-call gives mixed versions; agent errors fail only their episode; calls after the
+episode ended are 410."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.engine.client import EngineClient
+from agentrl.engine.embedded_server import start_embedded_server
+from agentrl.engine.types import GenerateResult, SamplingParams
+from agentrl.envs import AgentEnv, make_env
+from agentrl.rollout import Orchestrator, RolloutConfig
+from agentrl.types import OBSERVATION_VERSION, Status, Trajectory
+
+
+class RecordingClient(EngineClient):
+    """The engine client, keeping every /generate it made (input ids and the engine's answer)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.calls: list[tuple[list[int], GenerateResult]] = []
+
+    async def generate(self, input_ids, sampling, rid=None, return_logprob=True) -> GenerateResult:
+        res = await super().generate(input_ids, sampling, rid, return_logprob)
+        self.calls.append((list(input_ids), res))
+        return res
+
+
+async def chatty_agent(task: dict, client: openai.AsyncOpenAI) -> float:
+    """Three model calls in one conversation, feedback in between; appends the SDK's own messages."""
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    for turn in range(3):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=12)
+        messages.append(r.choices[0].message)
+        messages.append({"role": "user", "content": f"feedback {turn}"})
+    return float(len(r.choices[0].message.content or "") % 2)
+
+
+async def editing_agent(task: dict, client: openai.AsyncOpenAI) -> float:
+    """Rewrites its own previous answer before the next call: the history no longer extends the tokens."""
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    messages.append({"role": "assistant", "content": (r.choices[0].message.content or "") + " (edited)"})
+    messages.append({"role": "user", "content": "go on"})
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    return 0.5
+
+
+async def long_agent(task: dict, client: openai.AsyncOpenAI) -> float:
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(2):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=200)
+        messages += [r.choices[0].message, {"role": "user", "content": "more"}]
+    return 1.0
+
+
+LEAKED: list[openai.AsyncOpenAI] = []
+
+
+async def leaky_agent(task: dict, client: openai.AsyncOpenAI) -> float | None:
+    LEAKED.append(client)
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=4
+    )
+    if task.get("boom"):
+        raise RuntimeError("the agent's own bug")
+    return None  # the verifier scores it
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    srv = start_embedded_server(tiny_model_dir, max_batch_size=16)
+    yield srv
+    srv.stop()
+
+
+def make_orch(engine: Any, model_dir: Path, agent: Any, **cfg: Any) -> Orchestrator:
+    config = RolloutConfig(
+        **{
+            "group_size": 2,
+            "batch_size": 1,
+            "max_staleness": 1,
+            "max_concurrency": 8,
+            "max_turns": 4,
+            "max_total_tokens": 600,
+            "sampling": SamplingParams(temperature=1.0, max_new_tokens=32),
+            "filter_zero_variance": False,
+            "shuffle": False,
+            **cfg,
+        }
+    )
+    client = RecordingClient(engine.url, timeout=120)
+    tasks = [{"prompt": f"task {i}", "label": "1"} for i in range(4)]
+    return Orchestrator(
+        config, client, AutoTokenizer.from_pretrained(model_dir), lambda: make_env_for(agent), tasks
+    )
+
+
+def make_env_for(agent: Any) -> AgentEnv:
+    env = make_env(f"{__name__}:{agent.__name__}")  # the registry wraps an async function
+    assert isinstance(env, AgentEnv)
+    return env
+
+
+def assert_token_exact(traj: Trajectory, calls: list[tuple[list[int], GenerateResult]]) -> None:
+    """Every assistant turn is one engine answer to exactly the ids before it; the rest is loss_mask 0."""
+    traj.validate()
+    for turn in traj.turns:
+        span = slice(turn.start, turn.end)
+        if turn.role == "assistant":
+            sent = traj.prompt_ids + traj.response_ids[: turn.start]
+            answers = [(r.output_ids, r.logprobs) for ids, r in calls if ids == sent]
+            assert (traj.response_ids[span], traj.rollout_logprobs[span]) in answers
+            assert set(traj.loss_mask[span]) == {1}
+        else:
+            assert set(traj.loss_mask[span]) == {0}
+            assert set(traj.policy_versions[span]) == {OBSERVATION_VERSION}
+
+
+async def test_agent_trajectory_equals_engine_tokens(engine, tiny_model_dir):
+    orch = make_orch(engine, tiny_model_dir, chatty_agent)
+    await orch.start()
+    try:
+        batch = await asyncio.wait_for(orch.buffer.get_batch(), 120)
+    finally:
+        await orch.stop()
+        await orch.engine.close()
+    assert len(batch) == 2 and {t.sample_index for t in batch} == {0, 1}
+    for t in batch:
+        assert t.status == Status.COMPLETED and t.info["agent_rows"] == 1 and t.num_turns == 3
+        assert t.reward in (0.0, 1.0)
+        assert_token_exact(t, orch.engine.calls)
+    stats = orch.stats()
+    assert stats["rollout/turns"] >= 6 and stats.get("rollout/agent_drift_splits", 0) == 0
+    assert orch.accounting()["balanced"] == 1
+
+
+async def test_edited_history_starts_a_new_trajectory(engine, tiny_model_dir):
+    orch = make_orch(engine, tiny_model_dir, editing_agent)
+    await orch.start()
+    try:
+        batch = await asyncio.wait_for(orch.buffer.get_batch(), 120)
+    finally:
+        await orch.stop()
+        await orch.engine.close()
+    assert len(batch) == 4  # two episodes, two rows each
+    for t in batch:
+        assert t.info["agent_rows"] == 2 and t.reward == 0.5 and t.num_turns == 1
+        assert_token_exact(t, orch.engine.calls)
+    assert orch.stats()["rollout/agent_drift_splits"] >= 2  # one per episode (a second group may have run)
+
+
+async def test_weight_update_mid_call_mixes_versions(engine, tiny_model_dir):
+    orch = make_orch(
+        engine,
+        tiny_model_dir,
+        long_agent,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True),
+        max_total_tokens=1000,
+    )
+    await orch.start()
+    try:
+        while orch.m.inflight_requests == 0:
+            await asyncio.sleep(0.005)
+        await orch.pause_for_update()
+        await orch.engine.update_weights_from_disk(str(tiny_model_dir), weight_version="1")
+        await orch.resume_after_update(1)
+        batch = await asyncio.wait_for(orch.buffer.get_batch(), 120)
+    finally:
+        await orch.stop()
+        await orch.engine.update_weight_version("default")
+        await orch.engine.close()
+    versions = {v for t in batch for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m}
+    assert versions == {0, 1}
+    assert orch.stats()["rollout/interrupted_requests"] >= 1
+    for t in batch:
+        assert_token_exact_across_interrupts(t)
+
+
+def assert_token_exact_across_interrupts(t: Trajectory) -> None:
+    t.validate()
+    assert all(
+        m == 1 for turn in t.turns if turn.role == "assistant" for m in t.loss_mask[turn.start : turn.end]
+    )
+
+
+async def test_agent_failures_and_ended_sessions(engine, tiny_model_dir):
+    LEAKED.clear()
+    orch = make_orch(engine, tiny_model_dir, leaky_agent, verifier="exact_match")
+    try:
+        trajs = await orch.evaluate(
+            [{"prompt": "a", "label": "z"}, {"prompt": "b", "label": "z", "boom": True}]
+        )
+    finally:
+        await orch.stop()
+        await orch.engine.close()
+    ok, boom = trajs
+    assert ok.status == Status.COMPLETED and ok.reward == 0.0  # scored by the verifier
+    assert boom.status == Status.FAILED and "the agent's own bug" in boom.error
+    # a call after its episode ended is a 4xx, never recorded
+    orch2 = make_orch(engine, tiny_model_dir, leaky_agent, verifier="exact_match")
+    LEAKED.clear()
+    try:
+        await orch2.evaluate([{"prompt": "a", "label": "z"}])
+        with pytest.raises(openai.APIStatusError) as info:
+            await LEAKED[0].chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "late"}]
+            )
+        assert info.value.status_code == 410
+        c = openai.AsyncOpenAI(base_url=f"{orch2.agents.proxy.url}/s/nope/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):  # no such episode
+            await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        await c.close()
+    finally:
+        await orch2.stop()
+        await orch2.engine.close()
