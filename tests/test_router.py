@@ -1,0 +1,142 @@
+"""The real SGLang router (``python -m sglang_router.launch_router``, the sglang-router CPU wheel) in front
+of two embedded engines: the orchestrator runs through it on the native ``/generate`` path (an Env) and
+on the OpenAI path (an openai-SDK agent through the recording proxy); pause/continue and weight updates
+reach both workers. The router (0.3.2) answers 404 to /pause_generation, /continue_generation,
+/abort_request and the weight-update endpoints, so EngineClient(router=True) sends those to the workers
+it lists at GET /workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import sglang_router  # noqa: F401  (a test dependency: missing, the import fails; it never skips)
+from transformers import AutoTokenizer
+
+from agentrl.cluster import free_port
+from agentrl.engine.client import EngineClient
+from agentrl.engine.embedded_server import start_embedded_server
+from agentrl.engine.types import SamplingParams
+from agentrl.envs import make_env
+from agentrl.rollout import Orchestrator, RolloutConfig
+from agentrl.testing.envs import SyntheticEnv
+from agentrl.types import Status
+
+
+async def router_agent(task: dict, client: openai.AsyncOpenAI) -> float:
+    messages = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    messages += [r.choices[0].message, {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    return 1.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path):
+    workers = [start_embedded_server(tiny_model_dir, max_batch_size=8) for _ in range(2)]
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", *[w.url for w in workers], "--log-level", "error"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, "the router exited"
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(f"{url}/workers", timeout=2) as resp:
+                    if resp.status == 200 and resp.read().count(b'"is_healthy":true') == 2:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the router did not list two healthy workers"
+            time.sleep(0.2)
+        yield url, workers
+    finally:
+        os.killpg(router.pid, signal.SIGTERM)
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait()
+        for w in workers:
+            w.stop()
+
+
+async def worker_info(workers) -> list[dict]:
+    async with aiohttp.ClientSession() as s:
+        out = []
+        for w in workers:
+            async with s.get(f"{w.url}/get_server_info") as resp:
+                out.append(await resp.json())
+        return out
+
+
+def orchestrator(url: str, model_dir: Path, env_factory) -> Orchestrator:
+    cfg = RolloutConfig(
+        group_size=2, batch_size=2, max_staleness=1, max_concurrency=8, max_turns=2, max_total_tokens=300,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=12), filter_zero_variance=False, shuffle=False,
+    )  # fmt: skip
+    tasks = [{"prompt": f"task {i}", "label": "x"} for i in range(8)]
+    client = EngineClient(url, router=True, timeout=120)
+    return Orchestrator(cfg, client, AutoTokenizer.from_pretrained(model_dir), env_factory, tasks)
+
+
+async def test_router_native_and_openai_paths_with_control_fan_out(cluster, tiny_model_dir):
+    url, workers = cluster
+    for name, factory in (
+        ("native", lambda: SyntheticEnv(turns=2)),
+        ("openai", lambda: make_env(f"{__name__}:router_agent")),
+    ):
+        orch = orchestrator(url, tiny_model_dir, factory)
+        assert [e.url for e in await orch.engine.control_endpoints()] == [w.url for w in workers]
+        before = [i["prompt_tokens"] for i in await worker_info(workers)]
+        await orch.start()
+        try:
+            first = await asyncio.wait_for(orch.buffer.get_batch(), 120)
+            # a weight update through the router-mode client: pause, update, continue on both workers
+            await orch.pause_for_update()
+            assert [i["paused"] for i in await worker_info(workers)] == ["abort", "abort"], name
+            await orch.engine.update_weights_from_disk(str(tiny_model_dir), weight_version="1")
+            await orch.resume_after_update(1)
+            infos = await worker_info(workers)
+            assert [i["paused"] for i in infos] == [None, None] and [i["weight_version"] for i in infos] == [
+                "1",
+                "1",
+            ]
+            second = await asyncio.wait_for(orch.buffer.get_batch(), 120)
+        finally:
+            await orch.stop()
+            await orch.engine.update_weight_version("default")
+            await orch.engine.close()
+        for t in first + second:
+            assert t.status == Status.COMPLETED and t.num_turns == 2, (name, t.error)
+            t.validate()
+        assert any(v == 1 for t in second for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m)
+        after = [i["prompt_tokens"] for i in await worker_info(workers)]
+        assert all(a > b for a, b in zip(after, before, strict=True)), (
+            f"{name}: the router used one worker only"
+        )
+
+    # the OpenAI API straight through the router: it forwards /v1/chat/completions to a worker
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    try:
+        model = (await client.models.list()).data[0].id
+        r = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert r.usage.completion_tokens >= 1
+    finally:
+        await client.close()
