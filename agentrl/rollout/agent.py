@@ -50,9 +50,10 @@ class AgentRunner:
 
                 await self.proxy.start()
                 # one connection pool for every episode's client (a client per episode is cheap then)
+                # a small keep-alive pool: httpcore scans every pooled connection per request
                 self._http = httpx.AsyncClient(
                     timeout=httpx.Timeout(None),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
                 )
 
     async def close(self) -> None:
