@@ -111,6 +111,7 @@ class StalenessController:
     consumed: int = 0  # groups handed to the trainer
     last_batch_version: int | None = None  # version at which the trainer took its last batch
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.batch_size < 1:
@@ -203,8 +204,21 @@ class StalenessController:
         }
 
     def notify(self) -> None:
-        """Wake the admission loop (counters, version, or something it also waits on, changed)."""
+        """Wake the admission loop (counters, version, or something it also waits on, changed) and every
+        :meth:`wait_until`."""
         self.changed.set()
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds, re-checked at every :meth:`notify` (``changed`` belongs to the
+        admission loop, which clears it; other waiters use this)."""
+        while not predicate():
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
 
 
 class TrajectoryBuffer:

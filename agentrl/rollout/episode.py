@@ -34,6 +34,7 @@ from agentrl.envs.base import Env
 from agentrl.rewards.base import run_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import Draw
+from agentrl.rollout.lockstep import request_seed
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.tokenize import ChatTokenizer
 from agentrl.types import Status, Trajectory
@@ -207,7 +208,11 @@ class EpisodeRunner:
             max_new = min(sampling.max_new_tokens - len(ids), room - len(ids))
             if max_new <= 0:
                 return ids, lps, vers
-            sp = sampling.model_copy(update={"max_new_tokens": max_new, "stop": stop})
+            update = {"max_new_tokens": max_new, "stop": stop}
+            if self.cfg.deterministic and sampling.sampling_seed is None:  # same draws whenever it runs
+                turn = traj.num_turns
+                update["sampling_seed"] = request_seed(self.cfg.seed, draw.uid, traj.sample_index, turn)
+            sp = sampling.model_copy(update=update)
             sent_version = self.controller.version
             m.request_started(len(traj.prompt_ids) + len(traj.response_ids) + len(ids))
             t = time.monotonic()

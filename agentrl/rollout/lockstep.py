@@ -1,0 +1,85 @@
+"""Deterministic mode (``rollout.deterministic``): what reaches the trainer, and under which policy
+version, is a function of the step, never of timing.
+
+Two things decide a training batch in the default (free-running) mode, and both depend on timing: which
+groups finish first, and which weights were live while their tokens were sampled. Deterministic mode
+fixes both while episodes still run concurrently:
+
+* **Sampling**: every ``/generate`` carries a seed derived from (run seed, draw uid, sample index, turn)
+  (:func:`request_seed`); the engine's draws depend on that seed and the position only.
+* **Schedule** (:class:`LockstepSchedule`): batch ``b`` (0-based, trained by the trainer at version
+  ``b``) is generated entirely under version ``max(base, b − η)``. Its groups are the first ``B`` that
+  survive filtering among the draws made for it, in dataset order: a dropped group (zero variance, failed)
+  is replaced by the next draw, and one batch takes draws at a time, so a replacement never races another
+  batch for a task. The groups of a batch run concurrently, are held until the batch is complete, and
+  go to the buffer in draw order. A weight update waits (it never aborts) until every batch generated
+  under the live version is complete, so no episode straddles two versions.
+
+With η ≥ 1 generation still overlaps training: while the trainer trains batch ``v`` (version ``v`` →
+``v + 1``), the engines generate batch ``v + η`` under version ``v``. Every trained token is exactly η
+versions old once ``b ≥ η``, within the bound of :mod:`agentrl.buffer`.
+
+The engine must also compute each request's logprobs independently of what else it batches; the
+embedded engine does so when it decodes one sequence at a time without prefix reuse (``train_async.py``
+starts it so in deterministic mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+
+from agentrl.buffer import Group
+
+
+def request_seed(seed: int, uid: str, sample_index: int, turn: int) -> int:
+    """The sampling seed of one ``/generate``: a 63-bit hash of (run seed, draw uid, sample, turn)."""
+    key = f"{seed}/{uid}/{sample_index}/{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class LockstepSchedule:
+    """Which batch the next draw belongs to, when it may start, and when a batch goes to the buffer (see
+    the module docstring). Owned by the orchestrator, on its event loop."""
+
+    def __init__(self, batch_size: int, max_staleness: int, base_version: int = 0) -> None:
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.base_version = base_version  # 0, or the trainer's version on resume
+        self.batch = base_version  # the open batch: the one draws go to now
+        self._order = itertools.count()  # draw order within the open batch
+        self._running: dict[str, int] = {}  # uid -> draw order, of the open batch
+        self._done: list[tuple[int, Group]] = []  # its completed, kept groups
+        self.release_lock = asyncio.Lock()  # FIFO: batches reach the buffer in batch order
+
+    def version_of(self, batch: int) -> int:
+        """The policy version batch ``batch`` is generated under."""
+        return max(self.base_version, batch - self.max_staleness)
+
+    def may_start(self, version: int) -> bool:
+        """A draw may start now: the open batch's version is live and it still lacks groups."""
+        filled = len(self._running) + len(self._done)
+        return version >= self.version_of(self.batch) and filled < self.batch_size
+
+    def start(self, uid: str) -> None:
+        self._running[uid] = next(self._order)
+
+    def dropped(self, uid: str) -> None:
+        """The group of ``uid`` was dropped: the open batch takes another draw in its place."""
+        self._running.pop(uid, None)
+
+    def completed(self, group: Group) -> list[Group]:
+        """The group was kept. Returns the open batch's groups in draw order once it is complete (the next
+        batch opens then), else an empty list (the group is held)."""
+        self._done.append((self._running.pop(group.uid), group))
+        if len(self._done) < self.batch_size:
+            return []
+        groups = [g for _, g in sorted(self._done, key=lambda x: x[0])]
+        self._done.clear()
+        self.batch += 1
+        return groups
+
+    def caught_up(self, version: int) -> bool:
+        """Every batch generated under ``version`` is complete (a weight update may go ahead)."""
+        return self.version_of(self.batch) > version
