@@ -54,6 +54,9 @@ class Trajectory:
     status: Status = Status.COMPLETED
     error: str | None = None
     sample_index: int = 0
+    # rows of one episode share it when the episode yielded several (an agent's forks or drift
+    # splits): GRPO then counts the episode once in its group. None: this row is its own episode.
+    episode_id: str | None = None
     label: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)

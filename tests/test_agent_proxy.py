@@ -155,6 +155,7 @@ async def test_edited_history_starts_a_new_trajectory(engine, tiny_model_dir):
     assert len(batch) == 4  # two episodes, two rows each
     for t in batch:
         assert t.info["agent_rows"] == 2 and t.reward == 0.5 and t.num_turns == 1
+        assert t.episode_id == f"{t.group_id}/{t.sample_index}"  # GRPO counts the episode once
         assert_token_exact(t, orch.engine.calls)
     assert orch.stats()["rollout/agent_drift_splits"] >= 2  # one per episode (a second group may have run)
 

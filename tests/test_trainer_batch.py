@@ -59,6 +59,36 @@ def test_advantages_are_per_response_token_and_zero_in_sft() -> None:
     assert all(torch.all(a == 0) for a in sft)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
+def test_an_episode_of_two_rows_counts_once_in_its_group(estimator: str) -> None:
+    """An agent episode that split into two rows (drift, a new conversation) shares one reward; the
+    group's baseline counts it once, so the advantages equal those of the same episodes as one row each."""
+    one_row = make_trajectories(600, num_groups=1, group_size=3, seed=5)
+    for t, r in zip(one_row, [1.0, 0.0, 0.0], strict=True):
+        t.reward = r
+        t.episode_id = f"{t.group_id}/{t.sample_index}"
+    cfg = LossConfig(advantage_estimator=estimator)
+    base = batch_advantages(one_row, response_mask(one_row), cfg)
+
+    extra = make_trajectories(600, num_groups=1, group_size=1, seed=6)[0]  # episode 0's second row
+    extra.reward, extra.episode_id = 1.0, one_row[0].episode_id
+    two_rows = [one_row[0], extra, one_row[1], one_row[2]]
+    adv = batch_advantages(two_rows, response_mask(two_rows), cfg)
+    for a, b in zip([adv[0], adv[2], adv[3]], base, strict=True):
+        assert torch.equal(a, b)
+    ep_adv = base[0][torch.tensor(one_row[0].loss_mask) == 1][0]
+    assert ep_adv > 0 and torch.all(adv[1][torch.tensor(extra.loss_mask) == 1] == ep_adv)
+
+    for t in two_rows:  # without episode ids each row is an episode of its own: episode 0 counts twice
+        t.episode_id = None
+    assert not torch.equal(batch_advantages(two_rows, response_mask(two_rows), cfg)[2], base[1])
+
+    one_row[0].episode_id = extra.episode_id = "g0/0"
+    extra.reward = 0.5  # one episode, two rewards: a bug upstream, not averaged away
+    with pytest.raises(ValueError, match=r"its rows have rewards 1\.0 and 0\.5"):
+        batch_advantages(two_rows, response_mask(two_rows), cfg)
+
+
 def test_split_micro_batches_by_count_and_by_token_budget() -> None:
     assert split_micro_batches([5, 5, 5, 5, 5], 2, None) == [[0, 1], [2, 3], [4]]
     lengths = [5, 5, 5, 20, 3, 3]

@@ -6,7 +6,8 @@ sample of a group, under the same admission, staleness and failure rules. Per ep
 session on the :class:`~agentrl.rollout.agent_proxy.AgentProxy`, hands the agent
 ``openai.AsyncOpenAI(base_url=<the session's URL>)``, awaits ``agent(task, client)`` and closes the
 session (later calls answer 410). The rows it returns are the session's leaf trajectories (usually one;
-more when the agent forked or its history drifted), the main one first, all with the episode's reward:
+more when the agent forked or its history drifted), the main one first, all with the episode's reward
+and one ``episode_id`` (so GRPO counts the episode once in its group's baseline):
 
 * the agent's return value, or (None) the verifier's score of the main row, copied to the others;
 * FAILED with the error when the agent raises, times out, made no model call, or an engine call failed;
@@ -139,6 +140,7 @@ class AgentRunner:
                     main.reward,
                     dict(main.reward_parts),
                 )
+            t.episode_id = f"{draw.uid}/{i}"  # GRPO counts the episode once, not once per row
             t.info.update({"agent_rows": len(rows), "agent_calls": session.calls})
             t.timings["episode_s"] = dt
         if len(rows) > 1:

@@ -85,12 +85,15 @@ def response_mask(trajs: list[Trajectory]) -> torch.Tensor:
 
 
 def batch_advantages(trajs: list[Trajectory], resp_mask: torch.Tensor, cfg: LossConfig) -> list[torch.Tensor]:
-    """Per-response-token advantages over the whole batch (groups by ``group_id``); zeros in SFT mode."""
+    """Per-response-token advantages over the whole batch (groups by ``group_id``, each episode counted
+    once: rows sharing an ``episode_id`` share one advantage); zeros in SFT mode."""
     if cfg.mode == "sft":
         adv = torch.zeros_like(resp_mask)
     else:
         rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
-        adv = compute_advantages(rewards, [t.group_id for t in trajs], resp_mask, cfg)
+        adv = compute_advantages(
+            rewards, [t.group_id for t in trajs], resp_mask, cfg, [t.episode_id for t in trajs]
+        )
     return [adv[i, : len(t.response_ids)] for i, t in enumerate(trajs)]
 
 

@@ -118,27 +118,63 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def compute_advantages(
-    rewards: Tensor, group_ids: Sequence[str], loss_mask: Tensor, cfg: LossConfig
+    rewards: Tensor,
+    group_ids: Sequence[str],
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    episode_ids: Sequence[str | None] | None = None,
 ) -> Tensor:
     """Per-token advantages ``[B, T]`` from per-sequence ``rewards [B]`` (outcome reward).
 
     Groups (same ``group_id``) share the baseline. A group of one has advantage 0 under grpo/dr_grpo
-    (no baseline to compare with); its std is taken as 1.
+    (no baseline to compare with); its std is taken as 1. Rows with the same ``episode_ids`` entry
+    (not None) are one episode: its reward counts once in the group's mean and std, and every row of
+    it gets the episode's advantage. A row whose entry is None (or no ``episode_ids``) is an episode.
     """
     rewards = rewards.to(torch.float64)
     seq_adv = torch.zeros_like(rewards)
     for idx in group_indices(group_ids):
-        r = rewards[idx]
+        first, of_row = _episodes(idx, episode_ids, rewards)
+        r = rewards[first]
         centered = r - r.mean()
         if cfg.advantage_estimator == "grpo" and cfg.normalize_advantage_std:
-            std = r.std(unbiased=True) if len(idx) > 1 else torch.ones((), dtype=r.dtype)
+            std = r.std(unbiased=True) if len(first) > 1 else torch.ones((), dtype=r.dtype)
             centered = centered / (std + cfg.advantage_eps)
-        seq_adv[idx] = centered
+        seq_adv[idx] = centered[of_row]
     mask = loss_mask.to(torch.float64)
     tok = seq_adv[:, None] * mask
     if cfg.advantage_estimator == "reinforce_pp_baseline":
         tok = masked_whiten(tok, mask, cfg.advantage_eps)
     return tok.to(torch.float32)
+
+
+def _episodes(
+    idx: list[int], episode_ids: Sequence[str | None] | None, rewards: Tensor
+) -> tuple[list[int], list[int]]:
+    """For the rows ``idx`` of one group: the first row of each episode, and each row's episode
+    (an index into that list). Raises when the rows of one episode disagree on the reward."""
+    if episode_ids is None:
+        return idx, list(range(len(idx)))
+    first: list[int] = []
+    seen: dict[str, int] = {}
+    of_row: list[int] = []
+    for i in idx:
+        key = episode_ids[i]
+        if key is None:
+            of_row.append(len(first))
+            first.append(i)
+        elif key in seen:
+            j = seen[key]
+            if rewards[i] != rewards[first[j]]:
+                raise ValueError(
+                    f"episode {key}: its rows have rewards {float(rewards[first[j]])} and {float(rewards[i])}"
+                )
+            of_row.append(j)
+        else:
+            seen[key] = len(first)
+            of_row.append(len(first))
+            first.append(i)
+    return first, of_row
 
 
 # ---- off-policy correction ------------------------------------------------------------------------

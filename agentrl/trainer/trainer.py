@@ -7,7 +7,7 @@ its slice):
 1. drops failed / unrewarded trajectories (counted, never fatal) and asserts the staleness bound
    ``policy_version - min_token_version <= max_staleness`` when the caller passes η
    (:func:`agentrl.buffer.check_staleness`);
-2. computes advantages over the whole batch (groups by ``group_id``);
+2. computes advantages over the whole batch (groups by ``group_id``, an episode of several rows once);
 3. splits the batch into ``num_mini_batches`` mini-batches of right-padded micro-batches (by sequence
    count or a token budget);
 4. recomputes π_old for every micro-batch with the current weights before any update (decoupled mode;
