@@ -18,7 +18,14 @@ import torch
 from agentrl.engine.embedded import EmbeddedEngine
 from agentrl.engine.prefix_cache import PrefixCache
 from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
-from agentrl.engine.sampling import RequestSampling, row_uniform, sample_tokens
+from agentrl.engine.sampling import (
+    RequestSampling,
+    inverse_cdf,
+    row_uniform,
+    row_uniforms,
+    sample_tokens,
+    signed64,
+)
 
 # ----------------------------------------------------------------------------------- prefix cache
 
@@ -77,6 +84,34 @@ def test_noise_depends_only_on_seed_and_position() -> None:
     u = torch.tensor([row_uniform(7, p) for p in range(20_000)])
     assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
     assert row_uniform(7, 3) != row_uniform(8, 3)
+
+
+def test_device_draws_equal_the_scalar_reference() -> None:
+    seeds = [0, 1, 7, 2**62 + 3, 2**63 - 1, 2**63, 2**64 - 1, -5, 123456789123456789]
+    positions = [0, 1, 31, 4095, 2**20 + 7]
+    pairs = [(s, q) for s in seeds for q in positions]
+    got = row_uniforms(
+        torch.tensor([signed64(s) for s, _ in pairs]), torch.tensor([q for _, q in pairs])
+    ).tolist()
+    want = torch.tensor([row_uniform(s, q) for s, q in pairs], dtype=torch.float32).tolist()
+    assert got == want
+
+
+def test_two_level_inverse_cdf_follows_the_distribution() -> None:
+    # 50 tokens in blocks of 8 (the last block padded): each token's frequency matches its probability,
+    # and tokens with no mass are never drawn
+    g = torch.Generator().manual_seed(1)
+    probs = torch.rand(50, generator=g)
+    probs[[3, 17, 49]] = 0.0
+    probs /= probs.sum()
+    n = 40_000
+    u = row_uniforms(torch.full((n,), 11), torch.arange(n))
+    for block in (8, 10):  # a padded last block, then blocks that divide the vocabulary
+        toks, log_z = inverse_cdf(probs.log().repeat(n, 1), u, block=block)
+        freq = torch.bincount(toks, minlength=50).float() / n
+        assert torch.allclose(freq, probs, atol=0.006), (freq - probs).abs().max()
+        assert freq[[3, 17, 49]].sum() == 0
+        assert torch.allclose(log_z, torch.zeros(n), atol=1e-5)  # the probabilities sum to one
 
 
 def test_sampling_follows_the_distribution_and_its_filters() -> None:

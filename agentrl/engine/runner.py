@@ -274,10 +274,7 @@ class ModelRunner:
         lens = torch.tensor([len(t) for t in batch.tokens], device=dev)
         start = torch.tensor(batch.start, device=dev)
         slots = torch.tensor(batch.slots, device=dev)
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        for r, t in enumerate(batch.tokens):
-            ids[r, : len(t)] = torch.tensor(t)
-        ids = ids.to(dev)
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in batch.tokens]).to(dev)
         offs = torch.arange(width, device=dev)
         pos = start[:, None] + offs[None]  # [rows, width]
         valid = offs[None] < lens[:, None]

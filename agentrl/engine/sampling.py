@@ -2,8 +2,9 @@
 
 A request's ``sampling_params`` (SGLang's names) become a :class:`RequestSampling`. One decode step then
 samples every row at once on the device (:func:`sample_tokens`): temperature, top-k, top-p and min-p per
-row, greedy where the temperature is 0, by inverse-CDF sampling with one uniform draw per token that is a
-**hash of (seed, position)**. The draw of a row therefore depends on nothing but its request's seed and
+row, greedy where the temperature is 0, by inverse-CDF sampling (two levels: blocks of the vocabulary,
+then inside one block) with one uniform draw per token that is a **hash of (seed, position)**, computed
+on the device. The draw of a row therefore depends on nothing but its request's seed and
 the position being sampled: not on which other requests share the step, not on a generator's state,
 not on whether the request was retracted and resumed. Requests without a ``sampling_seed`` get one
 drawn from the engine's seeded generator when they arrive.
@@ -15,6 +16,7 @@ distribution.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +94,15 @@ class RequestSampling:
         return s
 
 
+def signed64(x: int) -> int:
+    """``x`` mod 2**64 as a signed 64-bit int (how a seed travels in an int64 tensor)."""
+    x &= _M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_K1, _K2, _K3 = (signed64(k) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
 def row_key(seed: int, position: int) -> int:
     """A 32-bit key (as a signed int) of (seed, position), mixed with splitmix64's finaliser."""
     z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _M64
@@ -106,10 +117,51 @@ def row_uniform(seed: int, position: int) -> float:
     return (((row_key(seed, position) >> 8) & 0xFFFFFF) + 0.5) / (1 << 24)
 
 
-def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row of scaled (and filtered) logits ``x``, the token whose CDF interval holds ``u[row]``."""
-    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=x.shape[-1] - 1)
+def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`row_uniform` of int64 tensors, on their device, as float32 (bit-equal to the scalar version
+    rounded to float32). int64 products wrap mod 2**64; right shifts are made logical by masking."""
+    z = seeds * _K1 + positions * _K2 + _K3
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _K2
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _K3
+    z = (z ^ ((z >> 31) & ((1 << 33) - 1))) & 0xFFFFFFFF
+    return ((((z >> 8) & 0xFFFFFF).double() + 0.5) / (1 << 24)).float()
+
+
+@functools.lru_cache(maxsize=16)
+def block_size(vocab: int, target: int = 1024) -> int:
+    """A block length for :func:`inverse_cdf`: a divisor of ``vocab`` near ``target`` if there is one
+    (then the blocks are a view, no padded copy), else ``target``."""
+    for d in sorted(range(256, 4097), key=lambda d: abs(d - target)):
+        if vocab % d == 0:
+            return d
+    return target
+
+
+def inverse_cdf(
+    x: torch.Tensor, u: torch.Tensor, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of scaled (and filtered) logits ``x``, the token whose CDF interval holds ``u[row]``,
+    and the row's log-normaliser ``logsumexp(x)``.
+
+    Two levels, so no scan runs over the whole vocabulary: the unnormalised mass of each block of
+    tokens (:func:`block_size`), a cumulative sum over blocks to find the block that holds ``u``, then a
+    cumulative sum inside that one block. A handful of passes over ``x``, no sort."""
+    rows, vocab = x.shape
+    block = block or block_size(vocab)
+    nb = -(-vocab // block)
+    m = x.max(dim=-1, keepdim=True).values
+    e = torch.sub(x, m).exp_()
+    if nb * block != vocab:
+        e = torch.nn.functional.pad(e, (0, nb * block - vocab))
+    e = e.view(rows, nb, block)
+    cum = e.sum(-1).cumsum(-1)  # [rows, nb]
+    target = (u * cum[:, -1])[:, None]
+    b = torch.searchsorted(cum, target).clamp(max=nb - 1)  # [rows, 1]
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = e.gather(1, b[:, :, None].expand(rows, 1, block)).squeeze(1).cumsum(-1)
+    # clamped to the block's own total (summed in another order): the first index reaching it has mass
+    j = torch.searchsorted(inner, torch.minimum(target - before, inner[:, -1:])).clamp(max=block - 1)
+    return (b * block + j).squeeze(1).clamp(max=vocab - 1), m.squeeze(1) + cum[:, -1].log()
 
 
 def filter_logits(
@@ -140,38 +192,52 @@ def sample_tokens(
     logits: torch.Tensor, params: list[RequestSampling], seeds: list[int], positions: list[int]
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row of fp32 ``logits`` [rows, vocab]; row ``r`` follows ``params[r]``
-    with its draw keyed by (``seeds[r]``, ``positions[r]``). Returns the ids and their raw-logit logprobs (one host sync)."""
-    dev, vocab = logits.device, logits.shape[-1]
-    tokens = logits.argmax(dim=-1)  # temperature 0 = greedy
+    with its draw keyed by (``seeds[r]``, ``positions[r]``). Returns the ids and their raw-logit
+    logprobs (one host sync)."""
+    dev, vocab, n = logits.device, logits.shape[-1], len(params)
     temps = [p.temperature for p in params]
     if any(t > 0 for t in temps):
-        temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)
-        x = logits / temp[:, None]
+        x, raw = logits, True  # raw: x is the logits themselves, so its normaliser is the logprobs' one
+        if any(t != 1.0 for t in temps):
+            x, raw = logits / torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None], False
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
-            x = filter_logits(
-                x,
-                torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], device=dev),
-                torch.tensor([p.min_p for p in params], device=dev),
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            x, raw = (
+                filter_logits(x, top_k, top_p, torch.tensor([p.min_p for p in params], device=dev)),
+                False,
             )
-        u = torch.tensor([row_uniform(s, q) for s, q in zip(seeds, positions, strict=True)], device=dev)
-        picked = inverse_cdf(x, u)
-        if all(t > 0 for t in temps):
-            tokens = picked
-        else:
-            tokens = torch.where(torch.tensor([t > 0 for t in temps], device=dev), picked, tokens)
-    logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    both = torch.cat([tokens.double(), logp.double()]).tolist()  # one device-to-host copy
-    n = len(params)
-    return [int(t) for t in both[:n]], both[n:]
+        keys = torch.tensor([signed64(s) for s in seeds] + list(positions), dtype=torch.long).to(dev)
+        tokens, log_z = inverse_cdf(x, row_uniforms(keys[:n], keys[n:]))
+        if not raw:
+            log_z = torch.logsumexp(logits, dim=-1)
+        if not all(t > 0 for t in temps):
+            greedy = torch.tensor([t == 0 for t in temps], device=dev)
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    else:
+        tokens, log_z = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(1, tokens[:, None]).squeeze(1) - log_z
+    both = torch.cat([tokens.double(), logp.double()])
+    if dev.type == "cuda":  # one device-to-host copy, waited for with the GIL released (HTTP goes on)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        both = host
+    out = both.tolist()
+    return [int(t) for t in out[:n]], out[n:]
 
 
 __all__ = [
     "EngineBadRequest",
     "RequestSampling",
+    "block_size",
     "filter_logits",
     "inverse_cdf",
     "row_key",
     "row_uniform",
+    "row_uniforms",
     "sample_tokens",
+    "signed64",
 ]
