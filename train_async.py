@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.cluster import start_service, stop_all
+from agentrl.cluster import start_ray, start_service, stop_all
 from agentrl.config import ConfigError, dump_config
 from agentrl.metrics import MetricsLogger, Progress
 from agentrl.recipe import load_run_config, make_recipe, metric_label
@@ -147,8 +147,6 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
 
 # ---- the run -------------------------------------------------------------------------------------------
 async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
-    import ray
-
     from agentrl.engine.client import EngineClient
     from agentrl.envs import make_env
     from agentrl.rollout.ray_actor import OrchestratorSpec, make_rollout_actor
@@ -165,13 +163,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     model_dir, train_tasks, eval_tasks = recipe.prepare()
     print(f"model {model_dir}; {len(train_tasks)} train / {len(eval_tasks)} held-out tasks", flush=True)
 
-    ray.init(
-        address=cfg.ray.address,
-        num_cpus=cfg.ray.num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    start_ray(cfg.ray.address, cfg.ray.num_cpus)  # workers at the driver's priority, not Ray's nice 15
     services: list[Any] = []
     trainer: TrainerGroup | None = None
     rollout: Any = None

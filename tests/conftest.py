@@ -1,15 +1,63 @@
 """Shared fixtures: tiny HF model directories built once per test session (the same code path as a real
-checkpoint), and the Docker requirement switch (AGENTRL_REQUIRE_DOCKER=1 turns skips into failures)."""
+checkpoint), and the Docker requirement switch (AGENTRL_REQUIRE_DOCKER=1 turns skips into failures).
+
+Temp files: the session gets a temp dir of its own (``TMPDIR``, inherited by every process a test
+starts: servers, engines, Ray workers, ``train_async.py``), and a test that leaves anything in it fails
+(:func:`_no_temp_leftovers`), so a leak is found even while other jobs share the machine's temp dir.
+pytest's ``tmp_path`` and Ray's session files stay in the machine's temp dir (``PYTEST_DEBUG_TEMPROOT``,
+``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``, see
+:func:`agentrl.cluster.start_ray`).
+"""
 
 from __future__ import annotations
 
+import getpass
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from agentrl.models.tiny import build_tiny_model
+_SYSTEM_TMP = tempfile.gettempdir()
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="pytest-agentrl-", dir=_SYSTEM_TMP))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
+os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
+os.environ.setdefault("RAY_worker_niceness", "0")
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+from agentrl.models.tiny import build_tiny_model  # noqa: E402
+
+_KEPT = (f"torchinductor_{getpass.getuser()}",)  # torch's compile cache, not a leak
+
+
+def _temp_entries() -> set[str]:
+    return {p.name for p in SESSION_TMP.iterdir() if p.name not in _KEPT}
+
+
+@pytest.fixture(autouse=True)
+def _no_temp_leftovers() -> Iterator[None]:
+    """Fail a test that leaves a file or directory in the temp dir (servers' scratch dirs, bench dirs,
+    logs); what module and session fixtures leave is checked once at the end of the session."""
+    before = _temp_entries()
+    yield
+    left = sorted(_temp_entries() - before)
+    if left:
+        pytest.fail(f"the test left {left} in the temp dir {SESSION_TMP}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_dir_clean_at_exit() -> Iterator[None]:
+    yield
+    try:
+        left = sorted(_temp_entries())
+        if left:
+            pytest.fail(f"the test session left {left} in the temp dir {SESSION_TMP}")
+    finally:
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
 
 _CACHE: dict[tuple, Path] = {}
 

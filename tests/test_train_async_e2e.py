@@ -7,9 +7,15 @@ steps, and must leave no server, engine or Ray process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import queue
+import select
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,11 +49,75 @@ checkpoint: {{interval: 2}}
 """
 
 
+def _ours(pid: str) -> bool:
+    """Started by this test session: it inherited the session's own TMPDIR (tests/conftest.py), so other
+    jobs on the machine (their Ray, their engines) are not counted."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"TMPDIR={tempfile.gettempdir()}".encode() in env
+
+
 def _leftovers() -> list[str]:
     """Processes a run may start: engines, retrieval servers, Ray daemons and workers."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     pats = ("agentrl.engine.embedded_server", "retrieval_server", "raylet", "gcs_server", "ray::")
-    return [line for line in out.splitlines() if any(p in line for p in pats) and "ps -eo" not in line]
+    return [
+        line
+        for line in out.splitlines()
+        if any(p in line for p in pats) and "ps -eo" not in line and _ours(line.split()[0])
+    ]
+
+
+def _left_after(timeout: float = 60.0) -> list[str]:
+    """The run's processes still alive after they had ``timeout`` s to exit (woken by each exit through
+    a pidfd, not by polling): processes that a finished run still leaves behind."""
+    fds = {}
+    for line in _leftovers():
+        with contextlib.suppress(OSError):  # already gone
+            fds[os.pidfd_open(int(line.split()[0]))] = line
+    deadline = time.monotonic() + timeout
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        alive = set(fds)
+        while alive and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):  # a pidfd is readable once its process exited
+                poller.unregister(fd)
+                alive.discard(fd)
+        return [fds[fd] for fd in alive]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class _Lines:
+    """A process's output lines, read by a thread: waiting for a line is bounded even when the process
+    goes silent."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=lambda: [*map(self._q.put, stdout), self._q.put(None)], daemon=True).start()
+        self.seen: list[str] = []
+
+    def until(self, prefix: str | None, timeout: float) -> bool:
+        """Read until a line starting with ``prefix`` (None: until the end); False after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._q.get(timeout=left)
+            except queue.Empty:
+                return False
+            if line is None:
+                return prefix is None
+            self.seen.append(line)
+            if prefix is not None and line.startswith(prefix):
+                return True
+        return False
 
 
 def _run(args: list[str], timeout: float = 600) -> str:
@@ -76,8 +146,7 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     assert (out / "reward_em.png").stat().st_size > 1000
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_00000003"
-    time.sleep(1)
-    assert not _leftovers(), "the run left processes behind"
+    assert not _left_after(), "the run left processes behind"
 
     # resume: continues at step 3 with the checkpoint's weights pushed to the engine (version 4), then
     # trains two more steps
@@ -97,8 +166,7 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     parts = summary["mean_wait_batch_s"] + summary["mean_train_s"] + summary["mean_sync_s"]
     assert 0 < parts <= summary["mean_step_s"] * 1.01
     assert "engine_peak_gpu_mem_gb" not in summary  # a CPU engine reports no GPU memory
-    time.sleep(1)
-    assert not _leftovers(), "the resumed run left processes behind"
+    assert not _left_after(), "the resumed run left processes behind"
 
 
 def test_bad_config_field_is_named(tmp_path: Path) -> None:
@@ -117,7 +185,6 @@ def test_bad_config_field_is_named(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     """SIGINT in the middle of training: the job exits and leaves no engine, server or Ray process."""
-    import os
     import signal
 
     cfg = tmp_path / "e2e.yaml"
@@ -131,20 +198,18 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    seen = []
-    deadline = time.monotonic() + 400
-    assert proc.stdout is not None
-    for line in proc.stdout:  # wait until training is under way
-        seen.append(line)
-        if line.startswith("step 2/") or time.monotonic() > deadline:
-            break
-    assert any(line.startswith("step 2/") for line in seen), "".join(seen[-40:])
-    os.kill(proc.pid, signal.SIGINT)
-    rest, _ = proc.communicate(timeout=180)
+    out = _Lines(proc)
+    try:
+        assert out.until("step 2/", timeout=400), "".join(out.seen[-40:])  # training is under way
+        os.kill(proc.pid, signal.SIGINT)
+        assert out.until(None, timeout=180), "no clean exit 180 s after Ctrl-C:\n" + "".join(out.seen[-40:])
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode != 0
-    assert "interrupted" in rest
-    time.sleep(2)
-    assert not _leftovers(), "Ctrl-C left processes behind"
+    assert any("interrupted" in line for line in out.seen)
+    assert not _left_after(), "Ctrl-C left processes behind"
 
 
 def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None:
