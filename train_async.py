@@ -49,6 +49,9 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
     if e.backend == "external":
         return list(e.urls)
     urls = []
+    extra = ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
+    if cfg.deterministic:  # a request's logprobs must not depend on what else the engine batches or caches
+        extra += ["--prefix-cache-slots", "0"]
     for i in range(e.num_engines):
         if e.backend == "embedded":
             from agentrl.engine.embedded_server import start_embedded_server
@@ -59,8 +62,8 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
                 device=e.device,
                 dtype=e.dtype,
                 api_key=e.api_key,
-                max_batch_size=e.max_batch_size,
-                extra_args=["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else [],
+                max_batch_size=1 if cfg.deterministic else e.max_batch_size,
+                extra_args=extra,
                 log_file=str(Path(cfg.output_dir) / f"engine_{i}.log"),
             )
         else:
@@ -185,7 +188,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         )
         rollout = make_rollout_actor(  # the orchestrator is built inside the actor, from this spec
             OrchestratorSpec(
-                cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed}),  # run seed: task order
+                cfg.rollout.model_copy(  # run seed: task order (and request seeds when deterministic)
+                    update={"seed": cfg.rollout.seed + cfg.seed, "deterministic": cfg.deterministic}
+                ),
                 engine_urls,
                 model_dir,
                 functools.partial(make_env, cfg.env.name, **env_kwargs),
@@ -239,12 +244,13 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
             version = await sync(cfg, trainer, engine_urls, out)
+            rollout_stats = await rollout.stats.remote()  # while paused: with deterministic, a fixed point
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
                 **recipe.batch_metrics(batch),
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
-                **(await rollout.stats.remote()),
+                **rollout_stats,
                 **(await engine_memory(monitor)),
                 "time/wait_batch_s": t_wait,
                 "time/train_s": t_train,

@@ -105,6 +105,12 @@ class RunConfig(ConfigModel):
     output_dir: str = Field("runs/run", description="metrics, checkpoints, plot, weights for the engines")
     seed: int = Field(0, description="seed of the run (rollout order, trainer init)")
     steps: int = Field(20, ge=0, description="training steps; each one is a weight sync (version + 1)")
+    deterministic: bool = Field(
+        False,
+        description="two runs with the same seed give bit-identical weights and metrics (apart from timings) "
+        "on one machine: seeded requests, batches and versions by the step (agentrl.rollout.lockstep), "
+        "embedded engines decoding one sequence at a time without prefix reuse; costs throughput",
+    )
     model_path: str = Field(description="HF model dir, or pretrained:NAME (agentrl.models.pretrained)")
     data: DataConfig = Field(description="tasks")
     env: EnvConfig = Field(description="the env of every episode")
@@ -153,6 +159,11 @@ class RunConfig(ConfigModel):
     def _check(self) -> RunConfig:
         if self.engine.backend == "external" and not self.engine.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
+        if self.deterministic and self.engine.backend != "embedded":
+            raise ValueError(
+                "deterministic: needs engine.backend: embedded (other engines batch requests with "
+                "numerics that depend on what else runs; SGLang's batch-invariant mode is not wired up)"
+            )
         share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU
         # sglang engines keep 0 unless set (give them tp_size GPUs); its launcher does not run here to guess
         engine_on_gpu = self.engine.backend == "embedded" and self.engine.device.startswith("cuda")

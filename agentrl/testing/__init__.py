@@ -4,6 +4,7 @@
   scripted tokens, latency and failure injection), for the orchestrator's tests and benchmarks.
 * :mod:`agentrl.testing.envs`: synthetic envs (fixed turns, tool latency, injected errors, random
   terminal rewards).
+* :mod:`agentrl.testing.verifiers`: rewards that need no trained model (``length_parity``).
 
 The real parts they stand beside: the embedded engine (:mod:`agentrl.engine.embedded_server`), SGLang, and
 the built-in envs (:mod:`agentrl.envs`).
