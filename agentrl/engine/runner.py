@@ -279,9 +279,14 @@ class ModelRunner:
         pos = start[:, None] + offs[None]  # [rows, width]
         valid = offs[None] < lens[:, None]
         write = torch.where(valid, pos, self.context_len)  # padding writes to the scratch column
+        # Fresh rows (nothing cached) attend only to their own new tokens, and right padding sits after
+        # every real token: plain causal attention over this step's k/v, no mask (the flash kernel).
+        fresh = not any(batch.start)
         keys = max(s + len(t) for s, t in zip(batch.start, batch.tokens, strict=True))
-        kpos = torch.arange(keys, device=dev)
-        mask = (kpos[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, width, keys]
+        mask = None
+        if not fresh:
+            kpos = torch.arange(keys, device=dev)
+            mask = (kpos[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, width, keys]
         cos, sin = self.cos[pos.clamp(max=self.context_len)], self.sin[pos.clamp(max=self.context_len)]
         group = self.n_heads // self.n_kv
 
@@ -290,11 +295,15 @@ class ModelRunner:
             q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
             self.k[i][slots[:, None], :, write] = k
             self.v[i][slots[:, None], :, write] = v
-            kk = self.k[i][:, :, :keys].index_select(0, slots)  # slice first: copy only the keys in use
-            vv = self.v[i][:, :, :keys].index_select(0, slots)
-            if group > 1:
-                kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask, scale=self.scale)
+            if fresh:
+                kk, vv = k.transpose(1, 2), v.transpose(1, 2)
+            else:
+                kk = self.k[i][:, :, :keys].index_select(0, slots)  # slice first: copy only the keys in use
+                vv = self.v[i][:, :, :keys].index_select(0, slots)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=fresh,
+                scale=self.scale, enable_gqa=group > 1,
+            )  # fmt: skip
             x = self._post(x, o.transpose(1, 2).reshape(rows, width, -1), w, self.norm_eps)
         last = x[torch.arange(rows, device=dev), lens - 1]
         return self._logits_of(last)
