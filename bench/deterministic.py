@@ -1,0 +1,126 @@
+"""What ``deterministic: true`` costs: the same small Search-R1 run (synthetic world, tiny model, CPU)
+through ``train_async.py`` with the switch off and on, one after the other in the same bench run.
+
+Deterministic mode runs each batch whole under one policy version, waits for it before a weight update
+instead of interrupting it, and has the embedded engine decode one sequence at a time without prefix
+reuse (so a request's logprobs do not depend on what else the engine batches). The figures: mean step
+time (wait for the batch + train + sync), trained trajectories per second over the RL steps and
+generated tokens per second; ratios are deterministic / default. A third run, the default schedule with
+an engine that decodes one sequence at a time (``engine.max_batch_size: 1``), tells how much of the cost
+is the engine's.
+
+Prints one JSON line.
+
+    python bench/deterministic.py [--steps 8] [--batch-size 4] [--group-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = """
+recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe
+output_dir: {out}
+steps: {steps}
+deterministic: {deterministic}
+bootstrap:
+  cache_dir: {cache}
+  world: {{seed: 0, num_entities: 40}}
+  model: {{vocab_size: 600, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
+          num_key_value_heads: 1, intermediate_size: 64}}
+  sft: {{steps: 5, batch_size: 4, think: false, practice_worlds: 2, practice_entities: 40, search_prob: 0.35,
+        calibration_steps: 5}}
+env: {{name: search, kwargs: {{max_turns: 2}}}}
+engine: {{max_batch_size: {engine_batch}}}
+rollout: {{group_size: {group_size}, batch_size: {batch_size}, max_staleness: 1, max_concurrency: 64,
+          max_turns: 3, max_total_tokens: 600, sampling: {{temperature: 1.0, max_new_tokens: 24}},
+          eval_sampling: {{temperature: 0.0, max_new_tokens: 24}},
+          verifier: "agentrl.testing.verifiers:length_parity", filter_zero_variance: false}}
+trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 8}}
+eval: {{num_tasks: {eval_tasks}, after: false}}
+"""
+
+
+def run(
+    mode: str, deterministic: bool, work: Path, a: argparse.Namespace, engine_batch: int = 64
+) -> dict[str, float]:
+    out = work / mode
+    cfg = work / f"{mode}.yaml"
+    cfg.write_text(
+        CONFIG.format(
+            out=out,
+            cache=work / "cache",
+            steps=a.steps,
+            deterministic=str(deterministic).lower(),
+            group_size=a.group_size,
+            batch_size=a.batch_size,
+            eval_tasks=a.eval_tasks,
+            engine_batch=engine_batch,
+        )
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        sys.exit(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "policy_version" in r]
+    rl_s = sum(r["time/step_s"] for r in steps)
+    trajs = a.steps * a.batch_size * a.group_size
+    tokens = sum(r["rollout/model_tokens"] for r in steps)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return {
+        "mean_step_s": round(rl_s / len(steps), 3),
+        "trajectories_per_s": round(trajs / rl_s, 3),
+        "generated_tokens_per_s": round(tokens / rl_s, 1),
+        "staleness_mean": round(sum(r["batch/staleness_mean"] for r in steps) / len(steps), 3),
+        "run_wall_s": round(time.monotonic() - t0, 1),
+        "summary_wall_s": round(float(summary["wall_s"]), 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4, help="groups per step")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--eval-tasks", type=int, default=16)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="agentrl_bench_") as tmp:  # removed at the end of the run
+        work = Path(tmp)
+        run("warmup", False, work, argparse.Namespace(**{**vars(a), "steps": 1}))  # bootstrap, caches
+        default = run("default", False, work, a)
+        det = run("deterministic", True, work, a)
+        engine_1 = run("default_engine_batch_1", False, work, a, engine_batch=1)
+    print(
+        json.dumps(
+            {
+                "bench": "deterministic",
+                "steps": a.steps,
+                "batch": f"{a.batch_size} groups x {a.group_size}",
+                "default": default,
+                "deterministic": det,
+                "default_engine_batch_1": engine_1,
+                "step_time_ratio": round(det["mean_step_s"] / default["mean_step_s"], 2),
+                "throughput_ratio": round(det["trajectories_per_s"] / default["trajectories_per_s"], 2),
+                "run_wall_ratio": round(det["run_wall_s"] / default["run_wall_s"], 2),
+                "engine_batch_1_throughput_ratio": round(
+                    engine_1["trajectories_per_s"] / default["trajectories_per_s"], 2
+                ),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
