@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import shlex
 import shutil
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     concs = [int(c) for c in a.concurrency.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)  # also when a round fails or Ctrl-C stops the bench
     model_dir = Path(a.model) if a.model else build_model(a.shape, a.dtype, tmp / "model")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -218,7 +220,6 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
     )
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def _server_info(url: str) -> dict:
