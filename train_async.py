@@ -177,7 +177,11 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         env_kwargs = {**recipe.start_services(services), **cfg.env.kwargs}
         await check_verifier(cfg, env_kwargs)  # before the engines: a run nothing would score fails now
         engine_urls = start_engines(cfg, model_dir, services)
-        monitor = EngineClient(engine_urls, api_key=cfg.engine.api_key, timeout=10, max_retries=0)
+        monitor = EngineClient(
+            engine_urls, api_key=cfg.engine.api_key, timeout=10, max_retries=0, router=cfg.engine.router
+        )
+        # weights go to every engine; behind a router (engine.router), to the workers it lists now
+        sync_urls = await monitor.worker_urls()
 
         # 3. the trainer (one actor per rank) and the rollout orchestrator (async actor)
         trainer_cfg = cfg.trainer.model_copy(
@@ -196,16 +200,17 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 functools.partial(make_env, cfg.env.name, **env_kwargs),
                 train_tasks,
                 api_key=cfg.engine.api_key,
+                router=cfg.engine.router,
             )
         )
         if cfg.weight_sync == "distributed":
-            await asyncio.to_thread(trainer.init_weight_sync_group, engine_urls, len(engine_urls))
+            await asyncio.to_thread(trainer.init_weight_sync_group, sync_urls, len(sync_urls))
 
         # 4. resume: trainer state, rollout state (dataset cursor, tasks in flight), engine weights
         start_step, version = 0, 0
         if resume and (ckpt_dir / "latest").is_file():
             start_step = await asyncio.to_thread(trainer.load_checkpoint, str(ckpt_dir))
-            version = await sync(cfg, trainer, engine_urls, out)  # engines get the checkpoint's weights
+            version = await sync(cfg, trainer, sync_urls, out)  # engines get the checkpoint's weights
             state = pickle.loads((ckpt_dir / f"rollout_{start_step:08d}.pkl").read_bytes())
             await rollout.load_state_dict.remote(state, version)
             print(f"resumed at step {start_step}, policy version {version}", flush=True)
@@ -243,7 +248,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             if cfg.placement == "disaggregated":
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
-            version = await sync(cfg, trainer, engine_urls, out)
+            version = await sync(cfg, trainer, sync_urls, out)
             rollout_stats = await rollout.stats.remote()  # while paused: with deterministic, a fixed point
             await rollout.resume_after_update.remote(version)
             last = {

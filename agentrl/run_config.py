@@ -66,6 +66,11 @@ class EngineSetupConfig(ConfigModel):
         "cache may take (None: transformers' default; colocated runs need room for the trainer)",
     )
     urls: list[str] = Field(default_factory=list, description="external: engine or sglang-router URLs")
+    router: bool = Field(
+        False,
+        description="external: urls are sglang-routers; the rollout generates through them, while control "
+        "calls and the trainer's weight sync go to the workers they list (GET /workers) at start",
+    )
     api_key: str | None = Field(None, description="API key of the engines (admin endpoints check it)")
     sglang: SGLangConfig | None = Field(
         None, description="backend sglang: the launch settings (model_path filled in)"
@@ -159,6 +164,10 @@ class RunConfig(ConfigModel):
     def _check(self) -> RunConfig:
         if self.engine.backend == "external" and not self.engine.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
+        if self.engine.router and self.engine.backend != "external":
+            raise ValueError(
+                "engine.router: needs engine.backend: external (the router's URL in engine.urls)"
+            )
         if self.deterministic and self.engine.backend != "embedded":
             raise ValueError(
                 "deterministic: needs engine.backend: embedded (other engines batch requests with "

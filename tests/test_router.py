@@ -22,11 +22,14 @@ import sglang_router  # noqa: F401  (a test dependency: missing, the import fail
 from transformers import AutoTokenizer
 
 from agentrl.cluster import free_port
+from agentrl.config import ConfigError, build_config
 from agentrl.engine.client import EngineClient
 from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env
 from agentrl.rollout import Orchestrator, RolloutConfig
+from agentrl.rollout.ray_actor import OrchestratorSpec
+from agentrl.run_config import RunConfig
 from agentrl.testing.envs import SyntheticEnv
 from agentrl.types import Status
 
@@ -140,3 +143,34 @@ async def test_router_native_and_openai_paths_with_control_fan_out(cluster, tiny
         assert r.usage.completion_tokens >= 1
     finally:
         await client.close()
+
+
+async def test_a_run_config_with_a_router_reaches_its_workers(cluster, tiny_model_dir):
+    """engine.router: train_async builds the rollout's client in router mode (OrchestratorSpec) and syncs
+    weights to the URLs that client's worker_urls() lists, i.e. the router's workers, not the router."""
+    url, workers = cluster
+    base = {"model_path": str(tiny_model_dir), "data": {"path": "/d"}, "env": {"name": "synthetic"}}
+    with pytest.raises(ConfigError, match=r"engine\.router: needs engine\.backend: external"):
+        build_config(RunConfig, {**base, "engine": {"router": True}})
+    cfg = build_config(RunConfig, {**base, "engine": {"backend": "external", "urls": [url], "router": True}})
+    spec = OrchestratorSpec(
+        cfg.rollout,
+        cfg.engine.urls,
+        str(tiny_model_dir),
+        SyntheticEnv,
+        [{"prompt": "p"}],
+        router=cfg.engine.router,
+    )
+    orch = spec()
+    monitor = EngineClient(cfg.engine.urls, router=cfg.engine.router, timeout=30)
+    try:
+        assert orch.engine.router and orch.engine.urls == [url]
+        sync_urls = await monitor.worker_urls()  # what train_async hands the trainer's weight sync
+        assert sync_urls == [w.url for w in workers]
+        async with EngineClient(sync_urls, timeout=60) as direct:  # the trainer's disk sync, in short
+            await direct.update_weights_from_disk(str(tiny_model_dir), weight_version="7")
+        assert [i["weight_version"] for i in await worker_info(workers)] == ["7", "7"]
+    finally:
+        await monitor.update_weight_version("default")
+        await monitor.close()
+        await orch.engine.close()

@@ -231,6 +231,10 @@ class EngineClient:
             raise EngineUnavailable(f"the router(s) {self.urls} list no workers (GET /workers)")
         return found
 
+    async def worker_urls(self) -> list[str]:
+        """The engines that control calls and weight syncs reach: the URLs, or a router's workers now."""
+        return [ep.url for ep in await self.control_endpoints()]
+
     async def _broadcast(
         self, method: str, path: str, payloads: Sequence[dict[str, Any] | None]
     ) -> list[Any]:

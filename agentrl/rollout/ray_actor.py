@@ -39,11 +39,14 @@ class OrchestratorSpec:
     dataset: Sequence[dict[str, Any]]
     engine_timeout: float = 600.0
     api_key: str | None = None
+    router: bool = False  # engine_urls are sglang-routers (EngineClient's router mode)
 
     def __call__(self) -> Orchestrator:
         from transformers import AutoTokenizer
 
-        client = EngineClient(self.engine_urls, api_key=self.api_key, timeout=self.engine_timeout)
+        client = EngineClient(
+            self.engine_urls, api_key=self.api_key, timeout=self.engine_timeout, router=self.router
+        )
         tok = AutoTokenizer.from_pretrained(self.model_dir)
         return Orchestrator(self.config, client, tok, self.env_factory, self.dataset)
 
