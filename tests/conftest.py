@@ -2,8 +2,9 @@
 checkpoint), and the Docker requirement switch (AGENTRL_REQUIRE_DOCKER=1 turns skips into failures).
 
 Temp files: the session gets a temp dir of its own (``TMPDIR``, inherited by every process a test
-starts: servers, engines, Ray workers, ``train_async.py``), and a test that leaves anything in it fails
-(:func:`_no_temp_leftovers`), so a leak is found even while other jobs share the machine's temp dir.
+starts: servers, engines, Ray workers, ``train_async.py``; removed when pytest exits), and a test that
+leaves anything in it fails (:func:`_no_temp_leftovers`), so a leak is found even while other jobs share
+the machine's temp dir.
 pytest's ``tmp_path`` and Ray's session files stay in the machine's temp dir (``PYTEST_DEBUG_TEMPROOT``,
 ``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``, see
 :func:`agentrl.cluster.start_ray`).
@@ -20,17 +21,42 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.models.tiny import build_tiny_model
+
 _SYSTEM_TMP = tempfile.gettempdir()
-SESSION_TMP = Path(tempfile.mkdtemp(prefix="pytest-agentrl-", dir=_SYSTEM_TMP))
-os.environ["TMPDIR"] = str(SESSION_TMP)
-os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
-os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
-os.environ.setdefault("RAY_worker_niceness", "0")
-tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-
-from agentrl.models.tiny import build_tiny_model  # noqa: E402
-
+_PREFIX = "pytest-agentrl-"
+SESSION_TMP = Path(_SYSTEM_TMP)  # the session's own temp dir, made in pytest_configure
 _KEPT = (f"torchinductor_{getpass.getuser()}",)  # torch's compile cache, not a leak
+_REPORTED: set[str] = set()  # leftovers a test already failed for
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's temp dir, named by its pid; those of sessions that were killed are removed."""
+    global SESSION_TMP
+    for old in Path(_SYSTEM_TMP).glob(f"{_PREFIX}*"):
+        pid = old.name[len(_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    SESSION_TMP = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=_SYSTEM_TMP))
+    os.environ["TMPDIR"] = str(SESSION_TMP)
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
+    os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)  # also when no test ran
 
 
 def _temp_entries() -> set[str]:
@@ -45,18 +71,16 @@ def _no_temp_leftovers() -> Iterator[None]:
     yield
     left = sorted(_temp_entries() - before)
     if left:
+        _REPORTED.update(left)
         pytest.fail(f"the test left {left} in the temp dir {SESSION_TMP}")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _temp_dir_clean_at_exit() -> Iterator[None]:
     yield
-    try:
-        left = sorted(_temp_entries())
-        if left:
-            pytest.fail(f"the test session left {left} in the temp dir {SESSION_TMP}")
-    finally:
-        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    left = sorted(_temp_entries() - _REPORTED)
+    if left:
+        pytest.fail(f"the test session left {left} in the temp dir {SESSION_TMP}")
 
 
 _CACHE: dict[tuple, Path] = {}
