@@ -326,7 +326,7 @@ async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> lis
         try:
             return await asyncio.wait_for(asyncio.shield(fut), report_every)
         except TimeoutError:
-            stats = await rollout.stats.remote()
+            stats = await rollout.stats.remote(reset_window=False)  # the step's own figures stay whole
             dropped = {
                 k.rsplit("/", 1)[-1]: int(v)
                 for k, v in stats.items()

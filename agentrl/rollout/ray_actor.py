@@ -87,8 +87,8 @@ class RolloutWorker:
     ) -> list[Trajectory]:
         return await self.orch.evaluate(tasks, sampling)
 
-    async def stats(self) -> dict[str, float]:
-        return self.orch.stats()
+    async def stats(self, reset_window: bool = True) -> dict[str, float]:
+        return self.orch.stats(reset_window)
 
     async def accounting(self) -> dict[str, int]:
         return self.orch.accounting()
