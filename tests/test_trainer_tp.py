@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU: two gloo ranks (TP=2) give the same loss, gradients and updated weights
-as one rank (TP=1), within 1e-5, for a full RL train step (π_old recompute, TIS, PPO)."""
+as one rank (TP=1), within 1e-5, for a full RL train step (π_old recompute, TIS, PPO); and so does the
+chunked LM head (``logprob_chunk_tokens``) on one and on two ranks."""
 
 from __future__ import annotations
 
@@ -11,21 +12,27 @@ import torch.multiprocessing as mp
 from _trainer_helpers import dist_env, free_port, make_trajectories
 
 
-def _worker(rank: int, world: int, port: int, model_dirs: list[str], out: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dirs: list[str], out: str, extra: dict) -> None:
     warnings.filterwarnings("ignore")
     dist_env(rank, world, port)
-    results = [_train_once(rank, world, d) for d in model_dirs]  # one process group for all archs
+    results = [_train_once(rank, world, d, extra) for d in model_dirs]  # one process group for all archs
     if rank == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()
 
 
-def _train_once(rank: int, world: int, model_dir: str) -> dict:
+def _train_once(rank: int, world: int, model_dir: str, extra: dict) -> dict:
     from agentrl.trainer.model import mcore_to_hf
     from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
 
     cfg = TrainerConfig(
-        model_path=model_dir, tp=world, lr=1e-3, grad_clip=0.0, micro_batch_size=2, vocab_divisible_by=4
+        model_path=model_dir,
+        tp=world,
+        lr=1e-3,
+        grad_clip=0.0,
+        micro_batch_size=2,
+        vocab_divisible_by=4,
+        **extra,
     )
     tr = MegatronTrainer(cfg)
     trajs = make_trajectories(tr.arch.vocab_size, seed=3)
@@ -47,9 +54,12 @@ def _train_once(rank: int, world: int, model_dir: str) -> dict:
     return {"metrics": metrics, "grads": hf_grads, "weights": tr.hf_state_dict()}
 
 
-def _run(world: int, model_dirs: list[Path], out: Path) -> list[dict]:
+def _run(world: int, model_dirs: list[Path], out: Path, **extra) -> list[dict]:
     mp.spawn(
-        _worker, args=(world, free_port(), [str(d) for d in model_dirs], str(out)), nprocs=world, join=True
+        _worker,
+        args=(world, free_port(), [str(d) for d in model_dirs], str(out), extra),
+        nprocs=world,
+        join=True,
     )
     return torch.load(out, weights_only=False)
 
@@ -61,6 +71,18 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path: Path) -> None:
     twos = _run(2, dirs, tmp_path / "tp2.pt")
     for one, two in zip(ones, twos, strict=True):
         _compare(one, two)
+
+
+def test_chunked_lm_head_matches_full_logits(tiny_model_factory, tmp_path: Path) -> None:
+    # the LM head + logprobs in chunks of 7 tokens (the last chunk partial; padded vocabulary rows),
+    # on one rank and on two TP ranks, give the full-logits path's loss, gradients and update (with an
+    # entropy bonus, so the entropy's gradient is compared too)
+    dirs, loss = [tiny_model_factory("qwen2")], {"entropy_coef": 0.01}
+    full = _run(1, dirs, tmp_path / "full.pt", loss=loss)
+    for world in (1, 2):
+        chunked = _run(world, dirs, tmp_path / f"chunk{world}.pt", loss=loss, logprob_chunk_tokens=7)
+        for one, two in zip(full, chunked, strict=True):
+            _compare(one, two)
 
 
 def _compare(one: dict, two: dict) -> None:

@@ -5,10 +5,18 @@ Each tensor-parallel rank holds logits for the vocabulary rows ``[vocab_start, v
 three small ``[N]`` tensors (max, Σexp, target logit, Σp·logit); backward is local, because every TP rank
 computes the same loss from the same reduced values (an autograd all-reduce would count the gradient
 ``tp`` times). With no group (TP = 1) it is an ordinary log-softmax.
+
+**Chunked head** (:class:`ModelLogprobs` with ``chunk_tokens``): the model returns its final hidden
+states instead of logits, and :class:`_ChunkedHeadLogprobs` applies the LM head ``chunk_tokens`` tokens at
+a time, keeping only three fp32 numbers per token; backward recomputes each chunk's logits. No
+``[tokens, vocabulary]`` fp32 tensor lives longer than one chunk (the 151k-vocabulary logits of one
+micro-batch of 4 x 1k tokens are 2.5 GB per fp32 copy), for one extra LM-head matmul per chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -84,21 +92,146 @@ def vocab_parallel_logprobs(
     return lp.reshape(target.shape), ent.reshape(target.shape)
 
 
+def _chunk_stats(
+    logits: Tensor, target: Tensor, vocab_start: int, group: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-row (max, log Σexp, target logit - max, E_p[logit - max]) of one chunk of fp32 ``logits``,
+    reduced over the TP group, and the local target index (clamped)."""
+    m = logits.max(dim=-1).values
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    shifted = logits - m[:, None]
+    e = shifted.exp()
+    s = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group)
+    local = target - vocab_start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    idx = local.clamp(0, logits.shape[-1] - 1)
+    tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(m))
+    _all_reduce(tgt, dist.ReduceOp.SUM, group)
+    mean_shifted = _all_reduce((e * shifted).sum(-1) / s, dist.ReduceOp.SUM, group)
+    return m, s.log(), tgt, mean_shifted, idx
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """(logprob, entropy) of ``target`` under ``hidden @ weight[:valid].T``, ``chunk`` rows at a time."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        target: Tensor,
+        vocab_start: int,
+        valid: int,
+        group: Any,
+        chunk: int,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)  # m, log Σexp, E_p[shifted]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            logits = (hidden[a:b] @ weight[:valid].T).float()
+            m, log_s, tgt, mean_shifted, _ = _chunk_stats(logits, target[a:b], vocab_start, group)
+            stats[0, a:b], stats[1, a:b], stats[2, a:b] = m, log_s, mean_shifted
+            lp[a:b] = tgt - log_s
+        ctx.save_for_backward(hidden, weight, target, stats)
+        ctx.vocab_start, ctx.valid, ctx.chunk = vocab_start, valid, chunk
+        return lp, stats[1] - stats[2]
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, target, stats = ctx.saved_tensors
+        valid, n = ctx.valid, hidden.shape[0]
+        w = weight[:valid]
+        grad_hidden = torch.empty_like(hidden)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for a in range(0, n, ctx.chunk):
+            b = min(n, a + ctx.chunk)
+            logits = (hidden[a:b] @ w.T).float()
+            shifted = logits - stats[0, a:b, None]
+            p = (shifted - stats[1, a:b, None]).exp()
+            # d logprob / d l_j = 1[j = target] - p_j ;  d H / d l_j = -p_j (l_j - E_p[l])
+            grad = -p * g_lp[a:b, None]
+            local = target[a:b] - ctx.vocab_start
+            inside = (local >= 0) & (local < valid)
+            grad.scatter_add_(
+                -1, local.clamp(0, valid - 1)[:, None], (g_lp[a:b] * inside.to(grad.dtype))[:, None]
+            )
+            grad -= g_ent[a:b, None] * p * (shifted - stats[2, a:b, None])
+            grad = grad.to(hidden.dtype)
+            grad_hidden[a:b] = grad @ w
+            grad_w += (grad.T @ hidden[a:b]).float()
+        grad_weight = torch.zeros_like(weight)
+        grad_weight[:valid] = grad_w.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class _HiddenStates:
+    """While active, the GPT model's output layer hands back its input (the final hidden states) and
+    records the weight it would have used (the shared embedding when tied)."""
+
+    def __init__(self, output_layer: torch.nn.Module) -> None:
+        self.layer = output_layer
+        self.weight: Tensor | None = None
+
+    def forward(self, hidden: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
+        self.weight = self.layer.weight if weight is None else weight
+        return hidden, None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[_HiddenStates]:
+        self.layer.forward = self.forward
+        try:
+            yield self
+        finally:
+            del self.layer.forward  # back to the class's forward
+
+
+def _gpt(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module  # DDP / Float16Module wrappers
+    return model
+
+
 class ModelLogprobs:
     """Per-token ``(logprob, entropy)`` of a GPT model on right-padded ``tokens`` / ``targets``, with
-    the vocabulary split over this rank's tensor-parallel group."""
+    the vocabulary split over this rank's tensor-parallel group; with ``chunk_tokens`` the LM head runs
+    in chunks of that many tokens inside the loss (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, tp_rank: int = 0, tp_group: Any = None) -> None:
+    def __init__(
+        self, vocab_size: int, tp_rank: int = 0, tp_group: Any = None, chunk_tokens: int | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.tp_rank = tp_rank
         self.tp_group = tp_group
+        self.chunk_tokens = chunk_tokens
 
     def from_logits(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         return vocab_parallel_logprobs(logits, targets, self.vocab_size, self.tp_rank, self.tp_group)
 
     def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """One forward of ``model`` (positions ``0..s-1`` on every row, no attention mask: causal)."""
-        return self.from_logits(model(tokens, position_ids(tokens), None), targets)
+        if not self.chunk_tokens:
+            return self.from_logits(model(tokens, position_ids(tokens), None), targets)
+        with _HiddenStates(_gpt(model).output_layer).active() as head:
+            hidden = model(tokens, position_ids(tokens), None)  # [b, s, h]
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            hidden = copy_to_tensor_model_parallel_region(hidden)  # what the column-parallel head does
+        v_local = head.weight.shape[0]
+        vocab_start = self.tp_rank * v_local
+        valid = max(0, min(v_local, self.vocab_size - vocab_start))
+        lp, ent = _ChunkedHeadLogprobs.apply(
+            hidden.reshape(-1, hidden.shape[-1]),
+            head.weight,
+            targets.reshape(-1),
+            vocab_start,
+            valid,
+            self.tp_group,
+            self.chunk_tokens,
+        )
+        return lp.reshape(targets.shape), ent.reshape(targets.shape)
 
 
 def position_ids(tokens: Tensor) -> Tensor:

@@ -136,6 +136,12 @@ class TrainerConfig(ConfigModel):
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=1, description="if set, micro-batches are filled up to this many padded tokens instead"
     )
+    logprob_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="if set, the LM head and the logprobs run this many tokens at a time inside the loss "
+        "(no full fp32 [tokens, vocabulary] logits; pp = 1 only)",
+    )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
@@ -177,13 +183,16 @@ class MegatronTrainer:
             raise ValueError("optimizer=megatron needs CUDA; use optimizer=torch on CPU")
         if cfg.pp > 1 and not self.use_megatron_optim:
             raise ValueError("pp > 1 needs the megatron optimizer path")
-        if cfg.pp > 1 and (cfg.max_tokens_per_micro_batch is not None or cfg.loss.kl_coef > 0):
+        if cfg.pp > 1 and (
+            cfg.max_tokens_per_micro_batch is not None or cfg.loss.kl_coef > 0 or cfg.logprob_chunk_tokens
+        ):
             raise ValueError(
-                "pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch) and no KL reference model"
+                "pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch), no KL reference model "
+                "and no logprob_chunk_tokens"
             )
 
         self.logprobs = ModelLogprobs(
-            self.arch.vocab_size, self.tp_rank, ps.get_tensor_model_parallel_group()
+            self.arch.vocab_size, self.tp_rank, ps.get_tensor_model_parallel_group(), cfg.logprob_chunk_tokens
         )
         model = self._build_model()
         self._load_initial_weights(model)
