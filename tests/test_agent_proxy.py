@@ -63,6 +63,20 @@ async def long_agent(task: dict, client: openai.AsyncOpenAI) -> float:
     return 1.0
 
 
+async def two_transports_agent(task: dict, client: openai.AsyncOpenAI) -> float:
+    """First call through the given client (in process), streamed; the second over HTTP to the same
+    base URL with a client of its own: one conversation either way."""
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    stream = await client.chat.completions.create(
+        model="policy", messages=messages, max_tokens=8, stream=True
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+    async with openai.AsyncOpenAI(base_url=str(client.base_url), api_key="x", max_retries=0) as http:
+        await http.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    return 1.0
+
+
 LEAKED: list[openai.AsyncOpenAI] = []
 
 
@@ -158,6 +172,18 @@ async def test_edited_history_starts_a_new_trajectory(engine, tiny_model_dir):
         assert t.episode_id == f"{t.group_id}/{t.sample_index}"  # GRPO counts the episode once
         assert_token_exact(t, orch.engine.calls)
     assert orch.stats()["rollout/agent_drift_splits"] >= 2  # one per episode (a second group may have run)
+
+
+async def test_in_process_and_http_calls_record_one_conversation(engine, tiny_model_dir):
+    orch = make_orch(engine, tiny_model_dir, two_transports_agent)
+    try:
+        (t,) = await orch.evaluate([{"prompt": "both ways", "label": "x"}])
+    finally:
+        await orch.stop()
+        await orch.engine.close()
+    assert t.status == Status.COMPLETED and t.info["agent_rows"] == 1 and t.num_turns == 2
+    assert_token_exact(t, orch.engine.calls)
+    assert orch.stats().get("rollout/agent_drift_splits", 0) == 0
 
 
 async def test_weight_update_mid_call_mixes_versions(engine, tiny_model_dir):

@@ -32,7 +32,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -41,11 +41,14 @@ from agentrl.rollout.tokenize import ChatTokenizer
 from agentrl.tools.parsers import HermesParser
 
 __all__ = [
+    "Answer",
     "CompletionBackend",
+    "Frontend",
     "Generation",
     "OpenAIError",
     "Prompt",
     "add_openai_routes",
+    "error_answer",
     "error_response",
     "parse_tool_calls",
     "tool_call_format",
@@ -83,8 +86,7 @@ class OpenAIError(Exception):
 
 
 def error_response(err: OpenAIError) -> web.Response:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    return web.json_response(body, status=err.status)
+    return web.json_response(error_answer(err).body, status=err.status)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Prompt:
     ids: list[int]
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    text: str | None = None  # the rendered chat template the ids were encoded from
 
 
 @dataclass
@@ -120,6 +123,10 @@ class CompletionBackend(Protocol):
     context_len: int  # prompt + completion tokens at most
 
     def accepts_model(self, name: str) -> bool: ...
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
+        """The chat prompt for checked ``messages`` and ``tools`` (the template, with the generation prompt)."""
+        ...
 
     async def generate(
         self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
@@ -372,25 +379,62 @@ def _usage(gens: list[Generation]) -> dict[str, Any]:
 
 
 @dataclass
-class _Frontend:
-    resolve: Callable[[web.Request], CompletionBackend]
-    fmt_cache: dict[int, str] = field(default_factory=dict)
+class Answer:
+    """One finished answer, whatever carries it (HTTP, or an in-process transport): a JSON object, or
+    with ``stream`` the data items of its server-sent events (the last one ``"[DONE]"``)."""
 
-    def _backend(self, request: web.Request, body: dict[str, Any]) -> CompletionBackend:
-        backend = self.resolve(request)
-        model = body.get("model")
-        if not isinstance(model, str) or not backend.accepts_model(model):
-            raise OpenAIError(
-                f"The model {model!r} does not exist; this server serves {backend.model!r}",
-                "model",
-                "model_not_found",
-            )
-        return backend
+    status: int
+    body: Any = None
+    events: list[Any] | None = None
+
+    @property
+    def content_type(self) -> str:
+        return "application/json" if self.events is None else "text/event-stream"
+
+    def payload(self) -> bytes:
+        if self.events is None:
+            return json.dumps(self.body, ensure_ascii=False).encode()
+        return b"".join(_event(e) for e in self.events)
+
+
+def _event(obj: Any) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def error_answer(err: OpenAIError) -> Answer:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return Answer(err.status, body)
+
+
+class Frontend:
+    """The three endpoints over bytes in, :class:`Answer` out; :func:`openai_handlers` puts them on
+    aiohttp routes and the rollout proxy also calls :meth:`answer` in process."""
+
+    def __init__(self) -> None:
+        self.fmt_cache: dict[int, str] = {}
+
+    async def answer(self, route: str, resolve: Callable[[], CompletionBackend], raw: bytes) -> Answer:
+        """``route`` is ``chat``, ``completions`` or ``models``; ``resolve`` finds the backend (it may
+        raise :class:`OpenAIError`, e.g. 404 for an unknown episode); ``raw`` is the request body."""
+        try:
+            backend = resolve()
+            if route == "models":
+                return self.models(backend)
+            body = _body(raw)
+            _check_model(backend, body)
+            if route == "chat":
+                return await self.chat_completions(backend, body)
+            return await self.completions(backend, body)
+        except OpenAIError as err:
+            return error_answer(err)
 
     async def _generate_n(
         self, backend: CompletionBackend, prompt: Prompt, sp: dict[str, Any], n: int, top: int
     ) -> list[Generation]:
         rid = uuid.uuid4().hex
+        if n == 1:  # the common case: no gather, no extra task
+            return [await backend.generate(prompt, sp, f"{rid}-0", top)]
         sps = [
             sp if "sampling_seed" not in sp else {**sp, "sampling_seed": sp["sampling_seed"] + i}
             for i in range(n)
@@ -399,17 +443,17 @@ class _Frontend:
             await asyncio.gather(*(backend.generate(prompt, s, f"{rid}-{i}", top) for i, s in enumerate(sps)))
         )
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        backend = self._backend(request, body)
+    async def chat_completions(self, backend: CompletionBackend, body: dict[str, Any]) -> Answer:
         messages = check_messages(body.get("messages"))
         tools = check_tools(body.get("tools"))
         choice = check_tool_choice(body.get("tool_choice"), tools)
         n, top, want_lp = _n_and_logprobs(body)
-        prompt = Prompt(backend.chat.prompt_ids(messages, tools), messages, tools)
+        prompt = backend.render(messages, tools)
         sp = sampling_params(body, len(prompt.ids), backend.context_len)
         gens = await self._generate_n(backend, prompt, sp, n, top)
-        fmt = self.fmt_cache.setdefault(id(backend.chat), tool_call_format(backend.chat.tok))
+        fmt = self.fmt_cache.get(id(backend.chat))
+        if fmt is None:
+            fmt = self.fmt_cache.setdefault(id(backend.chat), tool_call_format(backend.chat.tok))
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
         for i, g in enumerate(gens):
@@ -435,14 +479,10 @@ class _Frontend:
             "system_fingerprint": _fingerprint(gens),
         }
         if body.get("stream"):
-            return await _stream_chat(request, head, choices, _usage(gens), body)
-        return web.json_response(
-            {**head, "object": "chat.completion", "choices": choices, "usage": _usage(gens)}
-        )
+            return Answer(200, events=_chat_events(head, choices, _usage(gens), body))
+        return Answer(200, {**head, "object": "chat.completion", "choices": choices, "usage": _usage(gens)})
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        backend = self._backend(request, body)
+    async def completions(self, backend: CompletionBackend, body: dict[str, Any]) -> Answer:
         raw = body.get("prompt")
         if isinstance(raw, str):
             ids = backend.chat.encode(raw)
@@ -495,13 +535,10 @@ class _Frontend:
             )
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": backend.model}
         if body.get("stream"):
-            return await _stream_completion(request, head, choices, _usage(gens), body)
-        return web.json_response(
-            {**head, "object": "text_completion", "choices": choices, "usage": _usage(gens)}
-        )
+            return Answer(200, events=_completion_events(head, choices, _usage(gens), body))
+        return Answer(200, {**head, "object": "text_completion", "choices": choices, "usage": _usage(gens)})
 
-    async def models(self, request: web.Request) -> web.Response:
-        backend = self.resolve(request)
+    def models(self, backend: CompletionBackend) -> Answer:
         card = {
             "id": backend.model,
             "object": "model",
@@ -509,7 +546,17 @@ class _Frontend:
             "owned_by": "agentrl",
             "root": backend.model,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        return Answer(200, {"object": "list", "data": [card]})
+
+
+def _check_model(backend: CompletionBackend, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not backend.accepts_model(model):
+        raise OpenAIError(
+            f"The model {model!r} does not exist; this server serves {backend.model!r}",
+            "model",
+            "model_not_found",
+        )
 
 
 def _fingerprint(gens: list[Generation]) -> str | None:
@@ -531,9 +578,9 @@ def _n_and_logprobs(body: dict[str, Any]) -> tuple[int, int, bool]:
     return n, int(top or 0), want
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+def _body(raw: bytes) -> dict[str, Any]:
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, ValueError):
         raise OpenAIError("the request body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -542,114 +589,73 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 # ---- streaming (server-sent events) -------------------------------------------------------------------
-async def _sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
-
-
-async def _send(resp: web.StreamResponse, obj: Any) -> None:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    await resp.write(f"data: {data}\n\n".encode())
-
-
-async def _stream_chat(
-    request: web.Request,
-    head: dict[str, Any],
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any],
-    body: dict,
-) -> web.StreamResponse:
+def _chat_events(
+    head: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, Any], body: dict
+) -> list[Any]:
     """The finished choices as OpenAI's chunk sequence: role, content, tool-call deltas, finish, usage."""
-    resp = await _sse(request)
     head = {**head, "object": "chat.completion.chunk"}
-    with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    out: list[Any] = []
     for c in choices:
         i, msg = c["index"], c["message"]
-        await _send(
-            resp,
-            {
-                **head,
-                "choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                ],
-            },
-        )
+        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        out.append({**head, "choices": [role]})
         if msg.get("content"):
-            lp = c["logprobs"]
-            await _send(
-                resp,
+            delta = {"content": msg["content"]}
+            out.append(
                 {
                     **head,
                     "choices": [
-                        {
-                            "index": i,
-                            "delta": {"content": msg["content"]},
-                            "logprobs": lp,
-                            "finish_reason": None,
-                        }
+                        {"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
                     ],
-                },
+                }
             )
         for k, call in enumerate(msg.get("tool_calls") or []):
             delta = {"tool_calls": [{"index": k, **call}]}
-            await _send(resp, {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-        await _send(
-            resp, {**head, "choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}]}
-        )
-    if with_usage:
-        await _send(resp, {**head, "choices": [], "usage": usage})
-    await _send(resp, "[DONE]")
-    await resp.write_eof()
-    return resp
-
-
-async def _stream_completion(
-    request: web.Request,
-    head: dict[str, Any],
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any],
-    body: dict,
-) -> web.StreamResponse:
-    resp = await _sse(request)
-    for c in choices:
-        await _send(resp, {**head, "object": "text_completion", "choices": [{**c, "finish_reason": None}]})
-        await _send(
-            resp,
-            {
-                **head,
-                "object": "text_completion",
-                "choices": [
-                    {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
-                ],
-            },
-        )
+            out.append({**head, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
+        out.append({**head, "choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}]})
     if (body.get("stream_options") or {}).get("include_usage"):
-        await _send(resp, {**head, "object": "text_completion", "choices": [], "usage": usage})
-    await _send(resp, "[DONE]")
-    await resp.write_eof()
-    return resp
+        out.append({**head, "choices": [], "usage": usage})
+    return [*out, "[DONE]"]
+
+
+def _completion_events(
+    head: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, Any], body: dict
+) -> list[Any]:
+    head = {**head, "object": "text_completion"}
+    out: list[Any] = []
+    for c in choices:
+        out.append({**head, "choices": [{**c, "finish_reason": None}]})
+        end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        out.append({**head, "choices": [end]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        out.append({**head, "choices": [], "usage": usage})
+    return [*out, "[DONE]"]
 
 
 # ---- routes -------------------------------------------------------------------------------------------
+async def respond(request: web.Request, ans: Answer) -> web.StreamResponse:
+    """Send an :class:`Answer` over aiohttp (a stream as server-sent events)."""
+    if ans.events is None:
+        return web.json_response(ans.body, status=ans.status)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(ans.payload())
+    await resp.write_eof()
+    return resp
+
+
 def openai_handlers(resolve: Callable[[web.Request], CompletionBackend]) -> dict[str, Callable]:
     """The three handlers for a backend found per request (the proxy: per episode session)."""
-    front = _Frontend(resolve)
+    front = Frontend()
 
-    def guarded(fn):
+    def route(name: str) -> Callable:
         async def handler(request: web.Request) -> web.StreamResponse:
-            try:
-                return await fn(request)
-            except OpenAIError as err:
-                return error_response(err)
+            raw = b"" if name == "models" else await request.read()
+            return await respond(request, await front.answer(name, lambda: resolve(request), raw))
 
         return handler
 
-    return {
-        "chat": guarded(front.chat_completions),
-        "completions": guarded(front.completions),
-        "models": guarded(front.models),
-    }
+    return {name: route(name) for name in ("chat", "completions", "models")}
 
 
 def add_openai_routes(app: web.Application, backend: CompletionBackend, prefix: str = "/v1") -> None:
@@ -687,6 +693,9 @@ class EmbeddedBackend:
 
     def accepts_model(self, name: str) -> bool:
         return name in self._aliases
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
+        return Prompt(self.chat.prompt_ids(messages, tools), messages, tools)
 
     async def generate(
         self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int

@@ -45,17 +45,16 @@ class AgentRunner:
         self._lock = asyncio.Lock()
 
     async def _start(self) -> None:
+        if self._http is not None:
+            return
         async with self._lock:
             if self._http is None:
                 import httpx
 
                 await self.proxy.start()
-                # one connection pool for every episode's client (a client per episode is cheap then)
-                # a small keep-alive pool: httpcore scans every pooled connection per request
-                self._http = httpx.AsyncClient(
-                    timeout=httpx.Timeout(None),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-                )
+                # every episode's client reaches the proxy in process (no socket, no second HTTP hop);
+                # its base URL is still the proxy's, for agents that hand it to another HTTP client
+                self._http = httpx.AsyncClient(transport=self.proxy.transport(), timeout=httpx.Timeout(None))
 
     async def close(self) -> None:
         if self._http is not None:

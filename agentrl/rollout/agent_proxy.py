@@ -4,7 +4,9 @@ trajectories while it forwards generation to the engines (embedded, SGLang, or a
 One :class:`AgentProxy` (an aiohttp server on loopback, on the orchestrator's event loop) serves every
 episode; each episode is an :class:`AgentSession` with its own base URL,
 ``http://127.0.0.1:PORT/s/<session id>/v1``, so concurrent episodes never mix. A call to a session that
-has ended is answered 410, an unknown one 404.
+has ended is answered 410, an unknown one 404. The openai client the rollout hands an agent reaches the
+same endpoints in process (:class:`InProcessTransport`: no socket, no second HTTP request to parse);
+any other HTTP client pointed at the base URL goes through the server and gets the same answers.
 
 The proxy owns tokenization (:mod:`agentrl.engine.openai_api` renders the chat template and parses tool
 calls) and generates with :class:`~agentrl.rollout.episode.EpisodeRunner`'s token-in/token-out turn, so a
@@ -42,10 +44,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from aiohttp import web
 
 from agentrl.engine.client import EngineError, EngineRequestError
-from agentrl.engine.openai_api import Generation, OpenAIError, Prompt, error_response, openai_handlers
+from agentrl.engine.openai_api import (
+    Frontend,
+    Generation,
+    OpenAIError,
+    Prompt,
+    error_answer,
+    error_response,
+    respond,
+)
 from agentrl.engine.types import SamplingParams
 from agentrl.rollout.dataset import Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
@@ -138,6 +149,11 @@ class AgentSession:
 
     def accepts_model(self, name: str) -> bool:
         return name in (POLICY_MODEL, self.proxy.model)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
+        # rendered and encoded once per call; _delta reuses the text instead of a second full render
+        text = self.chat._render(messages, add_generation_prompt=True, tools=tools)
+        return Prompt(self.chat.encode(text), messages, tools, text)
 
     async def generate(
         self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
@@ -274,7 +290,7 @@ class AgentSession:
         chat = self.chat
         try:
             text = chat._render(marked, add_generation_prompt=True, tools=prompt.tools)
-            full = chat._render(msgs, add_generation_prompt=True, tools=prompt.tools)
+            full = prompt.text or chat._render(msgs, add_generation_prompt=True, tools=prompt.tools)
         except Exception:
             return None
         pos = text.rfind(_MARK)
@@ -295,8 +311,17 @@ class AgentSession:
         return [b.traj for b in reversed(self.branches) if not b.continued]
 
 
+_ROUTES = {
+    "chat/completions": ("POST", "chat"),
+    "completions": ("POST", "completions"),
+    "models": ("GET", "models"),
+}
+
+
 class AgentProxy:
-    """The aiohttp server behind every episode's base URL (see the module docstring)."""
+    """The endpoints behind every episode's base URL (see the module docstring): an aiohttp server for
+    any HTTP client, and :meth:`transport` for the openai clients the rollout hands to agents, which
+    reach the same endpoints in process (no socket, no second HTTP parse)."""
 
     def __init__(self, episodes: EpisodeRunner, model: str = POLICY_MODEL, host: str = "127.0.0.1") -> None:
         self.episodes = episodes
@@ -305,20 +330,23 @@ class AgentProxy:
         self.host = host
         self.sessions: dict[str, AgentSession] = {}
         self._ended: dict[str, None] = {}  # recently ended ids (answered 410, not 404)
+        self.front = Frontend()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> None:
         if self._runner is not None:
             return
-        h = openai_handlers(self._session)
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            route = _ROUTES[request.match_info["route"]][1]
+            raw = b"" if route == "models" else await request.read()
+            sid = request.match_info["sid"]
+            return await respond(request, await self.front.answer(route, lambda: self.session(sid), raw))
+
         app = web.Application(client_max_size=64 * 1024**2)
         app.add_routes(
-            [
-                web.post("/s/{sid}/v1/chat/completions", h["chat"]),
-                web.post("/s/{sid}/v1/completions", h["completions"]),
-                web.get("/s/{sid}/v1/models", h["models"]),
-            ]
+            [web.route(m, f"/s/{{sid}}/v1/{{route:{r}}}", handle) for r, (m, _) in _ROUTES.items()]
         )
         # handler_cancellation: an agent that disconnects cancels its call, and with it the engine request
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
@@ -334,8 +362,11 @@ class AgentProxy:
             await self._runner.cleanup()
             self._runner = None
 
-    def _session(self, request: web.Request) -> AgentSession:
-        sid = request.match_info["sid"]
+    def transport(self) -> InProcessTransport:
+        """An ``httpx`` transport that answers this proxy's URLs in process."""
+        return InProcessTransport(self)
+
+    def session(self, sid: str) -> AgentSession:
         s = self.sessions.get(sid)
         if s is None:
             if sid in self._ended:
@@ -362,4 +393,25 @@ class AgentProxy:
             self._ended.pop(next(iter(self._ended)))
 
 
-__all__ = ["POLICY_MODEL", "AgentProxy", "AgentSession", "Branch", "error_response"]
+class InProcessTransport(httpx.AsyncBaseTransport):
+    """An ``httpx`` transport that answers ``/s/<sid>/v1/...`` of one :class:`AgentProxy` by calling its
+    endpoints directly, without a socket: the same answers, status codes and streams as over HTTP.
+    Cancelling the caller cancels the call (and its engine request), as a disconnect does over HTTP."""
+
+    def __init__(self, proxy: AgentProxy) -> None:
+        self.proxy = proxy
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        parts = request.url.path.split("/", 4)  # '', 's', sid, 'v1', route
+        method, route = _ROUTES.get(parts[4] if len(parts) == 5 else "", (None, None))
+        if parts[:2] != ["", "s"] or parts[3:4] != ["v1"] or route is None:
+            ans = error_answer(OpenAIError(f"no route {request.url.path}", status=404))
+        elif request.method != method:
+            ans = error_answer(OpenAIError(f"{request.method} is not allowed here", status=405))
+        else:
+            raw = await request.aread()
+            ans = await self.proxy.front.answer(route, lambda: self.proxy.session(parts[2]), raw)
+        return httpx.Response(ans.status, headers={"content-type": ans.content_type}, content=ans.payload())
+
+
+__all__ = ["POLICY_MODEL", "AgentProxy", "AgentSession", "Branch", "InProcessTransport", "error_response"]
