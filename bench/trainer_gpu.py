@@ -48,12 +48,30 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
     return out
 
 
-def make_batch(n: int, prompt_len: int, resp_len: int, vocab: int, group: int, seed: int) -> list:
+def long_tail_lengths(n: int, mean: int, seed: int, sigma: float = 1.0) -> list[int]:
+    """Lognormal response lengths (as the synthetic agent envs draw them) rescaled to ``n * mean`` tokens in
+    all, each at least 8: the same total work as ``n`` responses of ``mean`` tokens, in a long tail."""
+    rng = random.Random(seed)
+    raw = [rng.lognormvariate(0.0, sigma) for _ in range(n)]
+    scale = n * mean / sum(raw)
+    return [max(8, round(x * scale)) for x in raw]
+
+
+def make_batch(
+    n: int,
+    prompt_len: int,
+    resp_len: int,
+    vocab: int,
+    group: int,
+    seed: int,
+    resp_lens: list[int] | None = None,
+) -> list:
     from agentrl.types import Trajectory
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
+        resp_len = resp_lens[i] if resp_lens else resp_len
         t = Trajectory(
             task_id=str(i),
             group_id=str(i // group),
@@ -208,6 +226,20 @@ def main() -> None:
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="GPU bf16 dense peak (default: from the GPU name)"
     )
+    p.add_argument(
+        "--logprob-chunk", type=int, default=None, help="TrainerConfig.logprob_chunk_tokens (chunked LM head)"
+    )
+    p.add_argument(
+        "--max-tokens-per-micro-batch", type=int, default=None, help="token-budget micro-batches instead"
+    )
+    p.add_argument(
+        "--pack", action="store_true", help="packed micro-batches (needs --max-tokens-per-micro-batch)"
+    )
+    p.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="also train a long-tail batch (lognormal response lengths, same total tokens) padded and packed",
+    )
     p.add_argument("--skip-sync", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     a = p.parse_args()
@@ -234,6 +266,9 @@ def main() -> None:
             lr=1e-6,
             micro_batch_size=a.micro_batch_size,
             vocab_divisible_by=128 if cuda else 1,
+            logprob_chunk_tokens=a.logprob_chunk,
+            max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+            pack_sequences=a.pack,
         )
         trainer = MegatronTrainer(cfg)
         vocab = min(trainer.arch.vocab_size, 150000)
@@ -267,6 +302,10 @@ def main() -> None:
             "step_s": sum(step_times) / len(step_times),
             "old_logprob_s": metrics.get("old_logprob_seconds"),
             "grad_norm": metrics.get("grad_norm"),
+            "logprob_chunk_tokens": a.logprob_chunk,
+            "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+            "pack_sequences": a.pack,
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         }
         peak = a.peak_tflops or next(
             (v for k, v in PEAK_BF16_TFLOPS.items() if cuda and k in torch.cuda.get_device_name()), None
@@ -275,6 +314,8 @@ def main() -> None:
             result["mfu"] = update_rate * fpt / (peak * 1e12)
             result["peak_tflops"] = peak
         result["model_tflops_per_s"] = update_rate * fpt / 1e12
+        if a.long_tail:
+            result["long_tail"] = long_tail(trainer, a, batch, plen, rlen, vocab)
         if not a.skip_baseline:
             hf_rate = hf_baseline(
                 model_dir,
@@ -293,6 +334,42 @@ def main() -> None:
         print(json.dumps(result))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def long_tail(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
+    """The same long-tail batch trained padded (``micro_batch_size`` rows) and packed (budget
+    ``micro_batch_size x (prompt + response)`` real tokens): real tokens/s of each and the padding share."""
+    lens = long_tail_lengths(batch, rlen, seed=7)
+    cfg = trainer.cfg
+    saved = (cfg.pack_sequences, cfg.max_tokens_per_micro_batch)
+    out: dict = {
+        "response_len_min": min(lens),
+        "response_len_max": max(lens),
+        "total_tokens": sum(lens) + batch * plen,
+    }
+    for name, pack, budget in (("padded", False, None), ("packed", True, a.micro_batch_size * (plen + rlen))):
+        cfg.max_tokens_per_micro_batch, cfg.pack_sequences = budget, pack
+        trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=100, resp_lens=lens))  # warm-up
+        rates, walls = [], []
+        for s in range(a.steps):
+            t0 = time.perf_counter()
+            m = trainer.train_step(
+                make_batch(batch, plen, rlen, vocab, group=8, seed=101 + s, resp_lens=lens)
+            )
+            sync(a.device)
+            walls.append(time.perf_counter() - t0)
+            rates.append(m["tokens_per_s"])
+        out[f"{name}_update_tokens_per_s"] = sum(rates) / len(rates)
+        out[f"{name}_step_s"] = sum(walls) / len(walls)
+    cfg.pack_sequences, cfg.max_tokens_per_micro_batch = saved
+    real = [plen + n - 1 for n in lens]
+    padded_positions = sum(
+        len(real[i : i + a.micro_batch_size]) * max(real[i : i + a.micro_batch_size])
+        for i in range(0, batch, a.micro_batch_size)
+    )
+    out["padding_fraction_padded"] = 1 - sum(real) / padded_positions
+    out["packed_over_padded"] = out["packed_update_tokens_per_s"] / out["padded_update_tokens_per_s"]
+    return out
 
 
 def _mcore_version() -> str:

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: two gloo ranks (TP=2) give the same loss, gradients and updated weights
-as one rank (TP=1), within 1e-5, for a full RL train step (π_old recompute, TIS, PPO); and so does the
-chunked LM head (``logprob_chunk_tokens``) on one and on two ranks."""
+as one rank (TP=1), within 1e-5, for a full RL train step (π_old recompute, TIS, PPO); and so do the
+chunked LM head (``logprob_chunk_tokens``) and packed micro-batches (``pack_sequences``), on one and on
+two ranks."""
 
 from __future__ import annotations
 
@@ -82,6 +83,20 @@ def test_chunked_lm_head_matches_full_logits(tiny_model_factory, tmp_path: Path)
     for world in (1, 2):
         chunked = _run(world, dirs, tmp_path / f"chunk{world}.pt", loss=loss, logprob_chunk_tokens=7)
         for one, two in zip(full, chunked, strict=True):
+            _compare(one, two)
+
+
+def test_packed_micro_batches_match_padded(tiny_model_factory, tmp_path: Path) -> None:
+    # sequences packed end to end (attention within each, budget 30 real tokens per micro-batch) give the
+    # padded path's loss, gradients and update: on one rank, and on two TP ranks with the chunked head
+    dirs, loss = [tiny_model_factory("qwen2"), tiny_model_factory("qwen3")], {"entropy_coef": 0.01}
+    padded = _run(1, dirs, tmp_path / "padded.pt", loss=loss)
+    for world, chunk in ((1, None), (2, 7)):
+        packed = _run(
+            world, dirs, tmp_path / f"packed{world}.pt", loss=loss, pack_sequences=True,
+            max_tokens_per_micro_batch=30, logprob_chunk_tokens=chunk,
+        )  # fmt: skip
+        for one, two in zip(padded, packed, strict=True):
             _compare(one, two)
 
 

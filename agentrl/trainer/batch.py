@@ -1,15 +1,45 @@
 """Batch preparation of the train step, pure torch on CPU (no torch.distributed): which trajectories are
 trained on, their per-token advantages, and the plan of mini-batches (one optimizer step each) made of
-right-padded micro-batches (one forward/backward each) for one data-parallel rank."""
+right-padded micro-batches (one forward/backward each) for one data-parallel rank.
+
+**Packing** (``pack=True``): a micro-batch is filled up to a budget of *real* tokens, and its model input
+is its sequences laid end to end (:class:`PackedTokens`, attention within each sequence only), so no
+compute is spent on padding. The loss side keeps the padded ``[b, s]`` layout: the packed logprobs are
+put back into it (:attr:`PackedTokens.index`), so every loss and metric reads the same tensors either
+way."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from agentrl.trainer.losses import Denominators, LossConfig, compute_advantages
 from agentrl.types import Status, Trajectory
+
+
+@dataclass
+class PackedTokens:
+    """A micro-batch's sequences end to end, ``[1, t]``: sequence ``i`` is ``[cu_seqlens[i],
+    cu_seqlens[i+1])``; ``index[j]`` is packed position ``j``'s place in the padded layout (row * s + col)."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    index: torch.Tensor
+
+    def to(self, device: torch.device) -> PackedTokens:
+        return PackedTokens(
+            self.tokens.to(device, non_blocking=True),
+            self.targets.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            self.cu_seqlens.to(device, non_blocking=True),
+            self.max_seqlen,
+            self.index.to(device, non_blocking=True),
+        )
 
 
 @dataclass
@@ -24,6 +54,7 @@ class MicroBatch:
     traj_index: list[int]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    packed: PackedTokens | None = None  # the model input, when packed
 
     @property
     def num_tokens(self) -> int:
@@ -42,6 +73,7 @@ class MicroBatch:
             self.traj_index,
             mv(self.old_logprobs),
             mv(self.ref_logprobs),
+            None if self.packed is None else self.packed.to(device),
         )  # type: ignore[arg-type]
 
 
@@ -104,8 +136,10 @@ def make_micro_batch(
     pad_id: int = 0,
     seq_len: int | None = None,
     num_rows: int | None = None,
+    pack: bool = False,
 ) -> MicroBatch:
-    """Pack trajectories ``index`` into one right-padded micro-batch (``advantages[i]``: per response token)."""
+    """Trajectories ``index`` as one right-padded micro-batch (``advantages[i]``: per response token);
+    with ``pack`` its model input is also laid end to end (:class:`PackedTokens`)."""
     lengths = [input_length(trajs[i]) for i in index]
     s = max(lengths) if seq_len is None else seq_len
     b = len(index) if num_rows is None else num_rows
@@ -126,25 +160,40 @@ def make_micro_batch(
         mu[row, p - 1 : p - 1 + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
         adv[row, p - 1 : p - 1 + r] = advantages[i]
     mu = mu * mask
-    return MicroBatch(tokens, targets, mask, mu, adv * mask, list(index))
+    mb = MicroBatch(tokens, targets, mask, mu, adv * mask, list(index))
+    if pack:
+        ar = [torch.arange(n) for n in lengths]
+        mb.packed = PackedTokens(
+            tokens=torch.cat([tokens[row, :n] for row, n in enumerate(lengths)])[None],
+            targets=torch.cat([targets[row, :n] for row, n in enumerate(lengths)])[None],
+            positions=torch.cat(ar)[None],
+            cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+            max_seqlen=max(lengths),
+            index=torch.cat([row * s + a for row, a in enumerate(ar)]),
+        )
+    return mb
 
 
-def split_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
+def split_micro_batches(
+    lengths: list[int], micro_batch_size: int, max_tokens: int | None, pack: bool = False
+) -> list[list[int]]:
     """Positions grouped into micro-batches, in order: ``micro_batch_size`` sequences each, or (with
-    ``max_tokens``) as many as fit ``rows x longest <= max_tokens`` (a longer sequence goes alone)."""
+    ``max_tokens``) as many as fit ``rows x longest <= max_tokens`` -- with ``pack``, as many as fit
+    ``sum of lengths <= max_tokens`` (a longer sequence goes alone)."""
     out: list[list[int]] = []
     cur: list[int] = []
-    longest = 0
+    longest = total = 0
     for i, n in enumerate(lengths):
         if max_tokens is None:
             if len(cur) == micro_batch_size:
                 out.append(cur)
                 cur = []
-        elif cur and (len(cur) + 1) * max(longest, n) > max_tokens:
+        elif cur and (total + n if pack else (len(cur) + 1) * max(longest, n)) > max_tokens:
             out.append(cur)
-            cur, longest = [], 0
+            cur, longest, total = [], 0, 0
         cur.append(i)
         longest = max(longest, n)
+        total += n
     if cur:
         out.append(cur)
     return out
@@ -161,12 +210,13 @@ def plan_mini_batches(
     dp_size: int = 1,
     pad_id: int = 0,
     fixed_shape: bool = False,
+    pack: bool = False,
 ) -> list[MiniBatch]:
     """Split the batch, in order, into ``num_mini_batches`` contiguous mini-batches (fewer when the batch
     is smaller), take data-parallel rank ``dp_rank``'s strided share of each and pack it into
     micro-batches (:func:`split_micro_batches`). The denominators count the whole mini-batch, every rank's
     share. ``fixed_shape`` (pipeline parallelism's fixed p2p shapes): every micro-batch of a mini-batch
-    gets the same length and ``micro_batch_size`` rows."""
+    gets the same length and ``micro_batch_size`` rows. ``pack``: packed micro-batches (module docstring)."""
     n = len(trajs)
     k = min(num_mini_batches, n)
     bounds = [round(j * n / k) for j in range(k + 1)]
@@ -177,7 +227,7 @@ def plan_mini_batches(
         denom = Denominators(num_tokens=float(m.sum()), num_seqs=float((m.sum(-1) > 0).sum()))
         local = mini[dp_rank::dp_size]
         lengths = [input_length(trajs[i]) for i in local]
-        groups = split_micro_batches(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        groups = split_micro_batches(lengths, micro_batch_size, max_tokens_per_micro_batch, pack)
         if fixed_shape:
             seq = max(lengths) if lengths else 1
             mbs = [
@@ -185,6 +235,9 @@ def plan_mini_batches(
                 for grp in groups
             ]
         else:
-            mbs = [make_micro_batch(trajs, [local[g] for g in grp], advantages, pad_id) for grp in groups]
+            mbs = [
+                make_micro_batch(trajs, [local[g] for g in grp], advantages, pad_id, pack=pack)
+                for grp in groups
+            ]
         plan.append(MiniBatch(denom, mbs))
     return plan

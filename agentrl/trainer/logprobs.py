@@ -211,10 +211,39 @@ class ModelLogprobs:
 
     def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """One forward of ``model`` (positions ``0..s-1`` on every row, no attention mask: causal)."""
+        return self._forward(model, tokens, targets, position_ids(tokens))
+
+    def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor]:
+        """``(logprob, entropy)`` of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]``
+        layout; a packed micro-batch runs packed (attention within each sequence) and is unpacked."""
+        pk = mb.packed
+        if pk is None:
+            return self(model, mb.tokens, mb.targets)
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=pk.cu_seqlens,
+            cu_seqlens_kv=pk.cu_seqlens,
+            max_seqlen_q=pk.max_seqlen,
+            max_seqlen_kv=pk.max_seqlen,
+        )
+        lp, ent = self._forward(model, pk.tokens, pk.targets, pk.positions, params)
+        n = mb.tokens.numel()
+
+        def unpack(x: Tensor) -> Tensor:
+            return x.new_zeros(n).index_copy(0, pk.index, x.reshape(-1)).view(mb.tokens.shape)
+
+        return unpack(lp), unpack(ent)
+
+    def _forward(
+        self, model: torch.nn.Module, tokens: Tensor, targets: Tensor, positions: Tensor, packed: Any = None
+    ) -> tuple[Tensor, Tensor]:
+        extra = {} if packed is None else {"packed_seq_params": packed}
         if not self.chunk_tokens:
-            return self.from_logits(model(tokens, position_ids(tokens), None), targets)
+            return self.from_logits(model(tokens, positions, None, **extra), targets)
         with _HiddenStates(_gpt(model).output_layer).active() as head:
-            hidden = model(tokens, position_ids(tokens), None)  # [b, s, h]
+            hidden = model(tokens, positions, None, **extra)  # [b, s, h]
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 

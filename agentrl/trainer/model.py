@@ -20,6 +20,7 @@ Layouts (why the conversion is more than renaming):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -166,8 +167,12 @@ class SDPACoreAttention(torch.nn.Module):
         packed_seq_params: Any = None,
         **_: Any,  # keywords newer megatron-core versions may add
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention takes padded batches (no packed_seq_params)")
+        if packed_seq_params is not None:  # packed documents: q [t, np, hn], k/v [t, ng, hn]
+            out = packed_causal_attention(
+                query, key, value, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
+                self.softmax_scale,
+            )  # fmt: skip
+            return out.reshape(query.shape[0], -1)
         sq, b, nh, hd = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         if k.shape[1] != nh:  # GQA: repeat KV heads (cheap views on the fused kernels' side)
@@ -183,6 +188,49 @@ class SDPACoreAttention(torch.nn.Module):
             scale=self.softmax_scale,
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
+
+
+def _varlen_attn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each document of a packed sequence: q ``[t, heads, d]``, k/v ``[t, kv_heads,
+    d]``, documents ``[cu_seqlens[i], cu_seqlens[i+1])``; returns ``[t, heads, d]``. On a GPU in bf16/fp16
+    torch's variable-length flash kernel runs all documents at once; elsewhere (CPU, fp32) one SDPA per
+    document."""
+    gqa = k.shape[1] != q.shape[1]
+    varlen = _varlen_attn()
+    if varlen is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        import inspect
+
+        causal = (
+            {"is_causal": True}
+            if "is_causal" in inspect.signature(varlen).parameters
+            else {"window_size": (-1, 0)}
+        )
+        if gqa:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        cu = cu_seqlens.to(torch.int32)
+        return varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
+    outs = []
+    for a, b in itertools.pairwise(cu_seqlens.tolist()):
+        qd, kd, vd = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, d]
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(outs)
 
 
 def transformer_config(

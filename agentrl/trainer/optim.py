@@ -123,7 +123,7 @@ class TorchOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for mb in micro_batches:
-            loss = micro_loss(mb, self.logprobs(self.model, mb.tokens, mb.targets))
+            loss = micro_loss(mb, self.logprobs.of(self.model, mb))
             loss.backward()
             total += float(loss.detach())
         self.all_reduce_grads()
@@ -254,7 +254,7 @@ class MegatronOptimizer:
         else:
             total = 0.0
             for mb in micro_batches:
-                loss = micro_loss(mb, self.logprobs(self.model, mb.tokens, mb.targets))
+                loss = micro_loss(mb, self.logprobs.of(self.model, mb))
                 (loss * dp_scale).backward()
                 total += float(loss.detach())
             finalize_model_grads([self.model])

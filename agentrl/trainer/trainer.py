@@ -136,6 +136,11 @@ class TrainerConfig(ConfigModel):
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=1, description="if set, micro-batches are filled up to this many padded tokens instead"
     )
+    pack_sequences: bool = Field(
+        False,
+        description="micro-batches of sequences laid end to end up to max_tokens_per_micro_batch real tokens, "
+        "attention within each sequence (no compute on padding; pp = 1 only)",
+    )
     logprob_chunk_tokens: int | None = Field(
         None,
         ge=1,
@@ -184,11 +189,18 @@ class MegatronTrainer:
         if cfg.pp > 1 and not self.use_megatron_optim:
             raise ValueError("pp > 1 needs the megatron optimizer path")
         if cfg.pp > 1 and (
-            cfg.max_tokens_per_micro_batch is not None or cfg.loss.kl_coef > 0 or cfg.logprob_chunk_tokens
+            cfg.max_tokens_per_micro_batch is not None
+            or cfg.loss.kl_coef > 0
+            or cfg.logprob_chunk_tokens
+            or cfg.pack_sequences
         ):
             raise ValueError(
-                "pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch), no KL reference model "
-                "and no logprob_chunk_tokens"
+                "pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences), "
+                "no KL reference model and no logprob_chunk_tokens"
+            )
+        if cfg.pack_sequences and cfg.max_tokens_per_micro_batch is None:
+            raise ValueError(
+                "pack_sequences needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
             )
 
         self.logprobs = ModelLogprobs(
@@ -268,11 +280,12 @@ class MegatronTrainer:
         lengths = [input_length(t) for t in trajectories]
         out: list[list[float]] = [[] for _ in trajectories]
         self.model.eval()
+        c = self.cfg
         for idx in split_micro_batches(
-            lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+            lengths, c.micro_batch_size, c.max_tokens_per_micro_batch, c.pack_sequences
         ):
-            mb = make_micro_batch(trajectories, idx, zero, self.pad_id).to(self.device)
-            lp, _ = self.logprobs(self.model, mb.tokens, mb.targets)
+            mb = make_micro_batch(trajectories, idx, zero, self.pad_id, pack=c.pack_sequences).to(self.device)
+            lp, _ = self.logprobs.of(self.model, mb)
             for row, i in enumerate(idx):
                 p, r = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
                 out[i] = lp[row, p - 1 : p - 1 + r].float().cpu().tolist()
@@ -283,7 +296,7 @@ class MegatronTrainer:
             return self.optim.pipeline_logprobs(mb)  # type: ignore[attr-defined]
         was_training = model.training
         model.eval()
-        lp, _ = self.logprobs(model, mb.tokens, mb.targets)
+        lp, _ = self.logprobs.of(model, mb)
         model.train(was_training)
         return lp.float().detach()
 
@@ -310,6 +323,7 @@ class MegatronTrainer:
             self.dp_size,
             self.pad_id,
             fixed_shape=cfg.pp > 1,
+            pack=cfg.pack_sequences,
         )
         for mini in plan:
             mini.micro_batches = [mb.to(self.device) for mb in mini.micro_batches]
