@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -19,6 +21,7 @@ from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.envs import AgentEnv, make_env
 from agentrl.rollout import Orchestrator, RolloutConfig
+from agentrl.rollout.agent_proxy import AgentProxy
 from agentrl.types import OBSERVATION_VERSION, Status, Trajectory
 
 
@@ -250,3 +253,17 @@ async def test_agent_failures_and_ended_sessions(engine, tiny_model_dir):
     finally:
         await orch2.stop()
         await orch2.engine.close()
+
+
+async def test_in_process_transport_answers_like_the_server():
+    """Routing and errors of the in-process transport, no engine needed: unknown paths and episodes 404,
+    a wrong method 405, an ended episode 410, all in OpenAI's error shape."""
+    proxy = AgentProxy(SimpleNamespace(chat=None))  # type: ignore[arg-type]  # no call gets that far
+    proxy._ended["old"] = None
+    async with httpx.AsyncClient(transport=proxy.transport(), base_url="http://proxy") as c:
+        r = await c.post("/s/nope/v1/chat/completions", json={"model": "policy", "messages": []})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_episode"
+        assert (await c.get("/s/nope/v1/chat/completions")).status_code == 405
+        assert (await c.post("/v1/chat/completions", json={})).status_code == 404
+        r = await c.get("/s/old/v1/models")
+        assert r.status_code == 410 and r.json()["error"]["code"] == "episode_ended"
