@@ -187,6 +187,27 @@ class _HiddenStates:
             del self.layer.forward  # back to the class's forward
 
 
+class _TokenRope:
+    """While active, the model's rotary embedding returns one row of angles per packed token (its
+    position within its own sequence) instead of rows ``0..n-1``."""
+
+    def __init__(self, rope: torch.nn.Module, positions: Tensor) -> None:
+        self.rope, self.positions = rope, positions
+        self.table = type(rope).forward
+
+    def forward(self, max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
+        table = self.table(self.rope, int(self.positions.max()) + 1, *args, **kwargs)  # [n, 1, 1, d]
+        return table[self.positions]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[_TokenRope]:
+        self.rope.forward = self.forward
+        try:
+            yield self
+        finally:
+            del self.rope.forward
+
+
 def _gpt(model: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(model, "output_layer") and hasattr(model, "module"):
         model = model.module  # DDP / Float16Module wrappers
@@ -221,14 +242,18 @@ class ModelLogprobs:
             return self(model, mb.tokens, mb.targets)
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        # "sbhd": megatron applies RoPE as for one sequence, with the per-token angles of _TokenRope, in
+        # one op per layer (its "thd" path splits every layer's q/k per sequence, with a host sync); the
+        # core attention reads the sequence bounds
         params = PackedSeqParams(
-            qkv_format="thd",
+            qkv_format="sbhd",
             cu_seqlens_q=pk.cu_seqlens,
             cu_seqlens_kv=pk.cu_seqlens,
             max_seqlen_q=pk.max_seqlen,
             max_seqlen_kv=pk.max_seqlen,
         )
-        lp, ent = self._forward(model, pk.tokens, pk.targets, pk.positions, params)
+        with _TokenRope(_gpt(model).rotary_pos_emb, pk.positions.reshape(-1)).active():
+            lp, ent = self._forward(model, pk.tokens, pk.targets, pk.positions, params)
         n = mb.tokens.numel()
 
         def unpack(x: Tensor) -> Tensor:
