@@ -199,7 +199,12 @@ async def test_weight_update_mid_call_mixes_versions(engine, tiny_model_dir):
     )
     await orch.start()
     try:
-        while orch.m.inflight_requests == 0:
+        # pause only once tokens exist under version 0 (a request in flight may not have decoded yet on a
+        # loaded machine, and then every token would come after the update)
+        steps = (await orch.engine.server_info())[0]["decode_steps"]
+        while (
+            orch.m.inflight_requests == 0 or (await orch.engine.server_info())[0]["decode_steps"] < steps + 8
+        ):
             await asyncio.sleep(0.005)
         await orch.pause_for_update()
         await orch.engine.update_weights_from_disk(str(tiny_model_dir), weight_version="1")
