@@ -13,7 +13,7 @@ tensor-parallel linears/embeddings, ``parallel_state``) run unchanged on CPU exc
 
 2. Megatron's default core attention (``DotProductAttention``) preallocates its score matrix from the
    CUDA-only global memory buffer and runs dropout inside the CUDA RNG tracker. agentrl does not patch
-   it: the layer spec swaps in :class:`agentrl.trainer.model.SDPACoreAttention` (torch SDPA, causal,
+   it: the layer spec swaps in :class:`agentrl.trainer.attention.SDPACoreAttention` (torch SDPA, causal,
    GQA), which is also the faster kernel on GPU. Mentioned here so that the whole story is in one place.
 
 3. ``model_parallel_cuda_manual_seed`` (the CUDA RNG tracker) is never called on CPU: dropout is 0
