@@ -48,6 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     SESSION_TMP = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=_SYSTEM_TMP))
+    # traversable like the system temp dir: the process sandbox runs commands as another uid in work dirs
+    # it makes here (mkdtemp's 0700 would deny that uid its own script)
+    SESSION_TMP.chmod(0o711)
     os.environ["TMPDIR"] = str(SESSION_TMP)
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
     os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
