@@ -31,38 +31,52 @@ def _all_reduce(t: Tensor, op: Any, group: Any) -> Tensor:
     return t
 
 
+def _softmax_stats(logits: Tensor, target: Tensor, vocab_start: int, group: Any) -> tuple[Tensor, ...]:
+    """Of fp32 ``logits`` [N, V_local] (this rank's vocabulary rows) and global ``target`` ids, reduced over
+    the TP group: ``(row max, log Σexp, target logit, p, shifted, E_p[shifted], idx, inside)`` with
+    ``shifted`` = logits - row max, ``idx`` the local target index (clamped) and ``inside`` whether this rank holds it."""
+    m = logits.max(dim=-1).values
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    shifted = logits - m[:, None]
+    e = shifted.exp()
+    s = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group)
+    local = target - vocab_start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    idx = local.clamp(0, logits.shape[-1] - 1)
+    tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(m))
+    _all_reduce(tgt, dist.ReduceOp.SUM, group)
+    p = e / s[:, None]
+    mean_shifted = _all_reduce((p * shifted).sum(-1), dist.ReduceOp.SUM, group)
+    return m, s.log(), tgt, p, shifted, mean_shifted, idx, inside
+
+
+def _logits_grad(
+    p: Tensor, shifted: Tensor, mean_shifted: Tensor, idx: Tensor, inside: Tensor, g_lp: Tensor, g_ent: Tensor
+) -> Tensor:
+    """Gradient w.r.t. the logits of ``g_lp · logprob + g_ent · entropy`` (local: every TP rank computes
+    the same loss from the same reduced values)."""
+    # d logprob / d l_j = 1[j = target] - p_j ;  d H / d l_j = -p_j (l_j - E_p[l])
+    grad = -p * g_lp[:, None]
+    grad.scatter_add_(-1, idx[:, None], (g_lp * inside.to(grad.dtype))[:, None])
+    grad -= g_ent[:, None] * p * (shifted - mean_shifted[:, None])
+    return grad
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: Any
     ) -> tuple[Tensor, Tensor]:
         # logits [N, V_local] fp32, target [N] global ids
-        m = logits.max(dim=-1).values
-        _all_reduce(m, dist.ReduceOp.MAX, group)
-        shifted = logits - m[:, None]
-        e = shifted.exp()
-        s = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group)
-        local = target - vocab_start
-        inside = (local >= 0) & (local < logits.shape[-1])
-        idx = local.clamp(0, logits.shape[-1] - 1)
-        tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(m))
-        _all_reduce(tgt, dist.ReduceOp.SUM, group)
-        log_s = s.log()
-        logprob = tgt - log_s
-        p = e / s[:, None]
-        mean_shifted = _all_reduce((p * shifted).sum(-1), dist.ReduceOp.SUM, group)
-        entropy = log_s - mean_shifted
+        _, log_s, tgt, p, shifted, mean_shifted, idx, inside = _softmax_stats(
+            logits, target, vocab_start, group
+        )
         ctx.save_for_backward(p, shifted, mean_shifted, idx, inside)
-        return logprob, entropy
+        return tgt - log_s, log_s - mean_shifted
 
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:
-        p, shifted, mean_shifted, idx, inside = ctx.saved_tensors
-        # d logprob / d l_j = 1[j = target] - p_j ;  d H / d l_j = -p_j (l_j - E_p[l])
-        grad = -p * g_lp[:, None]
-        grad.scatter_add_(-1, idx[:, None], (g_lp * inside.to(grad.dtype))[:, None])
-        grad -= g_ent[:, None] * p * (shifted - mean_shifted[:, None])
-        return grad, None, None, None
+        return _logits_grad(*ctx.saved_tensors, g_lp, g_ent), None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -92,25 +106,6 @@ def vocab_parallel_logprobs(
     return lp.reshape(target.shape), ent.reshape(target.shape)
 
 
-def _chunk_stats(
-    logits: Tensor, target: Tensor, vocab_start: int, group: Any
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per-row (max, log Σexp, target logit - max, E_p[logit - max]) of one chunk of fp32 ``logits``,
-    reduced over the TP group, and the local target index (clamped)."""
-    m = logits.max(dim=-1).values
-    _all_reduce(m, dist.ReduceOp.MAX, group)
-    shifted = logits - m[:, None]
-    e = shifted.exp()
-    s = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group)
-    local = target - vocab_start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    idx = local.clamp(0, logits.shape[-1] - 1)
-    tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(m))
-    _all_reduce(tgt, dist.ReduceOp.SUM, group)
-    mean_shifted = _all_reduce((e * shifted).sum(-1) / s, dist.ReduceOp.SUM, group)
-    return m, s.log(), tgt, mean_shifted, idx
-
-
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """(logprob, entropy) of ``target`` under ``hidden @ weight[:valid].T``, ``chunk`` rows at a time."""
 
@@ -131,7 +126,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             logits = (hidden[a:b] @ weight[:valid].T).float()
-            m, log_s, tgt, mean_shifted, _ = _chunk_stats(logits, target[a:b], vocab_start, group)
+            m, log_s, tgt, _, _, mean_shifted, _, _ = _softmax_stats(logits, target[a:b], vocab_start, group)
             stats[0, a:b], stats[1, a:b], stats[2, a:b] = m, log_s, mean_shifted
             lp[a:b] = tgt - log_s
         ctx.save_for_backward(hidden, weight, target, stats)
@@ -150,15 +145,11 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             logits = (hidden[a:b] @ w.T).float()
             shifted = logits - stats[0, a:b, None]
             p = (shifted - stats[1, a:b, None]).exp()
-            # d logprob / d l_j = 1[j = target] - p_j ;  d H / d l_j = -p_j (l_j - E_p[l])
-            grad = -p * g_lp[a:b, None]
             local = target[a:b] - ctx.vocab_start
             inside = (local >= 0) & (local < valid)
-            grad.scatter_add_(
-                -1, local.clamp(0, valid - 1)[:, None], (g_lp[a:b] * inside.to(grad.dtype))[:, None]
-            )
-            grad -= g_ent[a:b, None] * p * (shifted - stats[2, a:b, None])
-            grad = grad.to(hidden.dtype)
+            grad = _logits_grad(
+                p, shifted, stats[2, a:b], local.clamp(0, valid - 1), inside, g_lp[a:b], g_ent[a:b]
+            ).to(hidden.dtype)
             grad_hidden[a:b] = grad @ w
             grad_w += (grad.T @ hidden[a:b]).float()
         grad_weight = torch.zeros_like(weight)
@@ -166,46 +157,43 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-class _HiddenStates:
-    """While active, the GPT model's output layer hands back its input (the final hidden states) and
-    records the weight it would have used (the shared embedding when tied)."""
+class _ForwardOverride:
+    """While :meth:`active`, ``module``'s forward is this object's ``forward`` (then the class's again)."""
 
-    def __init__(self, output_layer: torch.nn.Module) -> None:
-        self.layer = output_layer
-        self.weight: Tensor | None = None
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Any]:
+        self.module.forward = self.forward  # type: ignore[attr-defined]
+        try:
+            yield self
+        finally:
+            del self.module.forward  # back to the class's forward
+
+
+class _HiddenStates(_ForwardOverride):
+    """The GPT model's output layer hands back its input (the final hidden states) and records the weight
+    it would have used (the shared embedding when tied)."""
+
+    weight: Tensor | None = None
 
     def forward(self, hidden: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
-        self.weight = self.layer.weight if weight is None else weight
+        self.weight = self.module.weight if weight is None else weight
         return hidden, None
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[_HiddenStates]:
-        self.layer.forward = self.forward
-        try:
-            yield self
-        finally:
-            del self.layer.forward  # back to the class's forward
 
+class _TokenRope(_ForwardOverride):
+    """The model's rotary embedding returns one row of angles per packed token (its position within its
+    own sequence, all below ``max_len``) instead of rows ``0..n-1``."""
 
-class _TokenRope:
-    """While active, the model's rotary embedding returns one row of angles per packed token (its
-    position within its own sequence) instead of rows ``0..n-1``."""
-
-    def __init__(self, rope: torch.nn.Module, positions: Tensor) -> None:
-        self.rope, self.positions = rope, positions
-        self.table = type(rope).forward
+    def __init__(self, rope: torch.nn.Module, positions: Tensor, max_len: int) -> None:
+        super().__init__(rope)
+        self.positions, self.max_len = positions, max_len
 
     def forward(self, max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
-        table = self.table(self.rope, int(self.positions.max()) + 1, *args, **kwargs)  # [n, 1, 1, d]
+        table = type(self.module).forward(self.module, self.max_len, *args, **kwargs)  # [max_len, 1, 1, d]
         return table[self.positions]
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[_TokenRope]:
-        self.rope.forward = self.forward
-        try:
-            yield self
-        finally:
-            del self.rope.forward
 
 
 def _gpt(model: torch.nn.Module) -> torch.nn.Module:
@@ -252,7 +240,7 @@ class ModelLogprobs:
             max_seqlen_q=pk.max_seqlen,
             max_seqlen_kv=pk.max_seqlen,
         )
-        with _TokenRope(_gpt(model).rotary_pos_emb, pk.positions.reshape(-1)).active():
+        with _TokenRope(_gpt(model).rotary_pos_emb, pk.positions.reshape(-1), pk.max_seqlen).active():
             lp, ent = self._forward(model, pk.tokens, pk.targets, pk.positions, params)
         n = mb.tokens.numel()
 
