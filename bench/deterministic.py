@@ -25,21 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.testing.configs import TINY_SEARCH_R1
+
 ROOT = Path(__file__).resolve().parent.parent
 
-CONFIG = """
-recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe
-output_dir: {out}
+CONFIG = (
+    TINY_SEARCH_R1
+    + """output_dir: {out}
 steps: {steps}
 deterministic: {deterministic}
-bootstrap:
-  cache_dir: {cache}
-  world: {{seed: 0, num_entities: 40}}
-  model: {{vocab_size: 600, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
-          num_key_value_heads: 1, intermediate_size: 64}}
-  sft: {{steps: 5, batch_size: 4, think: false, practice_worlds: 2, practice_entities: 40, search_prob: 0.35,
-        calibration_steps: 5}}
-env: {{name: search, kwargs: {{max_turns: 2}}}}
 engine: {{max_batch_size: {engine_batch}}}
 rollout: {{group_size: {group_size}, batch_size: {batch_size}, max_staleness: 1, max_concurrency: 64,
           max_turns: 3, max_total_tokens: 600, sampling: {{temperature: 1.0, max_new_tokens: 24}},
@@ -48,6 +42,7 @@ rollout: {{group_size: {group_size}, batch_size: {batch_size}, max_staleness: 1,
 trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 8}}
 eval: {{num_tasks: {eval_tasks}, after: false}}
 """
+)
 
 
 def run(

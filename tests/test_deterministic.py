@@ -29,6 +29,7 @@ from agentrl.envs.base import Env, Message, StepResult
 from agentrl.metrics import read_metrics
 from agentrl.rollout import Orchestrator, RolloutConfig
 from agentrl.rollout.lockstep import LockstepSchedule, request_seed
+from agentrl.testing.configs import TINY_SEARCH_R1
 from agentrl.types import Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,19 +188,11 @@ async def test_batches_and_versions_do_not_depend_on_timing(tiny_model_dir: Path
 
 
 # ---------------------------------------------------------------- two runs through Ray
-CONFIG = """
-recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe
-output_dir: {out}
+CONFIG = (
+    TINY_SEARCH_R1
+    + """output_dir: {out}
 steps: 3
 deterministic: true
-bootstrap:
-  cache_dir: {cache}
-  world: {{seed: 0, num_entities: 40}}
-  model: {{vocab_size: 600, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
-          num_key_value_heads: 1, intermediate_size: 64}}
-  sft: {{steps: 5, batch_size: 4, think: false, practice_worlds: 2, practice_entities: 40, search_prob: 0.35,
-        calibration_steps: 5}}
-env: {{name: search, kwargs: {{max_turns: 2}}}}
 rollout: {{group_size: 4, batch_size: 2, max_staleness: 1, max_concurrency: 16, max_turns: 3,
           max_total_tokens: 600, sampling: {{temperature: 1.0, max_new_tokens: 24}},
           eval_sampling: {{temperature: 0.0, max_new_tokens: 24}},
@@ -207,6 +200,7 @@ rollout: {{group_size: 4, batch_size: 2, max_staleness: 1, max_concurrency: 16, 
 trainer: {{device: cpu, lr: 1.0e-3, micro_batch_size: 8}}
 eval: {{num_tasks: 8}}
 """
+)
 
 # what may differ between two deterministic runs: clocks, durations, rates and latencies
 TIMING = re.compile(r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac")

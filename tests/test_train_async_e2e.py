@@ -22,21 +22,14 @@ from pathlib import Path
 import pytest
 
 from agentrl.metrics import read_metrics
+from agentrl.testing.configs import TINY_SEARCH_R1
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CONFIG = """
-recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe
-output_dir: {out}
+CONFIG = (
+    TINY_SEARCH_R1
+    + """output_dir: {out}
 steps: 3
-bootstrap:
-  cache_dir: {cache}
-  world: {{seed: 0, num_entities: 40}}
-  model: {{vocab_size: 600, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
-          num_key_value_heads: 1, intermediate_size: 64}}
-  sft: {{steps: 5, batch_size: 4, think: false, practice_worlds: 2, practice_entities: 40, search_prob: 0.35,
-        calibration_steps: 5}}
-env: {{name: search, kwargs: {{max_turns: 2}}}}
 engine: {{max_batch_size: 16}}
 weight_sync: distributed
 rollout: {{group_size: 4, batch_size: 2, max_staleness: 1, max_concurrency: 16, max_turns: 3,
@@ -47,6 +40,7 @@ trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 8}}
 eval: {{num_tasks: 8}}
 checkpoint: {{interval: 2}}
 """
+)
 
 
 def _ours(pid: str) -> bool:

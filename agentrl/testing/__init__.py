@@ -5,6 +5,7 @@
 * :mod:`agentrl.testing.envs`: synthetic envs (fixed turns, tool latency, injected errors, random
   terminal rewards).
 * :mod:`agentrl.testing.verifiers`: rewards that need no trained model (``length_parity``).
+* :mod:`agentrl.testing.configs`: run-config fragments for CI-sized runs of ``train_async.py``.
 
 The real parts they stand beside: the embedded engine (:mod:`agentrl.engine.embedded_server`), SGLang, and
 the built-in envs (:mod:`agentrl.envs`).
