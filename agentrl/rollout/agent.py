@@ -26,7 +26,6 @@ from typing import Any
 
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.agent import AgentEnv
-from agentrl.rewards.base import run_verifier
 from agentrl.rollout.agent_proxy import AgentProxy
 from agentrl.rollout.dataset import Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
@@ -121,15 +120,12 @@ class AgentRunner:
             if reward is not None:
                 main.reward = float(reward)
             else:
-                verifier = self.cfg.verifier or env.verifier
-                if verifier is None:
-                    main.status = Status.FAILED
-                    main.error = (
-                        "no reward: the agent returned None and no verifier is set (rollout.verifier)"
-                    )
-                    m.failure("reward")
-                elif not await run_verifier(verifier, main, main.label, self.cfg.verifier_timeout):
-                    m.failure("verifier")
+                await self.episodes.score(
+                    main,
+                    env,
+                    m,
+                    "no reward: the agent returned None and no verifier is set (rollout.verifier)",
+                )
         dt = time.monotonic() - t0
         for t in rows:
             if t is not main:

@@ -85,6 +85,17 @@ class EpisodeRunner:
         """Tokens this old can never be trained within the bound: re-run instead of finishing."""
         return not within_bound(self.controller.version, min_version, self.controller.max_staleness)
 
+    async def score(self, traj: Trajectory, env: Env, m: RolloutMetrics, missing: str) -> None:
+        """Reward ``traj`` with the config's verifier, else the env's; with neither it fails with ``missing``
+        (a verifier that fails or times out is counted, and leaves the trajectory failed by it)."""
+        verifier = self.cfg.verifier or env.verifier
+        if verifier is None:
+            traj.status = Status.FAILED
+            traj.error = missing
+            m.failure("reward")
+        elif not await run_verifier(verifier, traj, traj.label, self.cfg.verifier_timeout):
+            m.failure("verifier")
+
     async def _env_call(self, aw: Awaitable[T]) -> T:
         if self.cfg.env_step_timeout is None:
             return await aw
@@ -153,15 +164,12 @@ class EpisodeRunner:
             traj.timings["tool_s"] = tool_time
             if traj.reward is None:
                 phase = "verifier"
-                verifier = self.cfg.verifier or env.verifier  # the config's wins, else the env's
-                if verifier is None:
-                    traj.status = Status.FAILED
-                    traj.error = (
-                        "no reward: the env gave none, names no verifier, and rollout.verifier is not set"
-                    )
-                    m.failure("reward")
-                elif not await run_verifier(verifier, traj, traj.label, self.cfg.verifier_timeout):
-                    m.failure("verifier")
+                await self.score(
+                    traj,
+                    env,
+                    m,
+                    "no reward: the env gave none, names no verifier, and rollout.verifier is not set",
+                )
         except (Restart, asyncio.CancelledError):
             raise
         except Exception as err:
