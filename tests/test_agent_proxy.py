@@ -49,10 +49,12 @@ async def chatty_agent(task: dict, client: openai.AsyncOpenAI) -> float:
 
 
 async def editing_agent(task: dict, client: openai.AsyncOpenAI) -> float:
-    """Rewrites its own previous answer before the next call: the history no longer extends the tokens."""
+    """Rewrites its own previous answer before the next call: the history no longer extends the tokens.
+    The edit goes in front: text appended to a reply cut at max_tokens would still extend its tokens
+    exactly, and the proxy rightly continues the same trajectory then."""
     messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
     r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    messages.append({"role": "assistant", "content": (r.choices[0].message.content or "") + " (edited)"})
+    messages.append({"role": "assistant", "content": "[edited] " + (r.choices[0].message.content or "")})
     messages.append({"role": "user", "content": "go on"})
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
     return 0.5
