@@ -212,7 +212,7 @@ async def test_chunked_prefill_and_prefix_reuse_change_nothing(tiny_model_dir: P
     computed = chunked.stats["prefill_tokens"] - before["prefill_tokens"]
     assert computed == 5 * len(turn2)  # the last output token (no KV yet) + 4 observation tokens
     assert all(x.cached_tokens == len(t) - 5 for x, t in zip(b2, turn2, strict=True))
-    assert not chunked._active and not plain._active
+    assert not chunked.scheduler.active and not plain.scheduler.active
 
 
 async def test_aborts_and_retraction_free_every_slot(tiny_model_dir: Path) -> None:
@@ -226,10 +226,10 @@ async def test_aborts_and_retraction_free_every_slot(tiny_model_dir: Path) -> No
     engine.abort("r7")  # still waiting for a slot
     engine.pause("retract")
     for _ in range(2000):
-        if not engine._active and not engine._waiting:
+        if not engine.scheduler.in_flight:
             break  # all taken out, their tokens kept
         await asyncio.sleep(0.005)
-    assert not engine._active and not engine._waiting
+    assert not engine.scheduler.in_flight
     engine.continue_generation()
     recs = await asyncio.gather(*tasks)
     kinds = [r.finish_reason["type"] for r in recs]
@@ -239,7 +239,7 @@ async def test_aborts_and_retraction_free_every_slot(tiny_model_dir: Path) -> No
         for i, (k, r) in enumerate(zip(kinds, recs, strict=False))
         if i not in (1, 7)
     )
-    assert not engine._active and not engine._waiting and not engine._requests
+    assert not engine.scheduler.in_flight and not engine._requests
     for r in recs:
         assert all(math.isfinite(x) and x <= 0 for x in r.logprobs)
 

@@ -1,11 +1,10 @@
-"""The embedded engine: continuous batching over a slot KV cache, with what an RL rollout engine needs.
+"""The embedded engine: one HF causal LM served with continuous batching, with what an RL rollout engine needs.
 
-One asyncio task owns the schedule. Between steps it applies aborts and retractions, admits waiting
-requests into free slots (copying the longest cached prefix of their tokens, :mod:`.prefix_cache`), and
-picks the next step: a **prefill** of the requests that still have tokens to run (chunked by a token
-budget), or else a **decode** of every running request (:mod:`.runner`, a CUDA graph per batch/length
-bucket on a GPU). The step itself runs in a worker thread, so HTTP keeps being served; it samples on the
-device (:mod:`.sampling`) and hands back ids and logprobs with one host sync.
+:class:`EmbeddedEngine` loads the model and plans the KV cache on its one device thread, checks requests,
+holds them while paused or while a weight update drains the engine, and hands them to its
+:class:`~agentrl.engine.scheduler.Scheduler`, which batches them over a slot KV cache (prefill in chunks,
+then decode; the forward in :mod:`.runner`, a CUDA graph per batch/length bucket on a GPU; sampling on
+the device in :mod:`.sampling`). A request's state and its finished record are in :mod:`.request`.
 
 RL semantics kept from SGLang:
 
@@ -29,66 +28,23 @@ import functools
 import logging
 import random
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from agentrl.engine.prefix_cache import PrefixCache
+from agentrl.engine.request import EngineFailed, EngineRequest, GenerationRecord
 from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.engine.sampling import EngineBadRequest, RequestSampling, sample_tokens
+from agentrl.engine.scheduler import Scheduler
 from agentrl.engine.weights import DrainLock, WeightGroups, check_weights, copy_weights, load_checkpoint
 
 log = logging.getLogger("agentrl.engine")
 
 
-class EngineFailed(RuntimeError):
-    """The generation loop failed on a request (answered 500)."""
-
-
-@dataclass
-class GenerationRecord:
-    """What one finished request produced (the server turns it into SGLang's JSON)."""
-
-    rid: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: dict[str, Any]
-    weight_version: str
-    latency: float
-    cached_tokens: int = 0
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    prompt_ids: list[int]
-    sampling: RequestSampling
-    seed: int
-    stop_ids: set[int]
-    seq: list[int] = field(default_factory=list)  # prompt + output: what the next step continues
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    abort: bool = False
-    poke: asyncio.Event = field(default_factory=asyncio.Event)  # abort while waiting for continue
-    outcome: asyncio.Future | None = None  # set by the loop when the request leaves the engine
-    slot: int = -1
-    cached: int = 0  # positions of seq whose KV is in the slot
-    prefilling: bool = True
-    epoch: int = 0  # prefix-cache epoch at admission (KV from older weights is never cached)
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    created: float = field(default_factory=time.perf_counter)
-
-
 class EmbeddedEngine:
     """One HF causal LM served with continuous batching (see the module docstring)."""
-
-    ADMIT_EVERY = 4  # decode steps between admissions while sequences are decoding
 
     def __init__(
         self,
@@ -140,24 +96,23 @@ class EmbeddedEngine:
 
         self.weight_version = "default"
         self._rng = random.Random(seed)
-        self._requests: dict[str, _Request] = {}  # rid -> request
-        self._waiting: deque[_Request] = deque()
-        self._active: list[_Request] = []  # index = slot
-        self._epoch = 0
-        self._retract = False
-        self._since_prefill = 0
-        # slot copies (src, dst, n, start) decided since the last step, run before the next one
-        self._copies: list[tuple[int, int, int, int]] = []
+        self._requests: dict[str, EngineRequest] = {}  # rid -> request
         self._drain = DrainLock()
-        self._step_lock = asyncio.Lock()
-        self._work = asyncio.Event()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self.paused_mode: str | None = None
         self.groups = WeightGroups(self.device)
-        self._task: asyncio.Task | None = None
-        self._fatal: BaseException | None = None
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
+        self.scheduler = Scheduler(
+            self.runner,
+            self.tokenizer,
+            self._on_device,
+            max_batch_size,
+            self.max_prefill_tokens,
+            self.max_context,
+            self.prefix_cache,
+            self.stats,
+        )
 
     def _load(self, auto_model, mem_fraction, prefix_cache_slots, context_len, cuda_graphs, compile) -> int:
         """Device thread: the model, the KV cache plan and the runner; returns the prefix-cache slots."""
@@ -233,7 +188,7 @@ class EmbeddedEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._fatal is None and (self._task is None or not self._task.done())
+        return self.scheduler.healthy
 
     @property
     def max_context(self) -> int:
@@ -245,8 +200,7 @@ class EmbeddedEngine:
         return len(self._requests)
 
     def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self.scheduler.cancel()
         self._device_thread.shutdown(wait=False, cancel_futures=True)
         self.groups.abort_all()  # shutting down: no waiting on a trainer that may be gone
 
@@ -265,10 +219,12 @@ class EmbeddedEngine:
                 f"context of {self.max_context} tokens"
             )
         if not self.healthy:
-            raise EngineFailed(f"the generation loop is not running: {self._fatal!r}")
+            raise EngineFailed(f"the generation loop is not running: {self.scheduler.fatal!r}")
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else self._rng.getrandbits(63)
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
-        req = _Request(rid=rid, prompt_ids=list(input_ids), sampling=sampling, seed=seed, stop_ids=stop_ids)
+        req = EngineRequest(
+            rid=rid, prompt_ids=list(input_ids), sampling=sampling, seed=seed, stop_ids=stop_ids
+        )
         req.seq = list(input_ids)
         self._requests[rid] = req
         try:
@@ -284,7 +240,7 @@ class EmbeddedEngine:
                 async with self._drain.read():
                     if not self._unpaused.is_set():
                         continue  # paused between the two checks: wait again outside the lock
-                    await self._run(req)
+                    await self.scheduler.run(req)
         finally:
             self._requests.pop(rid, None)
         return GenerationRecord(
@@ -298,7 +254,7 @@ class EmbeddedEngine:
             cached_tokens=req.cached_tokens,
         )
 
-    async def _wait_or_abort(self, req: _Request) -> bool:
+    async def _wait_or_abort(self, req: EngineRequest) -> bool:
         """Wait for ``continue``; True if the request was aborted meanwhile."""
         waiter = asyncio.ensure_future(self._unpaused.wait())
         poked = asyncio.ensure_future(req.poke.wait())
@@ -310,34 +266,13 @@ class EmbeddedEngine:
             return True
         return False
 
-    async def _run(self, req: _Request) -> None:
-        """One stay of ``req`` in the engine: until it finishes, is aborted or is retracted."""
-        if req.abort:
-            req.finish = {"type": "abort", "message": "aborted"}
-            return
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="agentrl-engine-loop")
-        req.outcome = asyncio.get_running_loop().create_future()
-        req.prefilling = True
-        self._waiting.append(req)
-        self._work.set()
-        try:
-            await req.outcome
-        finally:
-            if not req.outcome.done():  # our caller was cancelled (client gone): take it out at the next step
-                req.abort = True
-                self._work.set()
-        err = req.outcome.result()
-        if err is not None:
-            raise EngineFailed(f"generation failed: {err}")
-
     def abort(self, rid: str | None = None) -> int:
         """Abort one request or all (``rid=None``); they answer finish_reason abort. Returns how many."""
         reqs = list(self._requests.values()) if rid is None else [r for r in [self._requests.get(rid)] if r]
         for r in reqs:
             r.abort = True
             r.poke.set()
-        self._work.set()
+        self.scheduler.wake()
         return len(reqs)
 
     def pause(self, mode: str = "abort") -> int:
@@ -347,231 +282,31 @@ class EmbeddedEngine:
         self.paused_mode = mode
         if mode == "abort":
             return self.abort(None)
-        inside = len(self._active) + len(self._waiting)
-        self._retract = True
-        self._work.set()
-        return inside
+        return self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
         self.paused_mode = None
         self._unpaused.set()
-
-    # ------------------------------------------------------------------ the schedule (event loop)
-    async def _loop(self) -> None:
-        try:
-            while True:
-                await self._work.wait()
-                self._control()
-                step = self._plan()
-                if step is None:
-                    self._work.clear()
-                    continue
-                try:
-                    async with self._step_lock:
-                        result = await self._on_device(self._execute, *step)
-                except Exception as err:  # one bad step fails its requests, not the engine
-                    log.exception("engine step failed")
-                    self._fail(step[1], err)
-                    continue
-                self._commit(step, result)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # a bug in the schedule: fail everything, report unhealthy
-            log.exception("the generation loop died")
-            self._fatal = err
-            self._fail(list(self._active) + list(self._waiting), err)
-            raise
-
-    def _control(self) -> None:
-        """Apply aborts and a pending retraction between steps."""
-        if self._retract:
-            self._retract = False
-            for r in list(self._waiting):
-                self._leave(r, None)
-            self._waiting.clear()
-            for r in sorted(self._active, key=lambda r: -r.slot):
-                self._leave(r, None)
-        if any(r.abort for r in self._waiting):
-            keep = deque()
-            for r in self._waiting:
-                if r.abort:
-                    self._leave(r, {"type": "abort", "message": "aborted"})
-                else:
-                    keep.append(r)
-            self._waiting = keep
-        for r in sorted((r for r in self._active if r.abort), key=lambda r: -r.slot):
-            self._leave(r, {"type": "abort", "message": "aborted"})
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_batch_size:
-            r = self._waiting.popleft()
-            r.slot, r.cached, r.epoch = len(self._active), 0, self._epoch
-            self._active.append(r)
-            self.stats["prompt_tokens"] += len(r.seq)
-            if self.prefix_cache is not None:
-                src, n = self.prefix_cache.lookup(r.seq, len(r.seq) - 1)
-                if src is not None:
-                    self._copies.append((src, r.slot, n, 0))
-                    r.cached = n
-                    if not r.output_ids:
-                        r.cached_tokens = n
-                    self.stats["cached_tokens"] += n
-
-    def _plan(self) -> tuple[str, list[_Request], ExtendBatch | None, list[int]] | None:
-        """The next step: ("prefill", rows, ExtendBatch, sampling) or ("decode", rows, None, sampling), with
-        ``sampling`` the indices of the rows that get a token (a prefill row only once its prompt is all in);
-        None if idle.
-
-        Requests that arrive one by one while others decode are gathered for a few decode steps
-        (``ADMIT_EVERY``) and prefilled together: every prefill step stalls all decoding rows once."""
-        if self._waiting and (
-            not any(not r.prefilling for r in self._active)
-            or self._since_prefill >= self.ADMIT_EVERY
-            or len(self._waiting) >= self.max_batch_size - len(self._active)
-            or sum(len(r.seq) for r in self._waiting) >= self.max_prefill_tokens // 2
-        ):
-            self._admit()
-        rows = [r for r in self._active if r.prefilling]
-        if rows:
-            picked, tokens, start, width = [], [], [], 0
-            for r in rows:
-                todo = len(r.seq) - r.cached
-                take = min(todo, self.max_prefill_tokens)
-                if picked and (len(picked) + 1) * max(width, take) > self.max_prefill_tokens:
-                    break
-                width = max(width, take)
-                picked.append(r)
-                tokens.append(r.seq[r.cached : r.cached + take])
-                start.append(r.cached)
-            self._since_prefill = 0
-            done = [i for i, r in enumerate(picked) if r.cached + len(tokens[i]) == len(r.seq)]
-            return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start), done
-        if self._active:
-            self._since_prefill += 1
-            return "decode", list(self._active), None, list(range(len(self._active)))
-        return None
 
     def _on_device(self, fn, *args) -> asyncio.Future:
         """Run ``fn`` on the engine's one device thread: every forward, slot copy and weight copy happens
         there, in order (on CPU a second thread of torch work would fight it for the cores)."""
         return asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
 
-    def _execute(self, kind: str, rows: list[_Request], batch: ExtendBatch | None, done: list[int]):
-        """Device thread: the slot copies queued since the last step (prefix hits, cache inserts,
-        compaction, in the order they were decided), then one forward + sampling. Returns (ids,
-        logprobs) of the rows that sample."""
-        copies, self._copies = self._copies, []
-        for src, dst, n, start in copies:
-            self.runner.copy_slot(src, dst, n, start=start)
-        if kind == "prefill":
-            logits = self.runner.extend(batch)
-            if not done:
-                return [], []
-            logits = logits[done] if len(done) < len(rows) else logits
-        else:
-            logits = self.runner.decode([r.seq[-1] for r in rows], [len(r.seq) - 1 for r in rows])
-        sampled = [rows[i] for i in done]
-        with torch.inference_mode():
-            return sample_tokens(
-                logits,
-                [r.sampling for r in sampled],
-                [r.seed for r in sampled],
-                [len(r.seq) for r in sampled],
-            )
-
-    def _commit(
-        self,
-        step: tuple[str, list[_Request], ExtendBatch | None, list[int]],
-        result: tuple[list[int], list[float]],
-    ) -> None:
-        kind, rows, batch, done = step
-        ids, lps = result
-        if kind == "prefill":
-            for r, new in zip(rows, batch.tokens, strict=True):
-                r.cached += len(new)
-                self.stats["prefill_tokens"] += len(new)
-        else:
-            self.stats["decode_steps"] += 1
-            for r in rows:
-                r.cached += 1
-        sampled = [rows[i] for i in done]
-        for r in sampled:
-            r.prefilling = False
-        finished = [r for r, t, lp in zip(sampled, ids, lps, strict=True) if self._append(r, t, lp)]
-        for r in sorted(finished, key=lambda r: -r.slot):
-            self._leave(r, r.finish)
-
-    def _append(self, r: _Request, token: int, logprob: float) -> bool:
-        """Take one sampled token; True once the request is finished."""
-        r.seq.append(token)
-        r.output_ids.append(token)
-        r.logprobs.append(logprob)
-        s = r.sampling
-        if token in r.stop_ids:
-            r.finish = {"type": "stop", "matched": token}
-        elif s.stop and (matched := self._match_stop(r.output_ids, s.stop)) is not None:
-            r.finish = {"type": "stop", "matched": matched}
-        elif len(r.output_ids) >= s.max_new_tokens or len(r.seq) >= self.max_context:
-            r.finish = {"type": "length", "length": s.max_new_tokens}
-        return r.finish is not None
-
-    def _match_stop(self, ids: list[int], stops: list[str]) -> str | None:
-        # Only the tail can hold a stop string that the newest token completed; a generous token window
-        # covers byte-level tokens that are a fraction of a character.
-        window = max(len(x.encode()) for x in stops) + 2
-        tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=False)
-        for x in stops:
-            if x in tail:
-                return x
-        return None
-
-    def _leave(self, r: _Request, finish: dict[str, Any] | None, error: BaseException | None = None) -> None:
-        """Take ``r`` out of the engine (finished, aborted, or retracted when ``finish`` is None): keep its
-        KV in the prefix cache, free its slot (the last running request moves into it) and wake its caller."""
-        if finish is not None:
-            r.finish = finish
-        if r.slot >= 0:  # running (a waiting request has no slot yet)
-            pc = self.prefix_cache
-            if pc is not None and r.epoch == self._epoch and r.cached >= pc.block:
-                dst, have = pc.insert(r.seq[: r.cached])
-                if dst is not None:
-                    self._copies.append((r.slot, dst, r.cached, have))
-            last = self._active.pop()
-            if last is not r:
-                self._copies.append((last.slot, r.slot, last.cached, 0))
-                last.slot = r.slot
-                self._active[r.slot] = last
-            r.slot = -1
-        if r.outcome is not None and not r.outcome.done():
-            r.outcome.set_result(error)
-
-    def _fail(self, rows: list[_Request], err: BaseException) -> None:
-        """Take ``rows`` out with an error (answered 500); their KV may be half-written, so it is not cached."""
-        for r in sorted(rows, key=lambda r: -r.slot):
-            r.epoch = -1
-            if r in self._waiting:
-                self._waiting.remove(r)
-            self._leave(r, None, error=err)
-
     # ------------------------------------------------------------------ cache and weights
-    def _flush_prefix_cache(self) -> None:
-        self._epoch += 1
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
-
     async def flush_cache(self) -> None:
-        if self._active or self._waiting:
+        if self.scheduler.in_flight:
             raise EngineBadRequest("cache not flushed: there are requests in flight")
-        async with self._drain.write(), self._step_lock:
-            self._flush_prefix_cache()
+        async with self._drain.write(), self.scheduler.step_lock:
+            self.scheduler.flush_prefix_cache()
 
     async def _update(self, apply, abort_all: bool, weight_version: str | None, flush: bool = True) -> None:
         if abort_all:
             self.abort(None)
-        async with self._drain.write(), self._step_lock:
+        async with self._drain.write(), self.scheduler.step_lock:
             await self._on_device(apply)
             if flush:
-                self._flush_prefix_cache()
+                self.scheduler.flush_prefix_cache()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 

@@ -1,0 +1,311 @@
+"""The embedded engine's schedule: continuous batching of requests over a slot KV cache.
+
+One asyncio task (:meth:`Scheduler.loop`) owns it. Between steps it applies aborts and retractions, admits
+waiting requests into free slots (copying the longest cached prefix of their tokens,
+:mod:`.prefix_cache`), and picks the next step: a **prefill** of the requests that still have tokens to
+run (chunked by a token budget), or else a **decode** of every running request (:mod:`.runner`). The step
+itself runs on the engine's device thread, so HTTP keeps being served; it samples on the device
+(:mod:`.sampling`) and hands back ids and logprobs with one host sync. A request leaves the schedule when
+it finishes (stop id, stop string, length), is aborted, or is retracted (its KV goes to the prefix cache);
+its slot is then filled by the last running request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agentrl.engine.prefix_cache import PrefixCache
+from agentrl.engine.request import EngineFailed, EngineRequest
+from agentrl.engine.runner import ExtendBatch, ModelRunner
+from agentrl.engine.sampling import sample_tokens
+
+log = logging.getLogger("agentrl.engine")
+
+Step = tuple[str, list[EngineRequest], ExtendBatch | None, list[int]]
+
+
+class Scheduler:
+    """Waiting and running requests, the slot copies between steps, and the loop that runs the steps."""
+
+    ADMIT_EVERY = 4  # decode steps between admissions while sequences are decoding
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        on_device: Callable[..., asyncio.Future],
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        max_context: int,
+        prefix_cache: PrefixCache | None,
+        stats: dict[str, int],
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.on_device = on_device  # runs a function on the engine's one device thread
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_context = max_context
+        self.prefix_cache = prefix_cache
+        self.stats = stats
+        self.waiting: deque[EngineRequest] = deque()
+        self.active: list[EngineRequest] = []  # index = slot
+        self.epoch = 0
+        self.step_lock = asyncio.Lock()  # held by a step; taken by weight updates and cache flushes
+        self._retract = False
+        self._since_prefill = 0
+        # slot copies (src, dst, n, start) decided since the last step, run before the next one
+        self._copies: list[tuple[int, int, int, int]] = []
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.fatal: BaseException | None = None
+
+    # ------------------------------------------------------------------ control (event loop)
+    @property
+    def healthy(self) -> bool:
+        return self.fatal is None and (self._task is None or not self._task.done())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests inside the schedule: running or waiting for a slot."""
+        return len(self.active) + len(self.waiting)
+
+    def wake(self) -> None:
+        """Something changed (an abort flag): look again before the next step."""
+        self._work.set()
+
+    def retract_all(self) -> int:
+        """Take every request out at the next step, keeping its tokens; returns how many are inside."""
+        inside = self.in_flight
+        self._retract = True
+        self._work.set()
+        return inside
+
+    def flush_prefix_cache(self) -> None:
+        self.epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def run(self, req: EngineRequest) -> None:
+        """One stay of ``req`` in the engine: until it finishes, is aborted or is retracted."""
+        if req.abort:
+            req.finish = {"type": "abort", "message": "aborted"}
+            return
+        if self._task is None:
+            self._task = asyncio.create_task(self.loop(), name="agentrl-engine-loop")
+        req.outcome = asyncio.get_running_loop().create_future()
+        req.prefilling = True
+        self.waiting.append(req)
+        self._work.set()
+        try:
+            await req.outcome
+        finally:
+            if not req.outcome.done():  # our caller was cancelled (client gone): take it out at the next step
+                req.abort = True
+                self._work.set()
+        err = req.outcome.result()
+        if err is not None:
+            raise EngineFailed(f"generation failed: {err}")
+
+    # ------------------------------------------------------------------ the schedule (event loop)
+    async def loop(self) -> None:
+        try:
+            while True:
+                await self._work.wait()
+                self._control()
+                step = self._plan()
+                if step is None:
+                    self._work.clear()
+                    continue
+                try:
+                    async with self.step_lock:
+                        result = await self.on_device(self._execute, *step)
+                except Exception as err:  # one bad step fails its requests, not the engine
+                    log.exception("engine step failed")
+                    self._fail(step[1], err)
+                    continue
+                self._commit(step, result)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # a bug in the schedule: fail everything, report unhealthy
+            log.exception("the generation loop died")
+            self.fatal = err
+            self._fail(list(self.active) + list(self.waiting), err)
+            raise
+
+    def _control(self) -> None:
+        """Apply aborts and a pending retraction between steps."""
+        if self._retract:
+            self._retract = False
+            for r in list(self.waiting):
+                self._leave(r, None)
+            self.waiting.clear()
+            for r in sorted(self.active, key=lambda r: -r.slot):
+                self._leave(r, None)
+        if any(r.abort for r in self.waiting):
+            keep = deque()
+            for r in self.waiting:
+                if r.abort:
+                    self._leave(r, {"type": "abort", "message": "aborted"})
+                else:
+                    keep.append(r)
+            self.waiting = keep
+        for r in sorted((r for r in self.active if r.abort), key=lambda r: -r.slot):
+            self._leave(r, {"type": "abort", "message": "aborted"})
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) < self.max_batch_size:
+            r = self.waiting.popleft()
+            r.slot, r.cached, r.epoch = len(self.active), 0, self.epoch
+            self.active.append(r)
+            self.stats["prompt_tokens"] += len(r.seq)
+            if self.prefix_cache is not None:
+                src, n = self.prefix_cache.lookup(r.seq, len(r.seq) - 1)
+                if src is not None:
+                    self._copies.append((src, r.slot, n, 0))
+                    r.cached = n
+                    if not r.output_ids:
+                        r.cached_tokens = n
+                    self.stats["cached_tokens"] += n
+
+    def _plan(self) -> Step | None:
+        """The next step: ("prefill", rows, ExtendBatch, sampling) or ("decode", rows, None, sampling), with
+        ``sampling`` the indices of the rows that get a token (a prefill row only once its prompt is all in);
+        None if idle.
+
+        Requests that arrive one by one while others decode are gathered for a few decode steps
+        (``ADMIT_EVERY``) and prefilled together: every prefill step stalls all decoding rows once."""
+        if self.waiting and (
+            not any(not r.prefilling for r in self.active)
+            or self._since_prefill >= self.ADMIT_EVERY
+            or len(self.waiting) >= self.max_batch_size - len(self.active)
+            or sum(len(r.seq) for r in self.waiting) >= self.max_prefill_tokens // 2
+        ):
+            self._admit()
+        rows = [r for r in self.active if r.prefilling]
+        if rows:
+            picked, tokens, start, width = [], [], [], 0
+            for r in rows:
+                todo = len(r.seq) - r.cached
+                take = min(todo, self.max_prefill_tokens)
+                if picked and (len(picked) + 1) * max(width, take) > self.max_prefill_tokens:
+                    break
+                width = max(width, take)
+                picked.append(r)
+                tokens.append(r.seq[r.cached : r.cached + take])
+                start.append(r.cached)
+            self._since_prefill = 0
+            done = [i for i, r in enumerate(picked) if r.cached + len(tokens[i]) == len(r.seq)]
+            return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start), done
+        if self.active:
+            self._since_prefill += 1
+            return "decode", list(self.active), None, list(range(len(self.active)))
+        return None
+
+    def _execute(self, kind: str, rows: list[EngineRequest], batch: ExtendBatch | None, done: list[int]):
+        """Device thread: the slot copies queued since the last step (prefix hits, cache inserts,
+        compaction, in the order they were decided), then one forward + sampling. Returns (ids,
+        logprobs) of the rows that sample."""
+        copies, self._copies = self._copies, []
+        for src, dst, n, start in copies:
+            self.runner.copy_slot(src, dst, n, start=start)
+        if kind == "prefill":
+            logits = self.runner.extend(batch)
+            if not done:
+                return [], []
+            logits = logits[done] if len(done) < len(rows) else logits
+        else:
+            logits = self.runner.decode([r.seq[-1] for r in rows], [len(r.seq) - 1 for r in rows])
+        sampled = [rows[i] for i in done]
+        with torch.inference_mode():
+            return sample_tokens(
+                logits,
+                [r.sampling for r in sampled],
+                [r.seed for r in sampled],
+                [len(r.seq) for r in sampled],
+            )
+
+    def _commit(self, step: Step, result: tuple[list[int], list[float]]) -> None:
+        kind, rows, batch, done = step
+        ids, lps = result
+        if kind == "prefill":
+            for r, new in zip(rows, batch.tokens, strict=True):
+                r.cached += len(new)
+                self.stats["prefill_tokens"] += len(new)
+        else:
+            self.stats["decode_steps"] += 1
+            for r in rows:
+                r.cached += 1
+        sampled = [rows[i] for i in done]
+        for r in sampled:
+            r.prefilling = False
+        finished = [r for r, t, lp in zip(sampled, ids, lps, strict=True) if self._append(r, t, lp)]
+        for r in sorted(finished, key=lambda r: -r.slot):
+            self._leave(r, r.finish)
+
+    def _append(self, r: EngineRequest, token: int, logprob: float) -> bool:
+        """Take one sampled token; True once the request is finished."""
+        r.seq.append(token)
+        r.output_ids.append(token)
+        r.logprobs.append(logprob)
+        s = r.sampling
+        if token in r.stop_ids:
+            r.finish = {"type": "stop", "matched": token}
+        elif s.stop and (matched := self._match_stop(r.output_ids, s.stop)) is not None:
+            r.finish = {"type": "stop", "matched": matched}
+        elif len(r.output_ids) >= s.max_new_tokens or len(r.seq) >= self.max_context:
+            r.finish = {"type": "length", "length": s.max_new_tokens}
+        return r.finish is not None
+
+    def _match_stop(self, ids: list[int], stops: list[str]) -> str | None:
+        # Only the tail can hold a stop string that the newest token completed; a generous token window
+        # covers byte-level tokens that are a fraction of a character.
+        window = max(len(x.encode()) for x in stops) + 2
+        tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=False)
+        for x in stops:
+            if x in tail:
+                return x
+        return None
+
+    def _leave(
+        self, r: EngineRequest, finish: dict[str, Any] | None, error: BaseException | None = None
+    ) -> None:
+        """Take ``r`` out of the engine (finished, aborted, or retracted when ``finish`` is None): keep its
+        KV in the prefix cache, free its slot (the last running request moves into it) and wake its caller."""
+        if finish is not None:
+            r.finish = finish
+        if r.slot >= 0:  # running (a waiting request has no slot yet)
+            pc = self.prefix_cache
+            if pc is not None and r.epoch == self.epoch and r.cached >= pc.block:
+                dst, have = pc.insert(r.seq[: r.cached])
+                if dst is not None:
+                    self._copies.append((r.slot, dst, r.cached, have))
+            last = self.active.pop()
+            if last is not r:
+                self._copies.append((last.slot, r.slot, last.cached, 0))
+                last.slot = r.slot
+                self.active[r.slot] = last
+            r.slot = -1
+        if r.outcome is not None and not r.outcome.done():
+            r.outcome.set_result(error)
+
+    def _fail(self, rows: list[EngineRequest], err: BaseException) -> None:
+        """Take ``rows`` out with an error (answered 500); their KV may be half-written, so it is not cached."""
+        for r in sorted(rows, key=lambda r: -r.slot):
+            r.epoch = -1
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self._leave(r, None, error=err)
+
+
+__all__ = ["Scheduler"]
