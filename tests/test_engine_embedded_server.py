@@ -5,6 +5,7 @@ and by gloo broadcast from another process, concurrency, the API key and the loo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -249,6 +250,43 @@ async def test_client_disconnect_cancels_the_request(server) -> None:
                 assert resp.status == 200
 
 
+async def test_generate_stream_is_sglangs_cumulative_events(server) -> None:
+    """stream: true answers SGLang's server-sent events, each the answer so far; the first arrives while
+    the request runs, the last equals the non-streamed answer, and a client that leaves aborts it."""
+    body = {
+        "input_ids": PROMPTS[1],
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 40, "sampling_seed": 9, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+        async with s.post(server.url + "/generate", json=body) as resp:
+            whole = await resp.json()
+        async with s.post(server.url + "/generate", json={**body, "stream": True}) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            events = [e.removeprefix("data: ") for e in (await resp.text()).split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        answers = [json.loads(e) for e in events[:-1]]
+        assert len(answers) > 2 and answers[-1] == {**whole, "meta_info": answers[-1]["meta_info"]}
+        for meta in ("output_token_logprobs", "finish_reason", "completion_tokens", "weight_version"):
+            assert answers[-1]["meta_info"][meta] == whole["meta_info"][meta]
+        for a, b in itertools.pairwise(answers):  # cumulative, unfinished until the last
+            assert a["meta_info"]["finish_reason"] is None
+            assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+
+        long = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        before = (await (await s.get(server.url + "/get_server_info")).json())["decode_steps"]
+        async with s.post(server.url + "/generate", json={**long, "stream": True}) as resp:
+            first = json.loads((await resp.content.readuntil(b"\n\n")).decode().removeprefix("data: "))
+            assert first["meta_info"]["finish_reason"] is None
+            info = await (await s.get(server.url + "/get_server_info")).json()
+            assert info["num_running_requests"] == 1  # still generating when its first event came
+        deadline = time.monotonic() + 10  # the response closed unread: the request is aborted
+        while (info := await (await s.get(server.url + "/get_server_info")).json())["num_running_requests"]:
+            assert time.monotonic() < deadline, "the server kept a stream whose client went away"
+            await asyncio.sleep(0.05)
+        assert info["decode_steps"] - before < 1499, "it generated on for nobody"
+
+
 # ------------------------------------------------------------------------------------------ weights
 async def test_update_weights_from_disk(client, server, tiny_model_dir, hf_model, tmp_path) -> None:
     new_model, _ = perturbed_copy(tiny_model_dir, tmp_path / "perturbed", seed=1)
@@ -422,7 +460,8 @@ async def test_native_json_shapes_and_bad_requests(server: EmbeddedServer, token
             {"input_ids": [1], "sampling_params": {"n": 2}},
             {"input_ids": [1], "sampling_params": {"regex": "a+"}},
             {"input_ids": [10**9]},
-            {"input_ids": [1], "stream": True},
+            {"input_ids": [[1], [2]], "stream": True},  # a stream takes one request
+            {"input_ids": [10**9], "stream": True},  # refused before the stream starts: a plain 400
             {"sampling_params": {}},
             {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**6}},
         ]:
@@ -433,7 +472,7 @@ async def test_native_json_shapes_and_bad_requests(server: EmbeddedServer, token
             info = await resp.json()
         assert info["tp_size"] == 1 and "stand-in for SGLang" in info["engine"]
         async with s.post(server.url + "/flush_cache") as resp:
-            assert resp.status == 200
+            assert resp.status == 200, await resp.text()
 
 
 def test_refuses_non_loopback_host_without_api_key(tiny_model_dir: Path) -> None:

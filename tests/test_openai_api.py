@@ -1,7 +1,8 @@
 """The embedded engine's OpenAI-compatible endpoints, driven by the real ``openai`` SDK over loopback HTTP:
 token-exact against ``/generate``, a tool-calling loop (a tiny model taught two conversations), a
-malformed call as plain content, streaming, text completions, OpenAI-style 400s, and a client that
-disconnects aborting its request in the engine."""
+malformed call as plain content, streaming (deltas while the engine generates, equal to the non-streamed
+answer, never a split character), text completions, OpenAI-style 400s, and a client that disconnects
+aborting its request in the engine, streamed or not."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentrl.engine.client import EngineClient
 from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.openai_api import parse_tool_calls
+from agentrl.engine.openai_stream import StableText
 from agentrl.engine.types import SamplingParams
 from agentrl.rollout.tokenize import ChatTokenizer
 
@@ -93,6 +95,20 @@ async def client(server):
 
 async def model_name(client: openai.AsyncOpenAI) -> str:
     return (await client.models.list()).data[0].id
+
+
+async def engine_info(server) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(f"{server.url}/get_server_info") as resp:
+        return await resp.json()
+
+
+async def assert_aborted(server, decode_steps_before: int, max_tokens: int) -> None:
+    """The engine lets go of the request whose client left, and did not run it to ``max_tokens``."""
+    deadline = time.monotonic() + 10
+    while (info := await engine_info(server))["num_running_requests"] > 0:
+        assert time.monotonic() < deadline, "the engine kept a request whose client left"
+        await asyncio.sleep(0.02)
+    assert info["decode_steps"] - decode_steps_before < max_tokens - 1, "it generated on for nobody"
 
 
 async def test_chat_is_token_exact_with_generate(server, client, taught_dir):
@@ -171,16 +187,66 @@ async def test_streaming_matches_non_streaming(client):
     assert json.loads("".join(calls[0])) == json.loads(
         whole.choices[0].message.tool_calls[0].function.arguments
     )
-    text = ""
-    async for chunk in await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=10, seed=3, stream=True
-    ):
+    # sampled, two choices: the concatenated deltas are the non-streamed content, choice by choice
+    kw = dict(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=60, seed=3, n=2)
+    texts, deltas = ["", ""], 0
+    async for chunk in await client.chat.completions.create(**kw, temperature=1.0, stream=True):
         for c in chunk.choices:
-            text += c.delta.content or ""
-    again = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=10, seed=3
+            texts[c.index] += c.delta.content or ""
+            deltas += bool(c.delta.content)
+    again = await client.chat.completions.create(**kw, temperature=1.0)
+    assert texts == [c.message.content for c in again.choices] and all(texts)
+    assert deltas > 4  # sent piece by piece, not as one block per choice
+    kw = dict(model=model, prompt="The answer is", max_tokens=40, seed=5, temperature=1.0)
+    text = ""
+    async for chunk in await client.completions.create(**kw, stream=True):
+        text += "".join(c.text for c in chunk.choices)
+    assert text == (await client.completions.create(**kw)).choices[0].text
+
+
+def test_stable_text_never_splits_a_character_and_holds_what_may_change(tiny_model_dir):
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    text = "héllo wörld, 你好 ünïcode! The end."
+    ids = chat.tok.encode(text, add_special_tokens=False)
+    assert chat.tok.decode(ids) == text
+    for sampling, fmt in (({}, None), ({"stop": ["end"]}, None), ({}, "hermes")):
+        st = StableText(chat, sampling, fmt)
+        pieces = [st.push([t]) for t in ids]
+        assert not any("\ufffd" in p for p in pieces)
+        assert "".join(pieces) == st.sent and text.startswith(st.sent)
+        assert st.sent + st.rest(text) == text
+    assert st.sent == "héllo wörld, 你好 ünïcode! The end."  # no tool call could begin
+    stop = StableText(chat, {"stop": ["The end"]}, None)
+    assert (
+        "".join(stop.push([t]) for t in ids) == "héllo wörld, 你好 ünïcode!"
+    )  # the stop string's start held
+    call = StableText(chat, {}, "hermes")
+    for t in chat.tok.encode('Sure. <tool_call>\n{"name": "add"}', add_special_tokens=False):
+        call.push([t])
+    assert call.sent == "Sure."  # from where a call begins, and the space before it, held to the end
+    assert StableText(chat, {}, "hermes").push(chat.tok.encode(" Hi there", add_special_tokens=False)) == ""
+
+
+async def test_stream_sends_tokens_while_generating_and_disconnect_aborts(server, client):
+    """The first delta arrives while the engine still runs the request (a 1,500-token completion);
+    closing the stream then aborts it in the engine."""
+    model = await model_name(client)
+    before = (await engine_info(server))["decode_steps"]
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1500,
+        extra_body={"ignore_eos": True},
+        stream=True,
     )
-    assert text == again.choices[0].message.content
+    async for chunk in stream:
+        if any(c.delta.content for c in chunk.choices):
+            break
+    assert chunk.choices[0].finish_reason is None
+    info = await engine_info(server)
+    assert info["num_running_requests"] == 1, "the first delta came only after the completion had finished"
+    await stream.close()  # the SDK closes the connection
+    await assert_aborted(server, before, 1500)
 
 
 async def test_completions_and_n(client):
@@ -228,11 +294,7 @@ async def test_bad_input_is_an_openai_400(server, client):
 
 async def test_client_disconnect_aborts_in_engine(server, client):
     model = await model_name(client)
-
-    async def running() -> int:
-        async with aiohttp.ClientSession() as s, s.get(f"{server.url}/get_server_info") as resp:
-            return (await resp.json())["num_running_requests"]
-
+    before = (await engine_info(server))["decode_steps"]
     long = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "hi"}],
@@ -242,12 +304,9 @@ async def test_client_disconnect_aborts_in_engine(server, client):
     )
     task = asyncio.ensure_future(long)
     deadline = time.monotonic() + 30
-    while await running() == 0:
+    while (await engine_info(server))["num_running_requests"] == 0:
         assert time.monotonic() < deadline, "the request never reached the engine"
         await asyncio.sleep(0.02)
     task.cancel()  # the SDK closes the connection
     await asyncio.gather(task, return_exceptions=True)
-    deadline = time.monotonic() + 5
-    while await running() > 0:
-        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
-        await asyncio.sleep(0.02)
+    await assert_aborted(server, before, 1500)

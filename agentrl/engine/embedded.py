@@ -28,13 +28,14 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from agentrl.engine.prefix_cache import PrefixCache
-from agentrl.engine.request import EngineFailed, EngineRequest, GenerationRecord
+from agentrl.engine.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
 from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.engine.sampling import EngineBadRequest, RequestSampling, sample_tokens
 from agentrl.engine.scheduler import Scheduler
@@ -197,7 +198,9 @@ class EmbeddedEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._requests)
+        """Requests the engine holds: waiting for ``continue``, or in the schedule (an abandoned one until
+        its abort is applied at the next step)."""
+        return len({*self._requests.values(), *self.scheduler.active, *self.scheduler.waiting})
 
     def shutdown(self) -> None:
         self.scheduler.cancel()
@@ -205,7 +208,15 @@ class EmbeddedEngine:
         self.groups.abort_all()  # shutting down: no waiting on a trainer that may be gone
 
     # ------------------------------------------------------------------ requests (event loop)
-    async def generate(self, input_ids: list[int], sampling: RequestSampling, rid: str) -> GenerationRecord:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: RequestSampling,
+        rid: str,
+        on_token: Callable[[int, float], None] | None = None,
+    ) -> GenerationRecord:
+        """Sample a completion of ``input_ids``; ``on_token(id, logprob)`` (which must not raise) sees each
+        token as it is sampled. Cancelling the call aborts the request."""
         if rid in self._requests:
             raise EngineBadRequest(f"request id {rid!r} is already in flight")
         if not input_ids:
@@ -223,7 +234,12 @@ class EmbeddedEngine:
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else self._rng.getrandbits(63)
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
         req = EngineRequest(
-            rid=rid, prompt_ids=list(input_ids), sampling=sampling, seed=seed, stop_ids=stop_ids
+            rid=rid,
+            prompt_ids=list(input_ids),
+            sampling=sampling,
+            seed=seed,
+            stop_ids=stop_ids,
+            on_token=on_token,
         )
         req.seq = list(input_ids)
         self._requests[rid] = req
@@ -253,6 +269,11 @@ class EmbeddedEngine:
             latency=time.perf_counter() - req.created,
             cached_tokens=req.cached_tokens,
         )
+
+    def stream(self, input_ids: list[int], sampling: RequestSampling, rid: str) -> TokenStream:
+        """:meth:`generate` as an async iterator of the newly sampled tokens (see :class:`TokenStream`);
+        the request starts now."""
+        return TokenStream(lambda on_token: self.generate(input_ids, sampling, rid, on_token))
 
     async def _wait_or_abort(self, req: EngineRequest) -> bool:
         """Wait for ``continue``; True if the request was aborted meanwhile."""
@@ -359,4 +380,12 @@ class EmbeddedEngine:
         await self._update(lambda: copy_weights(self.model, tensors), abort_all, weight_version, flush)
 
 
-__all__ = ["EmbeddedEngine", "EngineBadRequest", "EngineFailed", "GenerationRecord", "RequestSampling"]
+__all__ = [
+    "EmbeddedEngine",
+    "EngineBadRequest",
+    "EngineFailed",
+    "GenerationRecord",
+    "RequestSampling",
+    "TokenDelta",
+    "TokenStream",
+]

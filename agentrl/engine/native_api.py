@@ -19,7 +19,11 @@ Semantics worth knowing (all as SGLang, unless marked):
 * ``weight_version`` starts at ``"default"`` and changes only when an update names one.
 * A weight update waits for in-flight requests (or aborts them with ``abort_all_requests``), holds new
   ones, then swaps weights and flushes the prefix cache.
-* Not supported on ``/generate`` (400 with a clear message): ``stream``, ``n > 1``, penalties, regex /
+* ``/generate`` with ``stream: true`` (one request, not a batch) answers server-sent events as SGLang
+  does: each ``data:`` is the answer so far (cumulative ``text``, ``output_ids`` and logprobs,
+  ``finish_reason`` null until the last), then ``data: [DONE]``; an event goes out per engine step that
+  sampled a token for it. A client that disconnects aborts its request, streamed or not.
+* Not supported on ``/generate`` (400 with a clear message): ``n > 1``, penalties, regex /
   JSON constraints. ``pause_generation`` modes ``retract`` and ``in_place`` both keep the
   requests and recompute their KV on ``continue`` (SGLang's in_place keeps the old KV instead).
 * With an API key, every endpoint except ``/health`` and ``/health_generate`` requires
@@ -32,12 +36,19 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
 from aiohttp import web
 
-from agentrl.engine.embedded import EmbeddedEngine, EngineBadRequest, EngineFailed, RequestSampling
+from agentrl.engine.embedded import (
+    EmbeddedEngine,
+    EngineBadRequest,
+    EngineFailed,
+    GenerationRecord,
+    RequestSampling,
+)
 from agentrl.engine.openai_api import EmbeddedBackend, add_openai_routes
 
 __all__ = ["ENGINE_NAME", "build_app"]
@@ -53,6 +64,11 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "code": status}, "success": False, "message": message}, status=status
     )
+
+
+def _event(obj: Any) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -98,7 +114,9 @@ def build_app(
     def answer(rec, return_logprob: bool, skip_special: bool, trim_stop: bool) -> dict[str, Any]:
         text = tok.decode(rec.output_ids, skip_special_tokens=skip_special)
         fr = rec.finish_reason
-        if trim_stop and fr.get("type") == "stop" and isinstance(fr.get("matched"), str):
+        if fr is None:  # a streamed answer so far: no half character at the end
+            text = text.rstrip("\ufffd")
+        elif trim_stop and fr.get("type") == "stop" and isinstance(fr.get("matched"), str):
             cut = text.rfind(fr["matched"])
             if cut >= 0:
                 text = text[:cut]
@@ -124,10 +142,40 @@ def build_app(
         rec = await engine.generate(ids, sampling, rid)
         return answer(rec, return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
 
-    async def generate(request: web.Request) -> web.Response:
+    async def stream_one(
+        request: web.Request, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
+    ) -> web.StreamResponse:
+        """SGLang's streamed ``/generate``: server-sent events, each the answer so far (cumulative text,
+        ids and logprobs; ``finish_reason`` null until the last one), then ``[DONE]``."""
+        sampling = RequestSampling.from_sglang(sp, engine.default_max_new_tokens)
+        args = (return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
+        stream = engine.stream(ids, sampling, rid)
+        try:
+            delta = await anext(stream, None)  # a refused request raises here: a plain 400 / 500
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await resp.prepare(request)
+            out, lps, t0 = [], [], time.perf_counter()
+            try:
+                while delta is not None:
+                    out, lps = out + delta.ids, lps + delta.logprobs
+                    so_far = GenerationRecord(
+                        rid, ids, out, lps, None, engine.weight_version, time.perf_counter() - t0
+                    )
+                    await resp.write(_event(answer(so_far, *args)))
+                    delta = await anext(stream, None)
+                await resp.write(_event(answer(stream.record, *args)))
+            except (EngineBadRequest, EngineFailed) as err:  # after the first event: SGLang sends it as one
+                await resp.write(_event({"error": {"message": str(err)}}))
+            await resp.write(_event("[DONE]"))
+            await resp.write_eof()
+            return resp
+        finally:
+            await stream.aclose()  # a client that left cancels this handler: abort its request
+
+    async def generate(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        if body.get("stream"):
-            raise EngineBadRequest("stream=true is not supported by the embedded engine")
         ids = body.get("input_ids")
         text = body.get("text")
         if ids is None and text is None:
@@ -159,6 +207,10 @@ def build_app(
         if len(sps) != n:
             raise EngineBadRequest("sampling_params list and input batch differ in length")
         return_logprob = bool(body.get("return_logprob", False))
+        if body.get("stream"):
+            if not single:
+                raise EngineBadRequest("stream=true takes one request, not a batch")
+            return await stream_one(request, batch[0], sps[0], str(rids[0]), return_logprob)
         outs = await asyncio.gather(
             *(generate_one(b, s, str(r), return_logprob) for b, s, r in zip(batch, sps, rids, strict=True))
         )

@@ -9,7 +9,8 @@ Two backends use it: the embedded engine (:func:`add_openai_routes` on the app o
 
 What is served: ``messages`` (text, or lists of text parts), ``tools`` / ``tool_choice``, ``n``,
 ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``
-and ``top_logprobs``, ``stream`` (server-sent events, with ``stream_options.include_usage``), and
+and ``top_logprobs``, ``stream`` (server-sent events sent as the tokens arrive,
+:mod:`agentrl.engine.openai_stream`, with ``stream_options.include_usage``), and
 SGLang's extra sampling fields (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``). Penalties, ``logit_bias`` and ``response_format`` are refused, not ignored.
 
@@ -33,7 +34,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +49,10 @@ from agentrl.engine.openai_request import (
     sampling_params,
     tool_call_format,
 )
+from agentrl.engine.openai_stream import Events, Generations, StableText, chat_events, completion_events
 from agentrl.rollout.tokenize import ChatTokenizer
+
+TokenHook = Callable[[list[int], list[float]], None]
 
 __all__ = [
     "Answer",
@@ -109,10 +113,17 @@ class CompletionBackend(Protocol):
         ...
 
     async def generate(
-        self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
+        self,
+        prompt: Prompt,
+        sampling: dict[str, Any],
+        rid: str,
+        top_logprobs: int,
+        on_tokens: TokenHook | None = None,
     ) -> Generation:
         """Sample one completion of ``prompt`` (SGLang ``sampling_params``); abort it in the engine if
-        cancelled. May raise :class:`OpenAIError`."""
+        cancelled. ``on_tokens(ids, logprobs)``, when given, may be called with the tokens sampled since
+        its last call while the completion runs (a backend that cannot stream calls it never). May raise
+        :class:`OpenAIError`."""
         ...
 
     def on_reply(self, gen: Generation, message: dict[str, Any] | None) -> None:
@@ -171,24 +182,38 @@ def _usage(gens: list[Generation]) -> dict[str, Any]:
 
 @dataclass
 class Answer:
-    """One finished answer, whatever carries it (HTTP, or an in-process transport): a JSON object, or
-    with ``stream`` the data items of its server-sent events (the last one ``"[DONE]"``)."""
+    """One answer, whatever carries it (HTTP, or an in-process transport): a JSON object, or with
+    ``stream`` the data items of its server-sent events as they are produced (the last one ``"[DONE]"``;
+    closing the iterator early cancels the generations behind it)."""
 
     status: int
     body: Any = None
-    events: list[Any] | None = None
+    events: Events | None = None
 
     @property
     def content_type(self) -> str:
         return "application/json" if self.events is None else "text/event-stream"
 
     def payload(self) -> bytes:
+        """The JSON body (not for a stream: read :meth:`chunks`)."""
+        return json.dumps(self.body, ensure_ascii=False).encode()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The bytes to send: the payload, or one server-sent event per data item as it comes."""
         if self.events is None:
-            return json.dumps(self.body, ensure_ascii=False).encode()
-        return b"".join(_event(e) for e in self.events)
+            yield self.payload()
+            return
+        async for e in self.events:
+            yield event_bytes(e)
+
+    async def aclose(self) -> None:
+        """Done with this answer (sent, or the client went away): a stream's generations are cancelled."""
+        if self.events is not None:
+            await self.events.aclose()
 
 
-def _event(obj: Any) -> bytes:
+def event_bytes(obj: Any) -> bytes:
+    """One server-sent event: ``data: <JSON or the string>`` and a blank line."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
 
@@ -226,13 +251,28 @@ class Frontend:
         rid = uuid.uuid4().hex
         if n == 1:  # the common case: no gather, no extra task
             return [await backend.generate(prompt, sp, f"{rid}-0", top)]
-        sps = [
-            sp if "sampling_seed" not in sp else {**sp, "sampling_seed": sp["sampling_seed"] + i}
-            for i in range(n)
-        ]
+        sps = _per_choice(sp, n)
         return list(
             await asyncio.gather(*(backend.generate(prompt, s, f"{rid}-{i}", top) for i, s in enumerate(sps)))
         )
+
+    async def _stream(
+        self,
+        backend: CompletionBackend,
+        prompt: Prompt,
+        sp: dict[str, Any],
+        n: int,
+        top: int,
+        tool_format: str | None,
+    ) -> tuple[Generations, tuple[int, list[int] | None], list[StableText]]:
+        """Start ``n`` generations that report their tokens, and wait for the first arrival (an
+        :class:`OpenAIError` raised before any token is still answered as a plain error)."""
+        rid, sps = uuid.uuid4().hex, _per_choice(sp, n)
+        gens = Generations(
+            lambda i, hook: backend.generate(prompt, sps[i], f"{rid}-{i}", top, on_tokens=hook), n
+        )
+        first = await gens.first()
+        return gens, first, [StableText(backend.chat, s, tool_format) for s in sps]
 
     async def chat_completions(self, backend: CompletionBackend, body: dict[str, Any]) -> Answer:
         messages = check_messages(body.get("messages"))
@@ -241,36 +281,35 @@ class Frontend:
         n, top, want_lp = _n_and_logprobs(body)
         prompt = backend.render(messages, tools)
         sp = sampling_params(body, len(prompt.ids), backend.context_len)
-        gens = await self._generate_n(backend, prompt, sp, n, top)
         fmt = self.fmt_cache.get(id(backend.chat))
         if fmt is None:
             fmt = self.fmt_cache.setdefault(id(backend.chat), tool_call_format(backend.chat.tok))
-        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        choices = []
-        for i, g in enumerate(gens):
+
+        def finish(i: int, g: Generation) -> dict[str, Any]:
             text = _decode(backend.chat, g, sp)
             content, calls = parse_tool_calls(text, fmt) if choice != "none" else (text, [])
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             backend.on_reply(g, message)
-            choices.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "logprobs": _chat_logprobs(backend.chat, g) if want_lp else None,
-                    "finish_reason": _finish(g, bool(calls)),
-                    "matched_stop": g.matched_stop,
-                }
-            )
-        head = {
-            "id": cid,
-            "created": created,
-            "model": backend.model,
-            "system_fingerprint": _fingerprint(gens),
-        }
+            return {
+                "index": i,
+                "message": message,
+                "logprobs": _chat_logprobs(backend.chat, g) if want_lp else None,
+                "finish_reason": _finish(g, bool(calls)),
+                "matched_stop": g.matched_stop,
+            }
+
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": backend.model}
         if body.get("stream"):
-            return Answer(200, events=_chat_events(head, choices, _usage(gens), body))
+            gens, first, texts = await self._stream(
+                backend, prompt, sp, n, top, fmt if choice != "none" else None
+            )
+            head["system_fingerprint"] = None  # the weight version is known once a generation ends
+            return Answer(200, events=chat_events(gens, first, head, texts, finish, _usage_if(body)))
+        gens = await self._generate_n(backend, prompt, sp, n, top)
+        choices = [finish(i, g) for i, g in enumerate(gens)]
+        head["system_fingerprint"] = _fingerprint(gens)
         return Answer(200, {**head, "object": "chat.completion", "choices": choices, "usage": _usage(gens)})
 
     async def completions(self, backend: CompletionBackend, body: dict[str, Any]) -> Answer:
@@ -290,9 +329,8 @@ class Frontend:
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20):
             raise OpenAIError("logprobs must be an integer from 0 to 20", "logprobs")
         sp = sampling_params(body, len(ids), backend.context_len)
-        gens = await self._generate_n(backend, Prompt(ids), sp, n, lp or 0)
-        choices = []
-        for i, g in enumerate(gens):
+
+        def finish(i: int, g: Generation) -> dict[str, Any]:
             backend.on_reply(g, None)
             text = _decode(
                 backend.chat, g, {**sp, "skip_special_tokens": sp.get("skip_special_tokens", True)}
@@ -321,12 +359,14 @@ class Frontend:
                     else None,
                     "text_offset": offsets,
                 }
-            choices.append(
-                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish(g, False)}
-            )
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish(g, False)}
+
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": backend.model}
         if body.get("stream"):
-            return Answer(200, events=_completion_events(head, choices, _usage(gens), body))
+            gens, first, texts = await self._stream(backend, Prompt(ids), sp, n, lp or 0, None)
+            return Answer(200, events=completion_events(gens, first, head, texts, finish, _usage_if(body)))
+        gens = await self._generate_n(backend, Prompt(ids), sp, n, lp or 0)
+        choices = [finish(i, g) for i, g in enumerate(gens)]
         return Answer(200, {**head, "object": "text_completion", "choices": choices, "usage": _usage(gens)})
 
     def models(self, backend: CompletionBackend) -> Answer:
@@ -348,6 +388,19 @@ def _check_model(backend: CompletionBackend, body: dict[str, Any]) -> None:
             "model",
             "model_not_found",
         )
+
+
+def _per_choice(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The sampling of each of ``n`` choices: a seeded request's choice i draws with seed + i."""
+    if "sampling_seed" not in sp:
+        return [sp] * n
+    return [{**sp, "sampling_seed": sp["sampling_seed"] + i} for i in range(n)]
+
+
+def _usage_if(body: dict[str, Any]) -> Callable[[list[Generation]], dict[str, Any] | None]:
+    """The usage of a stream's generations, when ``stream_options.include_usage`` asked for it."""
+    want = bool((body.get("stream_options") or {}).get("include_usage"))
+    return lambda gens: _usage(gens) if want else None
 
 
 def _fingerprint(gens: list[Generation]) -> str | None:
@@ -379,59 +432,19 @@ def _body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-# ---- streaming (server-sent events) -------------------------------------------------------------------
-def _chat_events(
-    head: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, Any], body: dict
-) -> list[Any]:
-    """The finished choices as OpenAI's chunk sequence: role, content, tool-call deltas, finish, usage."""
-    head = {**head, "object": "chat.completion.chunk"}
-    out: list[Any] = []
-    for c in choices:
-        i, msg = c["index"], c["message"]
-        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        out.append({**head, "choices": [role]})
-        if msg.get("content"):
-            delta = {"content": msg["content"]}
-            out.append(
-                {
-                    **head,
-                    "choices": [
-                        {"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
-                    ],
-                }
-            )
-        for k, call in enumerate(msg.get("tool_calls") or []):
-            delta = {"tool_calls": [{"index": k, **call}]}
-            out.append({**head, "choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-        out.append({**head, "choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}]})
-    if (body.get("stream_options") or {}).get("include_usage"):
-        out.append({**head, "choices": [], "usage": usage})
-    return [*out, "[DONE]"]
-
-
-def _completion_events(
-    head: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, Any], body: dict
-) -> list[Any]:
-    head = {**head, "object": "text_completion"}
-    out: list[Any] = []
-    for c in choices:
-        out.append({**head, "choices": [{**c, "finish_reason": None}]})
-        end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
-        out.append({**head, "choices": [end]})
-    if (body.get("stream_options") or {}).get("include_usage"):
-        out.append({**head, "choices": [], "usage": usage})
-    return [*out, "[DONE]"]
-
-
 # ---- routes -------------------------------------------------------------------------------------------
 async def respond(request: web.Request, ans: Answer) -> web.StreamResponse:
     """Send an :class:`Answer` over aiohttp (a stream as server-sent events)."""
     if ans.events is None:
         return web.json_response(ans.body, status=ans.status)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    await resp.write(ans.payload())
-    await resp.write_eof()
+    try:  # a client that disconnects cancels this handler; closing the answer cancels its generations
+        await resp.prepare(request)
+        async for data in ans.chunks():
+            await resp.write(data)
+        await resp.write_eof()
+    finally:
+        await ans.aclose()
     return resp
 
 
@@ -489,14 +502,28 @@ class EmbeddedBackend:
         return Prompt(self.chat.prompt_ids(messages, tools), messages, tools)
 
     async def generate(
-        self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
+        self,
+        prompt: Prompt,
+        sampling: dict[str, Any],
+        rid: str,
+        top_logprobs: int,
+        on_tokens: TokenHook | None = None,
     ) -> Generation:
         from agentrl.engine.embedded import EngineFailed
         from agentrl.engine.sampling import EngineBadRequest, RequestSampling
 
         try:
             sp = RequestSampling.from_sglang(sampling, self.engine.default_max_new_tokens)
-            rec = await self.engine.generate(prompt.ids, sp, rid)
+            if on_tokens is None:
+                rec = await self.engine.generate(prompt.ids, sp, rid)
+            else:  # the engine's token stream: each step's new tokens go to the hook as they come
+                stream = self.engine.stream(prompt.ids, sp, rid)
+                try:
+                    async for delta in stream:
+                        on_tokens(delta.ids, delta.logprobs)
+                finally:
+                    await stream.aclose()
+                rec = stream.record
         except EngineBadRequest as err:
             raise OpenAIError(str(err)) from None
         except EngineFailed as err:

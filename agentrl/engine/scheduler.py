@@ -110,7 +110,9 @@ class Scheduler:
         try:
             await req.outcome
         finally:
-            if not req.outcome.done():  # our caller was cancelled (client gone): take it out at the next step
+            # Our caller was cancelled (client gone), which cancels the future it awaited: take the request
+            # out at the next step instead of generating on for nobody.
+            if not req.outcome.done() or req.outcome.cancelled():
                 req.abort = True
                 self._work.set()
         err = req.outcome.result()
@@ -258,6 +260,8 @@ class Scheduler:
         r.seq.append(token)
         r.output_ids.append(token)
         r.logprobs.append(logprob)
+        if r.on_token is not None:
+            r.on_token(token, logprob)
         s = r.sampling
         if token in r.stop_ids:
             r.finish = {"type": "stop", "matched": token}

@@ -49,10 +49,12 @@ from aiohttp import web
 
 from agentrl.engine.client import EngineError, EngineRequestError
 from agentrl.engine.openai_api import (
+    Answer,
     Frontend,
     Generation,
     OpenAIError,
     Prompt,
+    TokenHook,
     error_answer,
     error_response,
     respond,
@@ -156,8 +158,15 @@ class AgentSession:
         return Prompt(self.chat.encode(text), messages, tools, text)
 
     async def generate(
-        self, prompt: Prompt, sampling: dict[str, Any], rid: str, top_logprobs: int
+        self,
+        prompt: Prompt,
+        sampling: dict[str, Any],
+        rid: str,
+        top_logprobs: int,
+        on_tokens: TokenHook | None = None,
     ) -> Generation:
+        # on_tokens is never called: a call is one token-in/token-out turn, so a streamed answer goes out
+        # whole when the turn ends
         if self.closed:
             raise OpenAIError("this episode has ended", code="episode_ended", status=410)
         if top_logprobs:
@@ -411,7 +420,25 @@ class InProcessTransport(httpx.AsyncBaseTransport):
         else:
             raw = await request.aread()
             ans = await self.proxy.front.answer(route, lambda: self.proxy.session(parts[2]), raw)
-        return httpx.Response(ans.status, headers={"content-type": ans.content_type}, content=ans.payload())
+        headers = {"content-type": ans.content_type}
+        if ans.events is None:
+            return httpx.Response(ans.status, headers=headers, content=ans.payload())
+        return httpx.Response(ans.status, headers=headers, stream=_AnswerStream(ans))
+
+
+class _AnswerStream(httpx.AsyncByteStream):
+    """A streamed answer's server-sent events as an ``httpx`` response body, read as they are produced;
+    closing it early (the agent stopped reading) cancels the call."""
+
+    def __init__(self, ans: Answer) -> None:
+        self.ans = ans
+
+    async def __aiter__(self):
+        async for data in self.ans.chunks():
+            yield data
+
+    async def aclose(self) -> None:
+        await self.ans.aclose()
 
 
 __all__ = ["POLICY_MODEL", "AgentProxy", "AgentSession", "Branch", "InProcessTransport", "error_response"]

@@ -1,0 +1,288 @@
+"""Streamed OpenAI answers (``stream: true``): server-sent events whose content goes out as tokens arrive.
+
+The front end (:mod:`agentrl.engine.openai_api`) starts a request's ``n`` generations as
+:class:`Generations`, each with a token hook that puts the newly sampled ids on one queue. The answer
+waits for the first sign of life (a token, or a generation that ended), so a request refused before
+sampling anything is still a plain OpenAI error with its status. Then the events go out:
+
+* per choice, a first chunk with the assistant role;
+* content deltas as tokens arrive: :class:`StableText` decodes all ids so far and sends only text that
+  later tokens cannot change (see its docstring), so multi-byte characters and merged pieces are never
+  split wrongly and the deltas add up to the non-streamed content exactly;
+* when a choice's generation ends: the rest of its content, its tool calls (parsed from the whole text,
+  as without streaming), and its ``finish_reason`` with the choice's ``logprobs``;
+* the usage chunk (with ``stream_options.include_usage``) and ``[DONE]``.
+
+A backend that cannot stream (the rollout's recording proxy: one ``/generate`` per call) simply calls no
+hook, and the whole completion goes out when it ends. Closing the stream early (the client went away)
+cancels the generations, and the backend aborts them in the engine. An error after the first event is
+sent as an ``{"error": ...}`` event, which the openai SDK raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from agentrl.engine.openai_request import OpenAIError
+from agentrl.rollout.tokenize import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+_TOOL_OPEN = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _partial_tail(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of ``marker`` (0 if none)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class StableText:
+    """Incremental detokenization of one completion: the part of its text that later tokens cannot change.
+
+    Each :meth:`push` decodes all ids so far the way the final answer does and returns the new part of
+    the stable prefix. Held back: a trailing incomplete character (U+FFFD of a multi-byte piece),
+    trailing whitespace (a later piece may merge with it, or a tool call strip it), an end-of-turn
+    token at the end (not part of the message if the model stops on it), a stop string or a tail that
+    could begin one (the answer is trimmed there), and, when tool calls are parsed (``tool_format``),
+    everything from where a call could begin, and all of a text that begins with whitespace (a call
+    anywhere later strips it).
+    """
+
+    def __init__(self, chat: ChatTokenizer, sampling: dict[str, Any], tool_format: str | None) -> None:
+        self.chat = chat
+        self.skip_special = bool(sampling.get("skip_special_tokens", True))
+        self.stops = [] if sampling.get("no_stop_trim") else list(sampling.get("stop") or [])
+        self.tool_format = tool_format
+        self.ids: list[int] = []
+        self.sent = ""
+        self._frozen = False  # the stable text once disagreed with what was sent: wait for the end
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        if self._frozen:
+            return ""
+        upto = self.ids[:-1] if self.ids and self.ids[-1] in self.chat.eot_ids else self.ids
+        stable = self._stable(self.chat.tok.decode(upto, skip_special_tokens=self.skip_special))
+        if not stable.startswith(self.sent):
+            self._frozen = True
+            return ""
+        new, self.sent = stable[len(self.sent) :], stable
+        return new
+
+    def rest(self, final: str) -> str:
+        """What is left to send of the finished content ``final``."""
+        if final.startswith(self.sent):
+            return final[len(self.sent) :]
+        log.warning("streamed text %r is not a prefix of the final content %r", self.sent, final)
+        return ""
+
+    def _stable(self, text: str) -> str:
+        text = text.rstrip("\ufffd")
+        cut = len(text)
+        for stop in self.stops:
+            at = text.find(stop)
+            cut = min(cut, at if at >= 0 else len(text) - _partial_tail(text, stop))
+        if self.tool_format == "hermes":
+            if not text[:1].strip():
+                return ""
+            at = text.find(_TOOL_OPEN)
+            cut = min(cut, at if at >= 0 else len(text) - _partial_tail(text, _TOOL_OPEN))
+        elif self.tool_format is not None:  # llama3: a call is the whole message, a JSON object
+            head = text.lstrip()
+            if not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
+                return ""
+        return text[:cut].rstrip()
+
+
+class Generations:
+    """The ``n`` generations of one streamed request, their tokens arriving on one queue as
+    ``(choice index, ids)``, and ``(choice index, None)`` once that generation ended."""
+
+    def __init__(self, start: Callable[[int, Callable[[list[int], list[float]], None]], Any], n: int) -> None:
+        self.queue: asyncio.Queue[tuple[int, list[int] | None]] = asyncio.Queue()
+        self.tasks: list[asyncio.Future] = []
+        for i in range(n):
+            task = asyncio.ensure_future(start(i, functools.partial(self._tokens, i)))
+            task.add_done_callback(functools.partial(self._ended, i))
+            self.tasks.append(task)
+
+    def _tokens(self, i: int, ids: list[int], logprobs: list[float]) -> None:
+        self.queue.put_nowait((i, list(ids)))
+
+    def _ended(self, i: int, task: asyncio.Future) -> None:
+        self.queue.put_nowait((i, None))
+
+    async def first(self) -> tuple[int, list[int] | None]:
+        """The first arrival; raises the :class:`OpenAIError` of a generation that failed before any token
+        (the others cancelled)."""
+        try:
+            item = await self.queue.get()
+        except BaseException:
+            self.cancel()
+            raise
+        i, ids = item
+        if ids is None and (err := self.error(i)) is not None:
+            self.cancel()
+            raise err
+        return item
+
+    def error(self, i: int) -> BaseException | None:
+        """What generation ``i`` (ended) raised, if anything."""
+        t = self.tasks[i]
+        return asyncio.CancelledError() if t.cancelled() else t.exception()
+
+    def cancel(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+def error_event(err: BaseException) -> dict[str, Any]:
+    if isinstance(err, OpenAIError):
+        return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    log.error("streamed generation failed", exc_info=err)
+    return {"error": {"message": f"{type(err).__name__}: {err}", "type": "server_error", "code": None}}
+
+
+class Events:
+    """A streamed answer's data items as they are produced; :meth:`aclose` (the client went away) also
+    cancels its generations, whether or not anything was read."""
+
+    def __init__(self, items: AsyncGenerator[Any, None], gens: Generations) -> None:
+        self._items = items
+        self._gens = gens
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        self._gens.cancel()
+        await self._items.aclose()
+
+
+def chat_events(
+    gens: Generations,
+    first: tuple[int, list[int] | None],
+    head: dict[str, Any],
+    texts: list[StableText],
+    finish: Callable[[int, Any], dict[str, Any]],
+    usage: Callable[[list[Any]], dict[str, Any] | None],
+) -> Events:
+    """The chunk sequence of a streamed chat completion (see the module docstring). ``finish(i, gen)``
+    is the finished choice (``message``, ``logprobs``, ``finish_reason``) of generation ``i``; ``usage``
+    the usage chunk's body for all of them, or None when it was not asked for."""
+    return Events(_chat_items(gens, first, head, texts, finish, usage), gens)
+
+
+def completion_events(
+    gens: Generations,
+    first: tuple[int, list[int] | None],
+    head: dict[str, Any],
+    texts: list[StableText],
+    finish: Callable[[int, Any], dict[str, Any]],
+    usage: Callable[[list[Any]], dict[str, Any] | None],
+) -> Events:
+    """The chunk sequence of a streamed text completion: text deltas, then per choice the rest of its
+    text and its ``finish_reason`` with its ``logprobs``; usage; ``[DONE]``."""
+    return Events(_completion_items(gens, first, head, texts, finish, usage), gens)
+
+
+async def _chat_items(
+    gens: Generations,
+    first: tuple[int, list[int] | None],
+    head: dict[str, Any],
+    texts: list[StableText],
+    finish: Callable[[int, Any], dict[str, Any]],
+    usage: Callable[[list[Any]], dict[str, Any] | None],
+) -> AsyncGenerator[Any, None]:
+    head = {**head, "object": "chat.completion.chunk"}
+    done: list[Any] = [None] * len(texts)
+
+    def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None, **extra}]}
+
+    try:
+        for i in range(len(texts)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, ids in _arrivals(gens, first, len(texts)):
+            if ids is not None:
+                if new := texts[i].push(ids):
+                    yield chunk(i, {"content": new})
+                continue
+            if (err := gens.error(i)) is not None:
+                yield error_event(err)
+                return
+            done[i] = gens.tasks[i].result()
+            c = finish(i, done[i])
+            msg = c["message"]
+            if rest := texts[i].rest(msg.get("content") or ""):
+                yield chunk(i, {"content": rest})
+            for k, call in enumerate(msg.get("tool_calls") or []):
+                yield chunk(i, {"tool_calls": [{"index": k, **call}]})
+            yield chunk(i, {}, finish_reason=c["finish_reason"], logprobs=c["logprobs"])
+        if (body := usage(done)) is not None:
+            yield {**head, "choices": [], "usage": body}
+        yield "[DONE]"
+    finally:
+        gens.cancel()
+
+
+async def _completion_items(
+    gens: Generations,
+    first: tuple[int, list[int] | None],
+    head: dict[str, Any],
+    texts: list[StableText],
+    finish: Callable[[int, Any], dict[str, Any]],
+    usage: Callable[[list[Any]], dict[str, Any] | None],
+) -> AsyncGenerator[Any, None]:
+    head = {**head, "object": "text_completion"}
+    done: list[Any] = [None] * len(texts)
+
+    def chunk(i: int, text: str, logprobs: Any = None, finish_reason: str | None = None) -> dict[str, Any]:
+        c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**head, "choices": [c]}
+
+    try:
+        async for i, ids in _arrivals(gens, first, len(texts)):
+            if ids is not None:
+                if new := texts[i].push(ids):
+                    yield chunk(i, new)
+                continue
+            if (err := gens.error(i)) is not None:
+                yield error_event(err)
+                return
+            done[i] = gens.tasks[i].result()
+            c = finish(i, done[i])
+            yield chunk(i, texts[i].rest(c["text"]), c["logprobs"], c["finish_reason"])
+        if (body := usage(done)) is not None:
+            yield {**head, "choices": [], "usage": body}
+        yield "[DONE]"
+    finally:
+        gens.cancel()
+
+
+async def _arrivals(
+    gens: Generations, first: tuple[int, list[int] | None], n: int
+) -> AsyncIterator[tuple[int, list[int] | None]]:
+    """``first``, then the queue's items until all ``n`` generations ended."""
+    item, left = first, n
+    while True:
+        yield item
+        if item[1] is None:
+            left -= 1
+            if left == 0:
+                return
+        item = await gens.queue.get()
+
+
+__all__ = ["Events", "Generations", "StableText", "chat_events", "completion_events", "error_event"]
