@@ -3,11 +3,14 @@ of two embedded engines: the orchestrator runs through it on the native ``/gener
 on the OpenAI path (an openai-SDK agent through the recording proxy); pause/continue and weight updates
 reach both workers. The router (0.3.2) answers 404 to /pause_generation, /continue_generation,
 /abort_request and the weight-update endpoints, so EngineClient(router=True) sends those to the workers
-it lists at GET /workers."""
+it lists at GET /workers. Last, the main job itself (``python train_async.py``) trains two steps through
+the router with ``engine.router``: an openai-SDK agent through the recording proxy, the proxy's
+``/generate`` through the router, weights broadcast to both workers."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +30,7 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env
+from agentrl.metrics import read_metrics
 from agentrl.rollout import Orchestrator, RolloutConfig
 from agentrl.rollout.ray_actor import OrchestratorSpec
 from agentrl.run_config import RunConfig
@@ -48,7 +52,10 @@ def cluster(tiny_model_dir: Path):
     port = free_port()
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *[w.url for w in workers], "--log-level", "error"],
+         "--worker-urls", *[w.url for w in workers], "--log-level", "error",
+         # round robin: every test's traffic reaches both workers (the default, cache_aware, sends prompts
+         # sharing a chat-template prefix to one worker until it is loaded)
+         "--policy", "round_robin"],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -177,3 +184,53 @@ async def test_a_run_config_with_a_router_reaches_its_workers(cluster, tiny_mode
         await monitor.update_weight_version("default")
         await monitor.close()
         await orch.engine.close()
+
+
+RUN = """output_dir: {out}
+model_path: {model}
+steps: 2
+data: {{path: {data}}}
+env: {{name: "agentrl.examples.openai_agent:agent", kwargs: {{max_calls: 2}}}}
+engine: {{backend: external, urls: ["{router}"], router: true}}
+placement: disaggregated
+weight_sync: distributed
+rollout: {{group_size: 2, batch_size: 2, max_staleness: 1, max_concurrency: 8, max_turns: 2,
+          max_total_tokens: 400, sampling: {{temperature: 1.0, max_new_tokens: 12}},
+          filter_zero_variance: false}}
+trainer: {{device: cpu, micro_batch_size: 4}}
+"""
+
+
+@pytest.mark.slow
+async def test_train_async_trains_through_the_router(cluster, tiny_model_dir, tmp_path):
+    """Two steps of the real main job with ``engine: {backend: external, urls: [router], router: true}``:
+    the rollout generates through the router on both workers, and each step's weights reach both."""
+    url, workers = cluster
+    before = [i["prompt_tokens"] for i in await worker_info(workers)]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} plus 2?", "label": i + 2}) + "\n" for i in range(16))
+    )
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(RUN.format(out=tmp_path / "run", model=tiny_model_dir, data=data, router=url))
+    root = Path(__file__).resolve().parent.parent
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "train_async.py", "--config", str(cfg), cwd=root,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 300)
+        assert proc.returncode == 0, f"train_async failed:\n{out.decode()[-5000:]}"
+        train = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "policy_version" in r]
+        assert [r["policy_version"] for r in train] == [1, 2]
+        assert all(r["batch/staleness_max"] <= 1 for r in train)
+        infos = await worker_info(workers)
+        assert [i["weight_version"] for i in infos] == ["2", "2"]  # every step's weights reached both
+        assert all(i["paused"] is None for i in infos)
+        assert all(i["prompt_tokens"] > b for i, b in zip(infos, before, strict=True)), "one worker only"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        async with EngineClient([w.url for w in workers], timeout=60) as direct:  # the original weights back
+            await direct.update_weights_from_disk(str(tiny_model_dir), weight_version="default")
