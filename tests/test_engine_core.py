@@ -244,6 +244,31 @@ async def test_aborts_and_retraction_free_every_slot(tiny_model_dir: Path) -> No
         assert all(math.isfinite(x) and x <= 0 for x in r.logprobs)
 
 
+async def test_token_stream_yields_every_token_as_sampled_and_closing_aborts(tiny_model_dir: Path) -> None:
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0)  # same path: same bits
+    seeded = RequestSampling(temperature=1.0, max_new_tokens=30, sampling_seed=4, ignore_eos=True)
+    whole = await engine.generate(list(range(40, 60)), seeded, "whole")
+    stream = engine.stream(list(range(40, 60)), seeded, "streamed")
+    deltas = [d async for d in stream]
+    assert len(deltas) > 1 and stream.record is not None
+    assert [t for d in deltas for t in d.ids] == stream.record.output_ids == whole.output_ids
+    assert [x for d in deltas for x in d.logprobs] == stream.record.logprobs == whole.logprobs
+
+    long = engine.stream(list(range(40, 60)), _greedy(2000), "long")
+    first = await anext(long)
+    assert first.ids and engine.num_running == 1  # the first tokens came while the request runs
+    before = engine.stats["decode_steps"]
+    await long.aclose()
+    for _ in range(2000):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert engine.num_running == 0 and not engine.scheduler.in_flight
+    assert engine.stats["decode_steps"] - before < 1000  # aborted, not run to its 2,000 tokens
+    with pytest.raises(StopAsyncIteration):
+        await anext(long)
+
+
 async def test_context_limit_is_a_clear_error(tiny_model_dir: Path) -> None:
     from agentrl.engine.sampling import EngineBadRequest
 

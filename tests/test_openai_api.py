@@ -188,7 +188,14 @@ async def test_streaming_matches_non_streaming(client):
         whole.choices[0].message.tool_calls[0].function.arguments
     )
     # sampled, two choices: the concatenated deltas are the non-streamed content, choice by choice
-    kw = dict(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=60, seed=3, n=2)
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=60,
+        seed=3,
+        n=2,
+        extra_body={"ignore_eos": True},  # 60 tokens each, whatever is sampled
+    )
     texts, deltas = ["", ""], 0
     async for chunk in await client.chat.completions.create(**kw, temperature=1.0, stream=True):
         for c in chunk.choices:

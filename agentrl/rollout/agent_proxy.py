@@ -41,6 +41,7 @@ import json
 import logging
 import socket
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -433,7 +434,7 @@ class _AnswerStream(httpx.AsyncByteStream):
     def __init__(self, ans: Answer) -> None:
         self.ans = ans
 
-    async def __aiter__(self):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
         async for data in self.ans.chunks():
             yield data
 
