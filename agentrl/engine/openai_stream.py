@@ -32,6 +32,7 @@ from agentrl.rollout.tokenize import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
+_WINDOW = 32  # tokens decoded again on every push at most twice this (see StableText._decoded)
 _TOOL_OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -47,8 +48,10 @@ def _partial_tail(text: str, marker: str) -> int:
 class StableText:
     """Incremental detokenization of one completion: the part of its text that later tokens cannot change.
 
-    Each :meth:`push` decodes all ids so far the way the final answer does and returns the new part of
-    the stable prefix. Held back: a trailing incomplete character (U+FFFD of a multi-byte piece),
+    Each :meth:`push` decodes the ids so far the way the final answer does and returns the new part of
+    the stable prefix. (Only the last few dozen ids are decoded again: the text before them is kept
+    once decoding it alone was checked to give the same text, so a long stream costs linear time.)
+    Held back: a trailing incomplete character (U+FFFD of a multi-byte piece),
     trailing whitespace (a later piece may merge with it, or a tool call strip it), an end-of-turn
     token at the end (not part of the message if the model stops on it), a stop string or a tail that
     could begin one (the answer is trimmed there), and, when tool calls are parsed (``tool_format``),
@@ -63,19 +66,36 @@ class StableText:
         self.tool_format = tool_format
         self.ids: list[int] = []
         self.sent = ""
+        self._head_ids = 0  # ids[:_head_ids] decode to _head_text whatever follows them
+        self._head_text = ""
         self._frozen = False  # the stable text once disagreed with what was sent: wait for the end
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
         if self._frozen:
             return ""
-        upto = self.ids[:-1] if self.ids and self.ids[-1] in self.chat.eot_ids else self.ids
-        stable = self._stable(self.chat.tok.decode(upto, skip_special_tokens=self.skip_special))
+        n = len(self.ids) - (1 if self.ids and self.ids[-1] in self.chat.eot_ids else 0)
+        stable = self._stable(self._decoded(n))
         if not stable.startswith(self.sent):
             self._frozen = True
             return ""
         new, self.sent = stable[len(self.sent) :], stable
         return new
+
+    def _decoded(self, n: int) -> str:
+        """The text of ``ids[:n]``: the kept head, then the ids after it decoded again. The head moves on
+        to ``n - _WINDOW`` once that many ids pile up after it, if decoding the two parts apart gives the
+        text of decoding them together."""
+        ids, head = self.ids, self._head_ids
+        if n - head >= 2 * _WINDOW:
+            cut = n - _WINDOW
+            part = self._decode(ids[head:cut])
+            if not part.endswith("\ufffd") and part + self._decode(ids[cut:n]) == self._decode(ids[head:n]):
+                self._head_ids, self._head_text = cut, self._head_text + part
+        return self._head_text + self._decode(ids[self._head_ids : n])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.chat.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def rest(self, final: str) -> str:
         """What is left to send of the finished content ``final``."""
