@@ -41,7 +41,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -70,7 +70,13 @@ class SFTConfig(ConfigModel):
 
     steps: int = Field(300, ge=0, description="optimizer steps")
     batch_size: int = Field(16, ge=1, description="demonstrations per step")
-    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (cosine decay, 5% warm-up)")
+    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (5% warm-up, then the schedule)")
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine",
+        description="after the warm-up: cosine decay to 0, or wsd (the peak rate held, then a linear decay to "
+        "0 over the last decay_fraction of the steps)",
+    )
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_demos: int = Field(30000, ge=1, description="demonstrations kept at most (a random subset)")
     practice_worlds: int = Field(20, ge=1, description="practice worlds the demonstrations come from")
@@ -250,6 +256,9 @@ def sft(
     def lr_at(step: int) -> float:
         if step < warm:
             return cfg.lr * (step + 1) / warm
+        if cfg.schedule == "wsd":
+            decay = max(1, round(cfg.decay_fraction * cfg.steps))
+            return cfg.lr * min(1.0, (cfg.steps - step) / decay)
         return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -47,6 +47,15 @@ class RetrievalConfig(ConfigModel):
     topk: int = Field(3, ge=1, description="passages per search")
 
 
+class PassAtKConfig(ConfigModel):
+    """After the run: greedy exact match and pass@k of the warm start and of the final policy, in process
+    (:mod:`.evaluate`) on the held-out tasks the run evaluates, written to ``summary.json``."""
+
+    k: int = Field(8, ge=1, description="samples per task")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of those samples")
+    seed: int = Field(0, description="sampling seed")
+
+
 class SearchR1Config(RunConfig):
     """A Search-R1 run: the generic run config plus the demo's bootstrap and retrieval sections."""
 
@@ -63,6 +72,9 @@ class SearchR1Config(RunConfig):
     data: SearchR1DataConfig = Field(default_factory=SearchR1DataConfig, description="tasks and corpus")
     env: EnvConfig = Field(default_factory=lambda: EnvConfig(name="search"), description="the search env")
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig, description="retrieval server")
+    pass_at_k: PassAtKConfig | None = Field(
+        None, description="pass@k of the warm start and the final policy after the run (null: skip)"
+    )
 
     @model_validator(mode="after")
     def _needs_bootstrap(self) -> SearchR1Config:
@@ -125,9 +137,10 @@ class SearchR1Recipe(DefaultRecipe):
         if world is not None:
             data = str(world) if data == "auto" else data
             corpus = str(world / "corpus.jsonl") if corpus == "auto" else corpus
-        self.corpus = corpus
+        self.corpus, self.model_dir = corpus, model
         train = load_tasks(data, cfg.data.train_split, limit=cfg.data.max_train_tasks)
         test = load_tasks(data, cfg.data.test_split, limit=cfg.eval.num_tasks)
+        self.eval_tasks = test
         return Prepared(model, train, test)  # type: ignore[arg-type]  # Task is a TypedDict
 
     def start_services(self, services: list[Any]) -> dict[str, Any]:
@@ -165,4 +178,34 @@ class SearchR1Recipe(DefaultRecipe):
         plot_run(history, evals, out / "reward_em.png", behaviour_panel if searches else None)
         print_summary(summary_rows(result, history, out, "reward_em.png"))
         before, after = result.get("eval_before", {}), result.get("eval_after", {})
+        if self.cfg.pass_at_k is not None:
+            result["pass_at_k"] = self.pass_at_k(out)
         return {"em_before": before.get(EXACT_MATCH, nan), "em_after": after.get(EXACT_MATCH, nan), **result}
+
+    def pass_at_k(self, out: Path) -> dict[str, dict[str, float]]:
+        """Greedy exact match and pass@k of the warm start and of the final checkpoint (see
+        :class:`PassAtKConfig`); the final weights are written as an HF dir to ``<output_dir>/final_hf``."""
+        from .evaluate import checkpoint_to_hf, evaluate_model
+
+        cfg, p = self.cfg, self.cfg.pass_at_k
+        assert p is not None
+        kw = dict(
+            k=p.k,
+            temperature=p.temperature,
+            topk=cfg.retrieval.topk,
+            max_turns=int(cfg.env.kwargs.get("max_turns", 4)),
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+            seed=p.seed,
+        )
+        final = checkpoint_to_hf(out / "checkpoints", self.model_dir, out / "final_hf")
+        figures = {
+            name: evaluate_model(model, self.corpus, self.eval_tasks, **kw)  # type: ignore[arg-type]
+            for name, model in (("warm_start", self.model_dir), ("final", final))
+        }
+        for name, f in figures.items():
+            print(
+                f"{name}: greedy exact match {f['greedy_em']:.3f}, pass@{p.k} {f[f'pass@{p.k}']:.3f} "
+                f"(temperature {p.temperature}, {f['tasks']:.0f} held-out tasks)",
+                flush=True,
+            )
+        return figures
