@@ -240,6 +240,19 @@ def main() -> None:
         action="store_true",
         help="also train a long-tail batch (lognormal response lengths, same total tokens) padded and packed",
     )
+    p.add_argument(
+        "--old-logprobs",
+        default="auto",
+        choices=["auto", "recompute"],
+        help="TrainerConfig.old_logprobs (recompute: a separate π_old pass even with one optimizer step)",
+    )
+    p.add_argument(
+        "--compile-kernels",
+        default=None,
+        choices=["on", "off"],
+        help="TrainerConfig.compile_kernels (default: on CUDA)",
+    )
+    p.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
     p.add_argument("--skip-sync", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     a = p.parse_args()
@@ -269,6 +282,9 @@ def main() -> None:
             logprob_chunk_tokens=a.logprob_chunk,
             max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
             pack_sequences=a.pack,
+            old_logprobs=a.old_logprobs,
+            compile_layers=a.compile_layers,
+            compile_kernels=None if a.compile_kernels is None else a.compile_kernels == "on",
         )
         trainer = MegatronTrainer(cfg)
         vocab = min(trainer.arch.vocab_size, 150000)
@@ -305,6 +321,9 @@ def main() -> None:
             "logprob_chunk_tokens": a.logprob_chunk,
             "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
             "pack_sequences": a.pack,
+            "old_logprobs": a.old_logprobs,
+            "compile_layers": a.compile_layers,
+            "compile_kernels": a.compile_kernels or ("on" if cuda else "off"),
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         }
         peak = a.peak_tflops or next(
@@ -317,16 +336,20 @@ def main() -> None:
         if a.long_tail:
             result["long_tail"] = long_tail(trainer, a, batch, plen, rlen, vocab)
         if not a.skip_baseline:
-            hf_rate = hf_baseline(
-                model_dir,
-                trajs,
-                a.micro_batch_size,
-                f"cuda:{trainer.device.index}" if cuda else "cpu",
-                getattr(torch, dtype),
-                max(1, a.steps - 1),
-            )
-            result["hf_baseline_tokens_per_s"] = hf_rate
-            result["megatron_over_hf"] = update_rate / hf_rate
+            try:
+                hf_rate = hf_baseline(
+                    model_dir,
+                    trajs,
+                    a.micro_batch_size,
+                    f"cuda:{trainer.device.index}" if cuda else "cpu",
+                    getattr(torch, dtype),
+                    max(1, a.steps - 1),
+                )
+            except torch.OutOfMemoryError:  # transformers keeps full fp32 logits: a baseline's own limit
+                result["hf_baseline_error"] = f"out of memory at micro-batch {a.micro_batch_size}"
+            else:
+                result["hf_baseline_tokens_per_s"] = hf_rate
+                result["megatron_over_hf"] = update_rate / hf_rate
         if not a.skip_sync:
             result.update(asyncio.run(weight_sync(trainer, model_dir, engine_device, dtype, work, 16)))
             result["engine_device"] = engine_device

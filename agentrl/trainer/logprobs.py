@@ -1,14 +1,18 @@
 """Token logprobs and entropy from vocabulary-parallel logits, without gathering the vocabulary.
 
 Each tensor-parallel rank holds logits for the vocabulary rows ``[vocab_start, vocab_start + V_local)``
-(the last rank may hold padding rows past the true vocabulary; they are cut off here). Forward all-reduces
-three small ``[N]`` tensors (max, Σexp, target logit, Σp·logit); backward is local, because every TP rank
-computes the same loss from the same reduced values (an autograd all-reduce would count the gradient
-``tp`` times). With no group (TP = 1) it is an ordinary log-softmax.
+(the last rank may hold padding rows past the true vocabulary; they are cut off here). Forward reads the
+logits twice (row max, then Σexp, the target's logit and Σexp·logit in one pass) and all-reduces ``[N]``
+and ``[3, N]``; it keeps three fp32 numbers per token, never the softmax. Backward recomputes the softmax
+from the logits and those numbers; it is local, because every TP rank computes the same loss from the same
+reduced values (an autograd all-reduce would count the gradient ``tp`` times). With no group (TP = 1) it
+is an ordinary log-softmax. The three local functions are plain tensor code; with ``compiled`` (the
+trainer's ``compile_kernels``, on CUDA by default) torch.compile fuses each into a kernel or two, so the
+fp32 math runs in registers over the bf16 logits.
 
 **Chunked head** (:class:`ModelLogprobs` with ``chunk_tokens``): the model returns its final hidden
 states instead of logits, and :class:`_ChunkedHeadLogprobs` applies the LM head ``chunk_tokens`` tokens at
-a time, keeping only three fp32 numbers per token; backward recomputes each chunk's logits. No
+a time; backward recomputes each chunk's logits. No
 ``[tokens, vocabulary]`` fp32 tensor lives longer than one chunk (the 151k-vocabulary logits of one
 micro-batch of 4 x 1k tokens are 2.5 GB per fp32 copy), for one extra LM-head matmul per chunk.
 """
@@ -31,52 +35,89 @@ def _all_reduce(t: Tensor, op: Any, group: Any) -> Tensor:
     return t
 
 
-def _softmax_stats(logits: Tensor, target: Tensor, vocab_start: int, group: Any) -> tuple[Tensor, ...]:
-    """Of fp32 ``logits`` [N, V_local] (this rank's vocabulary rows) and global ``target`` ids, reduced over
-    the TP group: ``(row max, log Σexp, target logit, p, shifted, E_p[shifted], idx, inside)`` with
-    ``shifted`` = logits - row max, ``idx`` the local target index (clamped) and ``inside`` whether this rank holds it."""
-    m = logits.max(dim=-1).values
-    _all_reduce(m, dist.ReduceOp.MAX, group)
-    shifted = logits - m[:, None]
+# ---- the local math: plain tensor functions, fused by torch.compile when ``compiled`` ----------------
+# Each reads one chunk of logits (any float dtype) and computes in fp32, so no fp32 [N, V] copy, no
+# softmax and no shifted logits are ever stored; backward recomputes them from the three row statistics.
+def _row_max(logits: Tensor) -> Tensor:
+    return logits.float().amax(dim=-1)
+
+
+def _exp_sums(logits: Tensor, m: Tensor, idx: Tensor, inside: Tensor) -> Tensor:
+    """``[3, N]``: Σ exp(l - m), the target's l - m (0 where this rank does not hold it), Σ exp(l - m)(l - m)."""
+    shifted = logits.float() - m[:, None]
     e = shifted.exp()
-    s = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group)
-    local = target - vocab_start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    idx = local.clamp(0, logits.shape[-1] - 1)
-    tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(m))
-    _all_reduce(tgt, dist.ReduceOp.SUM, group)
-    p = e / s[:, None]
-    mean_shifted = _all_reduce((p * shifted).sum(-1), dist.ReduceOp.SUM, group)
-    return m, s.log(), tgt, p, shifted, mean_shifted, idx, inside
+    tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), 0.0)
+    return torch.stack([e.sum(-1), tgt, (e * shifted).sum(-1)])
 
 
 def _logits_grad(
-    p: Tensor, shifted: Tensor, mean_shifted: Tensor, idx: Tensor, inside: Tensor, g_lp: Tensor, g_ent: Tensor
+    logits: Tensor,
+    m: Tensor,
+    log_s: Tensor,
+    mean_shifted: Tensor,
+    idx: Tensor,
+    inside: Tensor,
+    g_lp: Tensor,
+    g_ent: Tensor,
 ) -> Tensor:
-    """Gradient w.r.t. the logits of ``g_lp · logprob + g_ent · entropy`` (local: every TP rank computes
-    the same loss from the same reduced values)."""
+    """Gradient w.r.t. ``logits`` (in their dtype) of ``g_lp · logprob + g_ent · entropy``. Local: every TP
+    rank computes the same loss from the same reduced statistics."""
     # d logprob / d l_j = 1[j = target] - p_j ;  d H / d l_j = -p_j (l_j - E_p[l])
-    grad = -p * g_lp[:, None]
-    grad.scatter_add_(-1, idx[:, None], (g_lp * inside.to(grad.dtype))[:, None])
-    grad -= g_ent[:, None] * p * (shifted - mean_shifted[:, None])
-    return grad
+    shifted = logits.float() - m[:, None]
+    p = (shifted - log_s[:, None]).exp()
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    hit = (cols[None, :] == idx[:, None]) & inside[:, None]
+    grad = torch.where(hit, g_lp[:, None], 0.0) - p * (
+        g_lp[:, None] + g_ent[:, None] * (shifted - mean_shifted[:, None])
+    )
+    return grad.to(logits.dtype)
+
+
+_KERNELS = {f.__name__: f for f in (_row_max, _exp_sums, _logits_grad)}
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernel(name: str, compiled: bool) -> Any:
+    """The local function ``name``, compiled once per process (dynamic shapes: chunks vary) when asked."""
+    if not compiled:
+        return _KERNELS[name]
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(_KERNELS[name], dynamic=True)
+    return _COMPILED[name]
+
+
+def _target_index(target: Tensor, vocab_start: int, v_local: int) -> tuple[Tensor, Tensor]:
+    """This rank's (clamped) column of each target, and whether the rank holds it."""
+    local = target - vocab_start
+    return local.clamp(0, v_local - 1), (local >= 0) & (local < v_local)
+
+
+def _softmax_stats(
+    logits: Tensor, idx: Tensor, inside: Tensor, group: Any, compiled: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(row max, log Σexp, target logit - max, E_p[logit - max])`` of ``logits`` [N, V_local] (this rank's
+    vocabulary columns), reduced over the TP group: a MAX all-reduce of ``[N]`` and a SUM of ``[3, N]``."""
+    m = _all_reduce(_kernel("_row_max", compiled)(logits), dist.ReduceOp.MAX, group)
+    sums = _all_reduce(_kernel("_exp_sums", compiled)(logits, m, idx, inside), dist.ReduceOp.SUM, group)
+    return m, sums[0].log(), sums[1], sums[2] / sums[0]
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: Any
+        ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: Any, compiled: bool
     ) -> tuple[Tensor, Tensor]:
-        # logits [N, V_local] fp32, target [N] global ids
-        _, log_s, tgt, p, shifted, mean_shifted, idx, inside = _softmax_stats(
-            logits, target, vocab_start, group
-        )
-        ctx.save_for_backward(p, shifted, mean_shifted, idx, inside)
+        # logits [N, V_local] (any float dtype), target [N] global ids
+        idx, inside = _target_index(target, vocab_start, logits.shape[-1])
+        m, log_s, tgt, mean_shifted = _softmax_stats(logits, idx, inside, group, compiled)
+        ctx.save_for_backward(logits, m, log_s, mean_shifted, idx, inside)
+        ctx.compiled = compiled
         return tgt - log_s, log_s - mean_shifted
 
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:
-        return _logits_grad(*ctx.saved_tensors, g_lp, g_ent), None, None, None
+        grad = _kernel("_logits_grad", ctx.compiled)(*ctx.saved_tensors, g_lp, g_ent)
+        return grad, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -85,24 +126,21 @@ def vocab_parallel_logprobs(
     true_vocab_size: int,
     tp_rank: int = 0,
     tp_group: Any = None,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(logprob of target, entropy)`` with the shape of ``target``; ``logits`` is ``[..., V_local]``.
+    """``(logprob of target, entropy)`` in fp32 with the shape of ``target``; ``logits`` is ``[..., V_local]``.
 
-    Computation is in fp32 whatever the logits' dtype.
+    Computation is in fp32 whatever the logits' dtype (``compiled``: fused by torch.compile).
     """
     v_local = logits.shape[-1]
     vocab_start = tp_rank * v_local
     valid = max(0, min(v_local, true_vocab_size - vocab_start))
-    lg = (
-        logits[..., :valid].float().reshape(-1, valid)
-        if valid < v_local
-        else logits.float().reshape(-1, v_local)
-    )
     if valid == 0:
         raise ValueError(
             f"TP rank {tp_rank} holds only vocabulary padding; lower make_vocab_size_divisible_by"
         )
-    lp, ent = _VocabParallelLogprobs.apply(lg, target.reshape(-1), vocab_start, tp_group)
+    lg = logits[..., :valid].reshape(-1, valid)
+    lp, ent = _VocabParallelLogprobs.apply(lg, target.reshape(-1), vocab_start, tp_group, compiled)
     return lp.reshape(target.shape), ent.reshape(target.shape)
 
 
@@ -119,42 +157,42 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         valid: int,
         group: Any,
         chunk: int,
+        compiled: bool,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)  # m, log Σexp, E_p[shifted]
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        idx, inside = _target_index(target, vocab_start, valid)
+        w = weight[:valid]
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            logits = (hidden[a:b] @ weight[:valid].T).float()
-            m, log_s, tgt, _, _, mean_shifted, _, _ = _softmax_stats(logits, target[a:b], vocab_start, group)
+            m, log_s, tgt, mean_shifted = _softmax_stats(
+                hidden[a:b] @ w.T, idx[a:b], inside[a:b], group, compiled
+            )
             stats[0, a:b], stats[1, a:b], stats[2, a:b] = m, log_s, mean_shifted
             lp[a:b] = tgt - log_s
-        ctx.save_for_backward(hidden, weight, target, stats)
-        ctx.vocab_start, ctx.valid, ctx.chunk = vocab_start, valid, chunk
+        ctx.save_for_backward(hidden, weight, idx, inside, stats)
+        ctx.valid, ctx.chunk, ctx.compiled = valid, chunk, compiled
         return lp, stats[1] - stats[2]
 
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, target, stats = ctx.saved_tensors
-        valid, n = ctx.valid, hidden.shape[0]
-        w = weight[:valid]
+        hidden, weight, idx, inside, stats = ctx.saved_tensors
+        n, w = hidden.shape[0], weight[: ctx.valid]
+        logits_grad = _kernel("_logits_grad", ctx.compiled)
         grad_hidden = torch.empty_like(hidden)
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for a in range(0, n, ctx.chunk):
             b = min(n, a + ctx.chunk)
-            logits = (hidden[a:b] @ w.T).float()
-            shifted = logits - stats[0, a:b, None]
-            p = (shifted - stats[1, a:b, None]).exp()
-            local = target[a:b] - ctx.vocab_start
-            inside = (local >= 0) & (local < valid)
-            grad = _logits_grad(
-                p, shifted, stats[2, a:b], local.clamp(0, valid - 1), inside, g_lp[a:b], g_ent[a:b]
+            r = slice(a, b)
+            grad = logits_grad(
+                hidden[r] @ w.T, stats[0, r], stats[1, r], stats[2, r], idx[r], inside[r], g_lp[r], g_ent[r]
             ).to(hidden.dtype)
-            grad_hidden[a:b] = grad @ w
-            grad_w += (grad.T @ hidden[a:b]).float()
+            grad_hidden[r] = grad @ w
+            grad_w += (grad.T @ hidden[r]).float()
         grad_weight = torch.zeros_like(weight)
-        grad_weight[:valid] = grad_w.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        grad_weight[: ctx.valid] = grad_w.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class _ForwardOverride:
@@ -208,15 +246,23 @@ class ModelLogprobs:
     in chunks of that many tokens inside the loss (see the module docstring)."""
 
     def __init__(
-        self, vocab_size: int, tp_rank: int = 0, tp_group: Any = None, chunk_tokens: int | None = None
+        self,
+        vocab_size: int,
+        tp_rank: int = 0,
+        tp_group: Any = None,
+        chunk_tokens: int | None = None,
+        compiled: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         self.tp_rank = tp_rank
         self.tp_group = tp_group
         self.chunk_tokens = chunk_tokens
+        self.compiled = compiled
 
     def from_logits(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        return vocab_parallel_logprobs(logits, targets, self.vocab_size, self.tp_rank, self.tp_group)
+        return vocab_parallel_logprobs(
+            logits, targets, self.vocab_size, self.tp_rank, self.tp_group, self.compiled
+        )
 
     def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """One forward of ``model`` (positions ``0..s-1`` on every row, no attention mask: causal)."""
@@ -272,6 +318,7 @@ class ModelLogprobs:
             valid,
             self.tp_group,
             self.chunk_tokens,
+            self.compiled,
         )
         return lp.reshape(targets.shape), ent.reshape(targets.shape)
 

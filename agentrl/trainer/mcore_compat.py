@@ -1,4 +1,5 @@
-"""The one place where agentrl bends megatron-core so that it runs on CPU (gloo) as well as on GPU.
+"""The one place where agentrl bends megatron-core: so that it runs on CPU (gloo) as well as on GPU, and
+so that torch.compile sees whole transformer layers.
 
 megatron-core is written for CUDA. The parts agentrl uses (``GPTModel`` with the local layer spec,
 tensor-parallel linears/embeddings, ``parallel_state``) run unchanged on CPU except for these spots, and
@@ -23,9 +24,17 @@ What is *not* patched, and therefore stays GPU-only: megatron's ``DistributedDat
 distributed optimizer (CUDA streams and buffers) and the pipeline schedules (they allocate with
 ``device="cuda"`` literally). On CPU the trainer uses a plain ``torch.optim.AdamW`` with an explicit
 data-parallel gradient all-reduce and its own micro-batch loop (pipeline size 1).
+
+4. For ``compile_layers`` only (:func:`quiet_default_tp_group`): megatron's ``RowParallelLinear`` passes
+   ``tp_group=None`` to its linear op on every call, and the op's lookup of the default group then
+   issues a ``DeprecationWarning`` on rank 0. torch.compile cannot trace that call (its category argument
+   is a class), so it split every layer into several graphs there. The patch looks the group up the same
+   way, without the warning.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -49,3 +58,20 @@ def apply_cpu_patches() -> bool:
 
 def cpu_patches_active() -> bool:
     return _APPLIED
+
+
+def quiet_default_tp_group() -> None:
+    """Make the tensor-parallel layers' default-group lookup silent (point 4 above); idempotent."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    def lookup(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+        if not torch.distributed.is_initialized():
+            return None
+        if tp_group is not None or not parallel_state.is_initialized():
+            return tp_group
+        if is_expert:
+            return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+    layers.get_tensor_model_parallel_group_if_none = lookup

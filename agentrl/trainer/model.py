@@ -138,8 +138,10 @@ def transformer_config(
     pp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     recompute: bool = False,
+    fused_swiglu: bool = False,
 ) -> Any:
-    """The megatron ``TransformerConfig`` of ``arch`` for the given parallel sizes."""
+    """The megatron ``TransformerConfig`` of ``arch`` for the given parallel sizes. ``fused_swiglu``: megatron's
+    SwiGLU compiled by torch.compile (its ``bias_activation_fusion``), the one fusion without TE/apex."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = params_dtype == torch.bfloat16
@@ -165,8 +167,8 @@ def transformer_config(
         params_dtype=params_dtype,
         bf16=bf16,
         pipeline_dtype=params_dtype,
-        # the fusions need TE/apex/CUDA kernels; the local spec runs the plain torch ops
-        bias_activation_fusion=False,
+        # the other fusions need TE/apex kernels; the local spec runs the plain torch ops
+        bias_activation_fusion=fused_swiglu,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -197,11 +199,13 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     vocab_divisible_by: int = 1,
     recompute: bool = False,
+    fused_swiglu: bool = False,
+    compile_layers: bool = False,
 ) -> Any:
     """A megatron ``GPTModel`` for this rank (megatron's ``parallel_state`` must be initialized)."""
     from megatron.core.models.gpt import GPTModel
 
-    cfg = transformer_config(arch, tp, pp, params_dtype, recompute)
+    cfg = transformer_config(arch, tp, pp, params_dtype, recompute, fused_swiglu)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec(arch),
@@ -215,8 +219,22 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
+    for param in model.parameters():  # torch's norms are built in fp32; in params_dtype rms_norm runs fused
+        param.data = param.data.to(params_dtype)
     mark_tensor_parallel_params(model)
+    if compile_layers:
+        compile_transformer_layers(model)
     return model
+
+
+def compile_transformer_layers(model: torch.nn.Module) -> None:
+    """torch.compile every transformer layer in place (one graph shared by all layers; dynamic shapes, since
+    micro-batches vary in length). Parameter names and the state dict are unchanged."""
+    from agentrl.trainer.mcore_compat import quiet_default_tp_group
+
+    quiet_default_tp_group()  # a warning inside every layer would split its graph
+    for layer in model.decoder.layers:
+        layer.compile(dynamic=True)
 
 
 def mark_tensor_parallel_params(model: torch.nn.Module) -> None:

@@ -10,8 +10,10 @@ its slice):
 2. computes advantages over the whole batch (groups by ``group_id``, an episode of several rows once);
 3. splits the batch into ``num_mini_batches`` mini-batches of right-padded micro-batches (by sequence
    count or a token budget);
-4. recomputes π_old for every micro-batch with the current weights before any update (decoupled mode;
-   bypass mode uses the rollout logprobs μ), plus reference logprobs when a KL term is on;
+4. gets π_old, the current weights' logprobs (decoupled mode; bypass mode uses the rollout logprobs μ):
+   when the step makes a single optimizer step they are the update's own forward, detached (the same
+   weights, no second pass); otherwise a no-grad pass over every micro-batch before any update. Plus
+   reference logprobs when a KL term is on;
 5. runs ``ppo_epochs`` passes of one optimizer step per mini-batch (gradient accumulation over
    micro-batches with losses scaled by the mini-batch's global token / sequence counts, TP-aware
    gradient-norm clipping, AdamW, LR schedule) and returns averaged metrics.
@@ -147,6 +149,21 @@ class TrainerConfig(ConfigModel):
         description="if set, the LM head and the logprobs run this many tokens at a time inside the loss "
         "(no full fp32 [tokens, vocabulary] logits; pp = 1 only)",
     )
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto",
+        description="decoupled mode's π_old: auto takes it from the update's own forward (detached) when the "
+        "step makes one optimizer step, since π_old are then the very weights of that forward; recompute "
+        "always runs a separate no-grad pass first",
+    )
+    compile_kernels: bool | None = Field(
+        None,
+        description="torch.compile the log-softmax / entropy math (logprobs.py) and megatron's SwiGLU "
+        "(its bias_activation_fusion). None: on CUDA (compiling on CPU takes longer than it saves)",
+    )
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each transformer layer (fuses norms, RoPE, residuals; cuts launches)",
+    )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
@@ -203,8 +220,15 @@ class MegatronTrainer:
                 "pack_sequences needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
             )
 
+        self.compile_kernels = (
+            self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
+        )
         self.logprobs = ModelLogprobs(
-            self.arch.vocab_size, self.tp_rank, ps.get_tensor_model_parallel_group(), cfg.logprob_chunk_tokens
+            self.arch.vocab_size,
+            self.tp_rank,
+            ps.get_tensor_model_parallel_group(),
+            cfg.logprob_chunk_tokens,
+            self.compile_kernels,
         )
         model = self._build_model()
         self._load_initial_weights(model)
@@ -222,6 +246,13 @@ class MegatronTrainer:
         )
         self.model = self.optim.model  # inside megatron's DDP wrapper on the megatron path
 
+        # one optimizer step per train_step: π_old are the weights of the update's own forward
+        self._old_from_update = (
+            cfg.old_logprobs == "auto"
+            and cfg.num_mini_batches * cfg.ppo_epochs == 1
+            and cfg.loss.mode != "sft"
+            and cfg.loss.off_policy == "decoupled"
+        )
         self.step = 0  # train_step calls completed
         self.optimizer_steps = 0
         self.policy_version = 0  # weight syncs done; the engines' weights carry this version
@@ -237,6 +268,8 @@ class MegatronTrainer:
             params_dtype=self.params_dtype,
             vocab_divisible_by=self.cfg.vocab_divisible_by,
             recompute=self.cfg.recompute_activations,
+            fused_swiglu=self.compile_kernels,
+            compile_layers=self.cfg.compile_layers,
         )
 
     def _local_shard(self) -> dict[str, torch.Tensor]:
@@ -330,13 +363,13 @@ class MegatronTrainer:
 
         # π_old (and π_ref) with the weights of this step, before any update
         t_old = time.perf_counter()
-        need_old = lcfg.mode != "sft" and lcfg.off_policy == "decoupled"
+        need_old = lcfg.mode != "sft" and lcfg.off_policy == "decoupled" and not self._old_from_update
         with torch.no_grad():
             for mini in plan:
                 for mb in mini.micro_batches:
                     if need_old:
                         mb.old_logprobs = self._logprobs_no_grad(self.model, mb)
-                    else:
+                    elif not self._old_from_update:
                         mb.old_logprobs = mb.rollout_logprobs
                     if self.ref_model is not None:
                         mb.ref_logprobs = self._logprobs_no_grad(self.ref_model, mb)
@@ -389,9 +422,10 @@ class MegatronTrainer:
 
         def loss(mb: MicroBatch, lp_ent: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             lp, ent = lp_ent
+            old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs
             return policy_loss(
                 lp,
-                mb.old_logprobs,  # type: ignore[arg-type]
+                old,
                 mb.advantages,
                 mb.loss_mask,
                 self.cfg.loss,
