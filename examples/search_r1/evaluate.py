@@ -6,8 +6,9 @@
 (tokenized on its own, as the orchestrator does); the invalid-action message follows a turn with neither
 tag; after ``max_turns`` searching turns the next turn is the last. A sample is correct when its last
 ``<answer>`` exact-matches a gold answer (the ``exact_match`` verifier's rule). :func:`evaluate_model`
-reports greedy exact match and pass@k at a temperature (k samples per task; a task counts when any
-sample is correct), which says what RL has to work with: a task no sample solves gives GRPO no signal.
+reports greedy exact match, pass@k at a temperature (k samples per task; a task counts when any sample is
+correct), which says what RL has to work with (a task no sample solves gives GRPO no signal), and greedy
+exact match with the first action forced to ``<search>`` (what the model scores once it searches).
 
 CLI: ``python -m agentrl.examples.search_r1.evaluate --model DIR --world WORLD_DIR [--tasks 200 --k 8]``
 prints one JSON line. The demo's recipe runs it on the warm start and on the final policy
@@ -42,8 +43,12 @@ def sample_episodes(
     max_total_tokens: int = 1024,
     batch_size: int = 64,
     seed: int = 0,
+    first_action: str | None = None,
 ) -> list[list[bool]]:
-    """``samples`` episodes per task (greedy when ``temperature`` is 0); per task, which were correct."""
+    """``samples`` episodes per task (greedy when ``temperature`` is 0); per task, which were correct.
+
+    ``first_action`` (e.g. ``"<search>"``, one token) is put at the start of every response instead of being
+    sampled: what the model scores once it takes that action."""
     import torch
 
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("</search>", "</answer>")]
@@ -57,9 +62,17 @@ def sample_episodes(
                 prompt, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         )
+        forced = [tokenizer.convert_tokens_to_ids(first_action)] if first_action else []
         for _ in range(samples):
             episodes.append(
-                {"task": i, "label": task["label"], "ids": list(ids), "text": "", "turn": 0, "correct": False}
+                {
+                    "task": i,
+                    "label": task["label"],
+                    "ids": list(ids) + forced,
+                    "text": first_action or "",
+                    "turn": 0,
+                    "correct": False,
+                }
             )
     torch.manual_seed(seed)
     active = list(episodes)
@@ -92,8 +105,10 @@ def sample_episodes(
                     if t in stop_ids or t == eos:
                         break
                 text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=False)
-                ep["ids"] += new
                 ep["text"] += text
+                ep["ids"] += new
+                if ep["turn"] == 0 and first_action:
+                    text = first_action + text  # the turn's action, as the env would see it
                 if _step(ep, text, tokenizer, search_fn, max_turns, max_total_tokens):
                     still.append(ep)
         active = still
@@ -151,6 +166,9 @@ def evaluate_model(
         kw = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, search_fn=search, seed=seed)
         greedy = sample_episodes(model, tok, tasks, samples=1, temperature=0.0, **kw)
         sampled = sample_episodes(model, tok, tasks, samples=k, temperature=temperature, **kw)
+        searching = sample_episodes(
+            model, tok, tasks, samples=1, temperature=0.0, first_action="<search>", **kw
+        )
     finally:
         index.close()
     n = max(1, len(tasks))
@@ -158,6 +176,7 @@ def evaluate_model(
         "greedy_em": sum(r[0] for r in greedy) / n,
         f"pass@{k}": sum(any(r) for r in sampled) / n,
         "sample_em": sum(sum(r) for r in sampled) / max(1, n * k),
+        "greedy_em_searching": sum(r[0] for r in searching) / n,
         "tasks": float(len(tasks)),
         "seconds": time.monotonic() - t0,
     }
