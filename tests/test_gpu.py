@@ -66,6 +66,25 @@ def _max_gap(trainer, trajs: list[Trajectory]) -> float:
     return max(_gaps(trainer, trajs))
 
 
+def _random_trajs(n: int, prompt_len: int, lengths: list[int], seed: int) -> list[Trajectory]:
+    """``n`` rewarded trajectories (groups of 4) of random ids below 500, response lengths drawn from ``lengths``."""
+    import random
+
+    rng = random.Random(seed)
+    trajs = []
+    for i in range(n):
+        t = Trajectory(
+            task_id=str(i),
+            group_id=str(i // 4),
+            prompt_ids=[rng.randrange(3, 500) for _ in range(prompt_len)],
+        )
+        k = rng.choice(lengths)
+        t.append_model_tokens([rng.randrange(3, 500) for _ in range(k)], [-1.0] * k, 0)
+        t.reward = rng.random()
+        trajs.append(t)
+    return trajs
+
+
 async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> None:
     _two_gpus()
     trainer = _trainer(tiny_model_dir)
@@ -166,20 +185,9 @@ async def test_engine_graphs_and_compile_on_gpu(tiny_model_dir: Path) -> None:
 def test_packed_and_chunked_trainer_paths_on_gpu(tiny_model_dir: Path) -> None:
     # bf16 on the GPU: packed micro-batches (torch's variable-length flash kernel) and the chunked LM head
     # give the padded, full-logits path's logprobs within bf16 rounding, and a train step runs on each
-    import random
-
     trainer = _trainer(tiny_model_dir)
     try:
-        rng = random.Random(0)
-        trajs = []
-        for i in range(12):
-            t = Trajectory(
-                task_id=str(i), group_id=str(i // 4), prompt_ids=[rng.randrange(3, 500) for _ in range(9)]
-            )
-            n = rng.choice([3, 10, 40, 90])
-            t.append_model_tokens([rng.randrange(3, 500) for _ in range(n)], [-1.0] * n, 0)
-            t.reward = rng.random()
-            trajs.append(t)
+        trajs = _random_trajs(12, 9, [3, 10, 40, 90], seed=0)
         base = trainer.compute_logprobs(trajs)
         cfg = trainer.cfg
         for pack, chunk in ((True, None), (False, 16), (True, 16)):
@@ -217,24 +225,13 @@ def test_compiled_logprob_kernels_equal_eager_on_gpu() -> None:
 def test_compiled_layers_match_eager_on_gpu(tiny_model_dir: Path) -> None:
     # compile_layers: the torch.compile'd transformer layers give the eager layers' logprobs (bf16 noise),
     # in one graph per layer (no graph break), and a train step runs through them
-    import random
-
     import torch._dynamo
 
     from agentrl.trainer.model import compile_transformer_layers
 
     trainer = _trainer(tiny_model_dir)
     try:
-        rng = random.Random(1)
-        trajs = []
-        for i in range(8):
-            t = Trajectory(
-                task_id=str(i), group_id=str(i // 4), prompt_ids=[rng.randrange(3, 500) for _ in range(7)]
-            )
-            n = rng.choice([5, 30, 60])
-            t.append_model_tokens([rng.randrange(3, 500) for _ in range(n)], [-1.0] * n, 0)
-            t.reward = rng.random()
-            trajs.append(t)
+        trajs = _random_trajs(8, 7, [5, 30, 60], seed=1)
         eager = trainer.compute_logprobs(trajs)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
