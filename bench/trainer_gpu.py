@@ -241,6 +241,12 @@ def main() -> None:
         help="also train a long-tail batch (lognormal response lengths, same total tokens) padded and packed",
     )
     p.add_argument(
+        "--pack-budget",
+        type=int,
+        default=None,
+        help="--long-tail: real tokens per packed micro-batch (default micro-batch size x (prompt + response))",
+    )
+    p.add_argument(
         "--old-logprobs",
         default="auto",
         choices=["auto", "recompute"],
@@ -293,8 +299,9 @@ def main() -> None:
         sync(a.device)
         rates, step_times, metrics = [], [], {}
         for s in range(a.steps):
+            step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1)  # a batch from the buffer
             t0 = time.perf_counter()
-            metrics = trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1))
+            metrics = trainer.train_step(step_batch)
             sync(a.device)
             step_times.append(time.perf_counter() - t0)
             rates.append(metrics["tokens_per_s"])
@@ -360,8 +367,9 @@ def main() -> None:
 
 
 def long_tail(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
-    """The same long-tail batch trained padded (``micro_batch_size`` rows) and packed (budget
-    ``micro_batch_size x (prompt + response)`` real tokens): real tokens/s of each and the padding share."""
+    """The same long-tail batch trained padded (``micro_batch_size`` rows) and packed (budget ``--pack-budget``,
+    default ``micro_batch_size x (prompt + response)`` real tokens): real tokens/s of each and the padding
+    share."""
     lens = long_tail_lengths(batch, rlen, seed=7)
     cfg = trainer.cfg
     saved = (cfg.pack_sequences, cfg.max_tokens_per_micro_batch)
@@ -370,15 +378,16 @@ def long_tail(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
         "response_len_max": max(lens),
         "total_tokens": sum(lens) + batch * plen,
     }
-    for name, pack, budget in (("padded", False, None), ("packed", True, a.micro_batch_size * (plen + rlen))):
+    pack_budget = a.pack_budget or a.micro_batch_size * (plen + rlen)
+    out["pack_budget"] = pack_budget
+    for name, pack, budget in (("padded", False, None), ("packed", True, pack_budget)):
         cfg.max_tokens_per_micro_batch, cfg.pack_sequences = budget, pack
         trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=100, resp_lens=lens))  # warm-up
         rates, walls = [], []
         for s in range(a.steps):
+            step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=101 + s, resp_lens=lens)
             t0 = time.perf_counter()
-            m = trainer.train_step(
-                make_batch(batch, plen, rlen, vocab, group=8, seed=101 + s, resp_lens=lens)
-            )
+            m = trainer.train_step(step_batch)
             sync(a.device)
             walls.append(time.perf_counter() - t0)
             rates.append(m["tokens_per_s"])

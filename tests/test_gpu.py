@@ -246,3 +246,58 @@ def test_compiled_layers_match_eager_on_gpu(tiny_model_dir: Path) -> None:
         assert trainer.train_step(trajs)["tokens_per_s"] > 0
     finally:
         trainer.shutdown()
+
+
+def test_fused_torch_adam_on_gpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # fuse_torch_adam: a built torch AdamW switched to its fused kernel makes the multi-tensor loop's
+    # updates (fp32); the megatron trainer's optimizer runs fused through steps and a checkpoint round trip
+    from types import SimpleNamespace
+
+    from agentrl.trainer.optim import fuse_torch_adam
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    init = [torch.randn(1000, generator=g, device="cuda") for _ in range(3)]
+    grads = [[torch.randn(1000, generator=g, device="cuda") for _ in range(3)] for _ in range(4)]
+    finals = []
+    for fuse in (False, True):
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if fuse:
+            assert fuse_torch_adam(SimpleNamespace(optimizer=opt)) == 1
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads, strict=True):
+                p.grad = gr.clone()
+            opt.step()
+        finals.append(torch.cat([p.detach() for p in params]))
+    assert all(opt.state[p]["step"].is_cuda for p in params)
+    assert (finals[0] - finals[1]).abs().max().item() <= 1e-6
+
+    def inners(trainer) -> list[torch.optim.Optimizer]:
+        opt = trainer.optim.optimizer
+        return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+
+    def inner_groups(trainer) -> list[dict]:
+        return [grp for o in inners(trainer) for grp in o.param_groups]
+
+    def adam_steps(trainer) -> set[float]:  # each parameter's own step tensor, on the GPU
+        states = [st for o in inners(trainer) for st in o.state.values()]
+        assert all(st["step"].is_cuda for st in states)
+        assert len({id(st["step"]) for st in states}) == len(states)
+        return {float(st["step"]) for st in states}
+
+    trainer = _trainer(tiny_model_dir)
+    try:
+        assert all(grp["fused"] and not grp["foreach"] for grp in inner_groups(trainer))
+        trajs = _random_trajs(8, 7, [5, 30], seed=2)
+        for _ in range(2):
+            assert trainer.train_step(trajs)["grad_norm"] > 0
+        assert adam_steps(trainer) == {2.0}
+        path = trainer.save_checkpoint(tmp_path)
+        trainer.load_checkpoint(path)  # megatron's parameter-state load, with torch Adam's step tensors
+        assert all(grp["fused"] for grp in inner_groups(trainer))
+        assert adam_steps(trainer) == {2.0}
+        m = trainer.train_step(trajs)
+        assert m["grad_norm"] > 0 and m["optimizer_steps"] == 3
+        assert adam_steps(trainer) == {3.0}
+    finally:
+        trainer.shutdown()

@@ -297,3 +297,24 @@ def test_vocab_parallel_logprobs_single_rank_matches_log_softmax() -> None:
     (ref_grad,) = torch.autograd.grad((ref_lp * w1 + ref_ent * w2).sum(), logits)
     assert torch.allclose(grad, ref_grad, atol=1e-5)
     assert grad[..., 10:].abs().max() == 0
+
+
+def test_metric_sums_read_once_and_equal_float_sums() -> None:
+    # tensor metrics are summed (float64) where they live and read to the host once, at the end; the
+    # means equal those of summing their Python floats, bit for bit; floats and tensors mix
+    g = torch.Generator().manual_seed(0)
+    vals = [torch.rand(7, generator=g) * 1e3 for _ in range(5)]
+    m = MetricSums()
+    m.add("x", 1.5, 1)
+    m.max("top", 2.0)
+    ref_sum, ref_cnt = 1.5, 1.0
+    for v in vals:
+        m.add("x", v.sum(), (v > 500).sum())
+        m.max("top", v.amax())
+        ref_sum += float(v.sum())
+        ref_cnt += float((v > 500).sum())
+    assert isinstance(m.sums["x"], torch.Tensor) and isinstance(m.maxes["top"], torch.Tensor)
+    out = m.means()
+    assert out["x"] == ref_sum / ref_cnt
+    assert out["top"] == max(float(v.amax()) for v in vals)
+    assert all(isinstance(d["x" if d is not m.maxes else "top"], float) for d in (m.sums, m.counts, m.maxes))

@@ -63,10 +63,10 @@ class SDPACoreAttention(torch.nn.Module):
             return out.reshape(query.shape[0], 1, -1)
         sq, b, nh, hd = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        if k.shape[1] != nh:  # GQA: repeat KV heads (cheap views on the fused kernels' side)
-            rep = nh // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        gqa = k.shape[1] != nh
+        if gqa and not q.is_cuda:  # CPU: repeated KV heads (the numerics the CPU figures were taken with)
+            k = k.repeat_interleave(nh // k.shape[1], dim=1)
+            v = v.repeat_interleave(nh // v.shape[1], dim=1)
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -74,6 +74,7 @@ class SDPACoreAttention(torch.nn.Module):
             is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
+            enable_gqa=gqa and q.is_cuda,  # GPU kernels read each KV head for its query group: no copies
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
 

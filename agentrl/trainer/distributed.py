@@ -98,6 +98,7 @@ def reduce_metrics(metrics: MetricSums, ps: Any, pp: int, device: torch.device) 
     """Sum metric sums/counts over data-parallel ranks (on the last pipeline stage), max the maxes;
     with ``pp > 1`` the last stage's means are broadcast to every stage. ``ps``: megatron's
     parallel_state."""
+    metrics.resolve()
     names = sorted(metrics.sums)
     group = ps.get_data_parallel_group()
     if dist.get_world_size(group) > 1 and names:

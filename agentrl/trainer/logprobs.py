@@ -78,11 +78,13 @@ _COMPILED: dict[str, Any] = {}
 
 
 def _kernel(name: str, compiled: bool) -> Any:
-    """The local function ``name``, compiled once per process (dynamic shapes: chunks vary) when asked."""
+    """The local function ``name``, compiled once per process when asked. The token count goes dynamic when
+    it first changes (chunks vary); the vocabulary size stays a constant, so the [N, V] kernels index
+    without integer divisions by a runtime size (those made the logits gradient 2.9x slower on an H100)."""
     if not compiled:
         return _KERNELS[name]
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_KERNELS[name], dynamic=True)
+        _COMPILED[name] = torch.compile(_KERNELS[name])
     return _COMPILED[name]
 
 

@@ -180,20 +180,30 @@ def _episodes(
 # ---- off-policy correction ------------------------------------------------------------------------
 @dataclass
 class MetricSums:
-    """Running sums and counts of metrics; merged across micro-batches, reduced across ranks."""
+    """Running sums and counts of metrics; merged across micro-batches, reduced across ranks.
 
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
-    maxes: dict[str, float] = field(default_factory=dict)
+    Tensor values stay where they are, summed in float64, until :meth:`resolve` (or :meth:`means`) reads
+    them all in one transfer: a ``float()`` per metric would make the host wait for the GPU in the middle
+    of every micro-batch, so the backward's launches could not run ahead of the GPU. Float64 sums of the
+    values give the same numbers as sums of their Python floats.
+    """
+
+    sums: dict[str, float | Tensor] = field(default_factory=dict)
+    counts: dict[str, float | Tensor] = field(default_factory=dict)
+    maxes: dict[str, float | Tensor] = field(default_factory=dict)
 
     def add(self, name: str, total: float | Tensor, count: float | Tensor) -> None:
-        total = float(total)
-        count = float(count)
-        self.sums[name] = self.sums.get(name, 0.0) + total
-        self.counts[name] = self.counts.get(name, 0.0) + count
+        self.sums[name] = self.sums.get(name, 0.0) + _f64(total)
+        self.counts[name] = self.counts.get(name, 0.0) + _f64(count)
 
     def max(self, name: str, value: float | Tensor) -> None:
-        self.maxes[name] = max(self.maxes.get(name, float("-inf")), float(value))
+        value = _f64(value)
+        if name not in self.maxes:
+            self.maxes[name] = value
+        elif isinstance(value, Tensor) or isinstance(self.maxes[name], Tensor):
+            self.maxes[name] = torch.fmax(torch.as_tensor(self.maxes[name]), torch.as_tensor(value))
+        else:
+            self.maxes[name] = max(self.maxes[name], value)
 
     def merge(self, other: MetricSums) -> None:
         for k in other.sums:
@@ -201,10 +211,31 @@ class MetricSums:
         for k, v in other.maxes.items():
             self.max(k, v)
 
+    def resolve(self) -> None:
+        """Read every tensor value to the host (one transfer per device); all values are floats after."""
+        slots = [
+            (d, k)
+            for d in (self.sums, self.counts, self.maxes)
+            for k, v in d.items()
+            if isinstance(v, Tensor)
+        ]
+        by_device: dict[torch.device, list[tuple[dict, str]]] = {}
+        for d, k in slots:
+            by_device.setdefault(d[k].device, []).append((d, k))
+        for group in by_device.values():
+            values = torch.stack([d[k].reshape(()) for d, k in group]).cpu().tolist()
+            for (d, k), v in zip(group, values, strict=True):
+                d[k] = v
+
     def means(self) -> dict[str, float]:
+        self.resolve()
         out = {k: (self.sums[k] / self.counts[k] if self.counts[k] else 0.0) for k in sorted(self.sums)}
         out.update(self.maxes)
         return out
+
+
+def _f64(x: float | Tensor) -> float | Tensor:
+    return x.detach().double() if isinstance(x, Tensor) else float(x)
 
 
 @dataclass

@@ -162,7 +162,8 @@ class TrainerConfig(ConfigModel):
     )
     compile_layers: bool = Field(
         False,
-        description="torch.compile each transformer layer (fuses norms, RoPE, residuals; cuts launches)",
+        description="torch.compile each transformer layer (fuses norms, RoPE, residuals; cuts launches; "
+        "the first step of each new shape compiles)",
     )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
