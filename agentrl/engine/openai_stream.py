@@ -201,7 +201,7 @@ def chat_events(
     """The chunk sequence of a streamed chat completion (see the module docstring). ``finish(i, gen)``
     is the finished choice (``message``, ``logprobs``, ``finish_reason``) of generation ``i``; ``usage``
     the usage chunk's body for all of them, or None when it was not asked for."""
-    return Events(_chat_items(gens, first, head, texts, finish, usage), gens)
+    return Events(_items(gens, first, texts, finish, usage, _ChatChunks(head)), gens)
 
 
 def completion_events(
@@ -214,78 +214,86 @@ def completion_events(
 ) -> Events:
     """The chunk sequence of a streamed text completion: text deltas, then per choice the rest of its
     text and its ``finish_reason`` with its ``logprobs``; usage; ``[DONE]``."""
-    return Events(_completion_items(gens, first, head, texts, finish, usage), gens)
+    return Events(_items(gens, first, texts, finish, usage, _CompletionChunks(head)), gens)
 
 
-async def _chat_items(
+class _ChatChunks:
+    """Chat chunks: a role delta per choice first; a finished choice's rest of text, tool calls, finish."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = {**head, "object": "chat.completion.chunk"}
+
+    def _chunk(self, i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {**self.head, "choices": [{"index": i, "delta": delta, "finish_reason": None, **extra}]}
+
+    def opening(self, i: int) -> list[dict[str, Any]]:
+        return [self._chunk(i, {"role": "assistant", "content": ""})]
+
+    def delta(self, i: int, text: str) -> dict[str, Any]:
+        return self._chunk(i, {"content": text})
+
+    def closing(self, i: int, choice: dict[str, Any], text: StableText) -> list[dict[str, Any]]:
+        msg = choice["message"]
+        out = [self._chunk(i, {"content": rest})] if (rest := text.rest(msg.get("content") or "")) else []
+        out += [
+            self._chunk(i, {"tool_calls": [{"index": k, **c}]})
+            for k, c in enumerate(msg.get("tool_calls") or [])
+        ]
+        out.append(self._chunk(i, {}, finish_reason=choice["finish_reason"], logprobs=choice["logprobs"]))
+        return out
+
+
+class _CompletionChunks:
+    """Text-completion chunks: text deltas; a finished choice's rest of text with its logprobs and finish."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = {**head, "object": "text_completion"}
+
+    def _chunk(
+        self, i: int, text: str, logprobs: Any = None, finish_reason: str | None = None
+    ) -> dict[str, Any]:
+        c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self.head, "choices": [c]}
+
+    def opening(self, i: int) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, i: int, text: str) -> dict[str, Any]:
+        return self._chunk(i, text)
+
+    def closing(self, i: int, choice: dict[str, Any], text: StableText) -> list[dict[str, Any]]:
+        return [self._chunk(i, text.rest(choice["text"]), choice["logprobs"], choice["finish_reason"])]
+
+
+async def _items(
     gens: Generations,
     first: tuple[int, list[int] | None],
-    head: dict[str, Any],
     texts: list[StableText],
     finish: Callable[[int, Any], dict[str, Any]],
     usage: Callable[[list[Any]], dict[str, Any] | None],
+    fmt: _ChatChunks | _CompletionChunks,
 ) -> AsyncGenerator[Any, None]:
-    head = {**head, "object": "chat.completion.chunk"}
+    """Either endpoint's stream in ``fmt``'s chunks: openings, then deltas as tokens arrive and each
+    choice's closing chunks as it ends (an engine error ends the stream with an error event); usage;
+    ``[DONE]``."""
     done: list[Any] = [None] * len(texts)
-
-    def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None, **extra}]}
-
     try:
         for i in range(len(texts)):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            for c in fmt.opening(i):
+                yield c
         async for i, ids in _arrivals(gens, first, len(texts)):
             if ids is not None:
                 if new := texts[i].push(ids):
-                    yield chunk(i, {"content": new})
+                    yield fmt.delta(i, new)
                 continue
             if (err := gens.error(i)) is not None:
                 yield error_event(err)
                 return
             done[i] = gens.tasks[i].result()
-            c = finish(i, done[i])
-            msg = c["message"]
-            if rest := texts[i].rest(msg.get("content") or ""):
-                yield chunk(i, {"content": rest})
-            for k, call in enumerate(msg.get("tool_calls") or []):
-                yield chunk(i, {"tool_calls": [{"index": k, **call}]})
-            yield chunk(i, {}, finish_reason=c["finish_reason"], logprobs=c["logprobs"])
+            for c in fmt.closing(i, finish(i, done[i]), texts[i]):
+                yield c
         if (body := usage(done)) is not None:
-            yield {**head, "choices": [], "usage": body}
-        yield "[DONE]"
-    finally:
-        gens.cancel()
-
-
-async def _completion_items(
-    gens: Generations,
-    first: tuple[int, list[int] | None],
-    head: dict[str, Any],
-    texts: list[StableText],
-    finish: Callable[[int, Any], dict[str, Any]],
-    usage: Callable[[list[Any]], dict[str, Any] | None],
-) -> AsyncGenerator[Any, None]:
-    head = {**head, "object": "text_completion"}
-    done: list[Any] = [None] * len(texts)
-
-    def chunk(i: int, text: str, logprobs: Any = None, finish_reason: str | None = None) -> dict[str, Any]:
-        c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**head, "choices": [c]}
-
-    try:
-        async for i, ids in _arrivals(gens, first, len(texts)):
-            if ids is not None:
-                if new := texts[i].push(ids):
-                    yield chunk(i, new)
-                continue
-            if (err := gens.error(i)) is not None:
-                yield error_event(err)
-                return
-            done[i] = gens.tasks[i].result()
-            c = finish(i, done[i])
-            yield chunk(i, texts[i].rest(c["text"]), c["logprobs"], c["finish_reason"])
-        if (body := usage(done)) is not None:
-            yield {**head, "choices": [], "usage": body}
+            yield {**fmt.head, "choices": [], "usage": body}
         yield "[DONE]"
     finally:
         gens.cancel()
