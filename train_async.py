@@ -237,6 +237,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             cfg.steps, keys={**shown, "stale": "batch/staleness_mean", "tok/s": "trainer/tokens_per_s"}
         )
         for step in range(start_step, cfg.steps):
+            stop_if_interrupted()
             t0 = time.monotonic()
             batch = await next_batch(rollout, step + 1)
             t_wait = time.monotonic() - t0
@@ -316,16 +317,19 @@ async def shutdown(rollout: Any, trainer: TrainerGroup | None, monitor: Any, ser
 
 
 async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> list[Trajectory]:
-    """The next batch from the buffer; while it takes long, say why (e.g. groups dropped as zero-variance)."""
+    """The next batch from the buffer; while it takes long, say why (e.g. groups dropped as zero-variance).
+    A cancel (Ctrl-C) always ends it with CancelledError, even when the batch arrives at the same moment
+    (``asyncio.wait_for`` of Python 3.11 returns the result then, and the run went on training)."""
 
     async def get() -> list[Trajectory]:
         return await rollout.get_batch.remote()
 
     fut = asyncio.ensure_future(get())
-    while True:
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), report_every)
-        except TimeoutError:
+    try:
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=report_every)
+            if done:
+                return fut.result()
             stats = await rollout.stats.remote(reset_window=False)  # the step's own figures stay whole
             dropped = {
                 k.rsplit("/", 1)[-1]: int(v)
@@ -336,6 +340,16 @@ async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> lis
                 f"step {step}: still waiting for a batch; groups dropped so far: {dropped or 'none'}",
                 flush=True,
             )
+    finally:
+        fut.cancel()  # cancelled or failed: no request left behind (a no-op once the batch is in)
+
+
+def stop_if_interrupted() -> None:
+    """End the run as Ctrl-C asked when an await swallowed the cancel (this task was cancelled and did not
+    stop): raise CancelledError here, between steps."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def sync(cfg: RunConfig, trainer: TrainerGroup, engine_urls: list[str], out: Path) -> int:

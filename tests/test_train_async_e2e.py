@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -206,14 +207,66 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     assert not _left_after(), "Ctrl-C left processes behind"
 
 
-def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None:
+def _train_async_module(path: Path = ROOT / "train_async.py") -> Any:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_async", ROOT / "train_async.py")
+    spec = importlib.util.spec_from_file_location("train_async", path)
     assert spec is not None and spec.loader is not None
-    train_async = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_async)
-    engine_memory = train_async.engine_memory
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_next_batch_ends_when_cancelled_even_as_the_batch_arrives() -> None:
+    # Ctrl-C cancels the loop's wait for a batch. Whichever loop turn the batch lands in around the cancel,
+    # a next_batch still running when cancelled ends cancelled (Python 3.11's wait_for returned the batch
+    # instead, and the CI run trained on to its 500th step and exited 0); cancelled before any batch, it
+    # cancels its request
+    import asyncio
+    from types import SimpleNamespace
+
+    train_async = _train_async_module()
+    next_batch = train_async.next_batch
+
+    async def race(turns: int | None) -> tuple[bool, bool, bool]:
+        batch = asyncio.get_running_loop().create_future()
+        rollout = SimpleNamespace(get_batch=SimpleNamespace(remote=lambda: batch))
+        task = asyncio.ensure_future(next_batch(rollout, 1))
+        for _ in range(3):
+            await asyncio.sleep(0)  # next_batch is waiting
+        if turns is not None:
+            batch.set_result(["trajectory"])
+            for _ in range(turns):
+                await asyncio.sleep(0)
+        requested = task.cancel()  # False: it had returned already
+        try:
+            await task
+        except asyncio.CancelledError:
+            return requested, True, batch.cancelled()
+        return requested, False, batch.cancelled()
+
+    for turns in range(8):
+        requested, cancelled, _ = asyncio.run(race(turns))
+        assert cancelled == requested, f"batch {turns} loop turns before the cancel"
+    assert asyncio.run(race(None)) == (True, True, True)
+
+    async def swallowed() -> None:  # an await elsewhere swallows the cancel: the next step still stops
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        train_async.stop_if_interrupted()
+
+    async def cancel_it() -> bool:
+        task = asyncio.ensure_future(swallowed())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task})
+        return task.cancelled()
+
+    assert asyncio.run(cancel_it())
+
+
+def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None:
+    engine_memory = _train_async_module().engine_memory
 
     class Engines:  # what EngineClient.server_info returns: one dict per engine
         def __init__(self, infos: list[dict] | Exception) -> None:
