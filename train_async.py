@@ -379,7 +379,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Names
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill gets the same clean shutdown as Ctrl-C
+    # Ctrl-C and a kill both give the clean shutdown, also when the job was started with SIGINT ignored
+    # (a background job of a non-interactive shell inherits that, and then ran on to its last step)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     try:
         config, cli = parse_args()
     except ConfigError as err:
