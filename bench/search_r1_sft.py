@@ -41,8 +41,14 @@ def main() -> None:
     import torch
     import transformers
 
-    from agentrl.examples.search_r1.bootstrap import BootstrapConfig, practice_rows, sft
-    from agentrl.examples.search_r1.data import make_prompt, write_corpus
+    from agentrl.examples.search_r1.bootstrap import (
+        BootstrapConfig,
+        practice_rows,
+        practice_worlds,
+        sft,
+        vocab_texts,
+    )
+    from agentrl.examples.search_r1.data import write_corpus
     from agentrl.examples.search_r1.evaluate import evaluate_model
     from agentrl.examples.search_r1.world import generate_world
     from agentrl.models.tiny import build_tiny_model
@@ -59,21 +65,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="search_r1_sft-"))
     try:
         world = generate_world(**cfg.world.model_dump())
-        worlds = [world]
-        if a.tokenizer == "practice":
-            w = cfg.world.model_dump()
-            worlds = [
-                generate_world(**w | {"seed": w["seed"] + 1000 + k, "num_entities": 500, "name_seed": 0})
-                for k in range(cfg.sft.practice_worlds)
-            ]
-        texts = [t for x in worlds for t in x.corpus_text() + x.questions_for_vocab()] + [make_prompt("x")]
-        m = cfg.model
-        build_tiny_model(
-            work / "base", arch=m.arch, vocab_corpus=texts, seed=m.seed, vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-            num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-            intermediate_size=m.intermediate_size,
-        )  # fmt: skip
+        worlds = list(practice_worlds(cfg)) if a.tokenizer == "practice" else [world]
+        build_tiny_model(work / "base", vocab_corpus=vocab_texts(worlds), **cfg.model.model_dump())
         tok = transformers.AutoTokenizer.from_pretrained(work / "base")
         rows = practice_rows(tok, cfg)
         t1 = time.monotonic()

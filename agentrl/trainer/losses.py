@@ -213,15 +213,11 @@ class MetricSums:
 
     def resolve(self) -> None:
         """Read every tensor value to the host (one transfer per device); all values are floats after."""
-        slots = [
-            (d, k)
-            for d in (self.sums, self.counts, self.maxes)
-            for k, v in d.items()
-            if isinstance(v, Tensor)
-        ]
         by_device: dict[torch.device, list[tuple[dict, str]]] = {}
-        for d, k in slots:
-            by_device.setdefault(d[k].device, []).append((d, k))
+        for d in (self.sums, self.counts, self.maxes):
+            for k, v in d.items():
+                if isinstance(v, Tensor):
+                    by_device.setdefault(v.device, []).append((d, k))
         for group in by_device.values():
             values = torch.stack([d[k].reshape(()) for d, k in group]).cpu().tolist()
             for (d, k), v in zip(group, values, strict=True):

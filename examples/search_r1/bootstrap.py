@@ -39,6 +39,7 @@ import json
 import random
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,7 +50,7 @@ from agentrl.config import ConfigModel
 
 from .data import make_prompt
 from .retrieval_server import RetrievalIndex
-from .world import WORLD_FORMAT_VERSION, WorldConfig, generate_world, gold_demo
+from .world import WORLD_FORMAT_VERSION, World, WorldConfig, generate_world, gold_demo
 
 
 class TinyModelConfig(ConfigModel):
@@ -196,21 +197,33 @@ def demo_token_rows(
     return rows
 
 
-def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[int]]]:
-    """Gold demonstrations from practice worlds: same name pieces as the evaluation world, no shared entity.
+def practice_worlds(cfg: BootstrapConfig) -> Iterator[World]:
+    """The practice worlds, one at a time: same name pieces as the evaluation world, no shared entity.
 
     Practice world ``k`` is the evaluation world's config with seed ``seed + 1000 + k``, ``name_seed`` pinned
-    to the evaluation world's, and ``practice_entities`` entities. Its questions of both splits are used.
+    to the evaluation world's, and ``practice_entities`` entities.
     """
     w = cfg.world
-    rows: list[dict[str, list[int]]] = []
     for k in range(cfg.sft.practice_worlds):
-        overrides = w.model_dump() | {
-            "seed": w.seed + 1000 + k,
-            "num_entities": cfg.sft.practice_entities,
-            "name_seed": w.inventory_seed,
-        }
-        world = generate_world(**overrides)
+        yield generate_world(
+            **w.model_dump()
+            | {
+                "seed": w.seed + 1000 + k,
+                "num_entities": cfg.sft.practice_entities,
+                "name_seed": w.inventory_seed,
+            }
+        )
+
+
+def vocab_texts(worlds: list[World]) -> list[str]:
+    """What the demo's BPE tokenizer is trained on: the worlds' passages and questions, and a prompt."""
+    return [t for w in worlds for t in w.corpus_text() + w.questions_for_vocab()] + [make_prompt("x")]
+
+
+def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[int]]]:
+    """Gold demonstrations from the practice worlds (:func:`practice_worlds`), questions of both splits."""
+    rows: list[dict[str, list[int]]] = []
+    for world in practice_worlds(cfg):
         index = RetrievalIndex(world.corpus)  # in memory: practice worlds are never written to disk
         try:
             rows += demo_token_rows(
@@ -411,21 +424,8 @@ def bootstrap(cfg: BootstrapConfig, log: Any = print) -> BootstrapResult:
     if cfg.base_model is None and not _done(base_dir):
         log("bootstrap: training the tokenizer and writing the tiny base model")
         world = generate_world(**cfg.world.model_dump())
-        texts = world.corpus_text() + world.questions_for_vocab() + [make_prompt("x")]
-        m = cfg.model
-        build_tiny_model(
-            base_dir,
-            arch=m.arch,
-            vocab_corpus=texts,
-            seed=m.seed,
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_hidden_layers,
-            num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads,
-            intermediate_size=m.intermediate_size,
-        )
-        _mark_done(base_dir, m.model_dump())
+        build_tiny_model(base_dir, vocab_corpus=vocab_texts([world]), **cfg.model.model_dump())
+        _mark_done(base_dir, cfg.model.model_dump())
     import transformers
 
     log(f"bootstrap: SFT warm start on {cfg.sft.practice_worlds} practice worlds")
