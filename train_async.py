@@ -54,7 +54,7 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
         extra += ["--prefix-cache-slots", "0"]
     for i in range(e.num_engines):
         if e.backend == "embedded":
-            from agentrl.engine.embedded_server import start_embedded_server
+            from agentrl.embedded.server import start_embedded_server
 
             start = functools.partial(
                 start_embedded_server,

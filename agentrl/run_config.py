@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from agentrl.config import ConfigModel
 from agentrl.engine.launcher import SGLangConfig
 from agentrl.rollout.config import RolloutConfig
-from agentrl.trainer.trainer import TrainerConfig
+from agentrl.trainer.config import TrainerConfig
 
 
 class DataConfig(ConfigModel):
@@ -44,7 +44,7 @@ class EngineSetupConfig(ConfigModel):
 
     backend: Literal["embedded", "sglang", "external"] = Field(
         "embedded",
-        description="embedded: agentrl.engine.embedded_server; sglang: launch SGLang; external: use urls",
+        description="embedded: agentrl.embedded.server; sglang: launch SGLang; external: use urls",
     )
     num_engines: int = Field(
         1, ge=1, description="engine servers to start (each behind least-loaded routing)"

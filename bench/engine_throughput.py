@@ -1,7 +1,7 @@
 """Throughput of the embedded engine (over HTTP, through EngineClient) against HF ``generate``.
 
 For each concurrency C in ``--concurrency`` (default 1,16,64) it runs 2*C requests with at most C in
-flight against ``python -m agentrl.engine.embedded_server`` and reports generated tokens/s; then, in the same
+flight against ``python -m agentrl.embedded.server`` and reports generated tokens/s; then, in the same
 run and on the same device, HF ``model.generate`` on batches of C prompts of the same length and the same
 number of new tokens (sampling at temperature 1, EOS ignored). ``--multi-turn K`` adds agent-like
 episodes: ``--concurrency``'s largest C episodes at once, each K turns whose prompt is the previous
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.models.tiny import QWEN25_05B, build_tiny_model
 

@@ -141,8 +141,8 @@ def sync(device: str) -> None:
 async def weight_sync(
     trainer, model_dir: Path, engine_device: str, dtype: str, work: Path, tokens_check: int
 ) -> dict:
+    from agentrl.embedded.server import start_embedded_server
     from agentrl.engine.client import EngineClient
-    from agentrl.engine.embedded_server import start_embedded_server
     from agentrl.engine.types import SamplingParams
     from agentrl.types import Trajectory
 
@@ -272,7 +272,8 @@ def main() -> None:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     from agentrl.cluster import free_port
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     os.environ["MASTER_PORT"] = str(free_port())
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))

@@ -93,7 +93,8 @@ def trajectories(tr, step: int, perturb: bool, sft: bool):
 
 
 def run_config(name: str, model_dir: str, kw: dict, lines: list[str], workdir: str) -> None:
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(model_path=model_dir, **kw)
     tr = MegatronTrainer(cfg)

@@ -47,7 +47,8 @@ def run_training_job(model_dir: str, ckpt_dir: str, total_steps: int, out: str, 
 
     warnings.filterwarnings("ignore")
     dist_env(0, 1, free_port())
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(
         model_path=model_dir,

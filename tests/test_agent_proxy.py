@@ -16,8 +16,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.envs import AgentEnv, make_env
 from agentrl.rollout import Orchestrator, RolloutConfig

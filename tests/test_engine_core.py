@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.engine.embedded import EmbeddedEngine
-from agentrl.engine.prefix_cache import PrefixCache
-from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
-from agentrl.engine.sampling import (
+from agentrl.embedded.engine import EmbeddedEngine
+from agentrl.embedded.prefix_cache import PrefixCache
+from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
+from agentrl.embedded.sampling import (
     RequestSampling,
     inverse_cdf,
     row_uniform,
@@ -270,7 +270,7 @@ async def test_token_stream_yields_every_token_as_sampled_and_closing_aborts(tin
 
 
 async def test_context_limit_is_a_clear_error(tiny_model_dir: Path) -> None:
-    from agentrl.engine.sampling import EngineBadRequest
+    from agentrl.embedded.sampling import EngineBadRequest
 
     engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2, context_len=64)
     with pytest.raises(EngineBadRequest, match="context of 64 tokens"):

@@ -21,9 +21,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.cluster import free_port
+from agentrl.embedded.server import EmbeddedServer, start_embedded_server
 from agentrl.engine._proc import ServerStartError
 from agentrl.engine.client import EngineClient, EngineRequestError
-from agentrl.engine.embedded_server import EmbeddedServer, start_embedded_server
 from agentrl.engine.types import SamplingParams
 
 KEY = "test-admin-key"
@@ -476,7 +476,7 @@ async def test_native_json_shapes_and_bad_requests(server: EmbeddedServer, token
 
 
 def test_refuses_non_loopback_host_without_api_key(tiny_model_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "agentrl.engine.embedded_server", "--model", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "agentrl.embedded.server", "--model", str(tiny_model_dir)]
     proc = subprocess.run(
         [*cmd, "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120
     )

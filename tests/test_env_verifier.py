@@ -17,8 +17,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrl.config import ConfigError
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env
 from agentrl.rewards import VerifierConfigError, get_verifier, register_verifier, resolve_verifier

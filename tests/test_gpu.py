@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
@@ -38,7 +38,8 @@ def _trainer(model_dir: Path, dtype: str = "bfloat16"):
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     return MegatronTrainer(TrainerConfig(model_path=str(model_dir), device="cuda", dtype=dtype, lr=1e-5))
 

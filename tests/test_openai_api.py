@@ -17,12 +17,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from agentrl.chat import ChatTokenizer
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.openai_api import parse_tool_calls
 from agentrl.engine.openai_stream import StableText
 from agentrl.engine.types import SamplingParams
-from agentrl.rollout.tokenize import ChatTokenizer
 
 TOOLS = [
     {

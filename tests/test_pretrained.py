@@ -78,8 +78,8 @@ def test_fp32_logits_equal_the_gguf_model(smollm2: Path, hf_model) -> None:
 async def test_engine_logprobs_equal_a_teacher_forced_forward(smollm2: Path, hf_model) -> None:
     from transformers import AutoTokenizer
 
+    from agentrl.embedded.server import start_embedded_server
     from agentrl.engine.client import EngineClient
-    from agentrl.engine.embedded_server import start_embedded_server
     from agentrl.engine.types import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(smollm2)
@@ -102,9 +102,10 @@ async def test_engine_logprobs_equal_a_teacher_forced_forward(smollm2: Path, hf_
 def test_megatron_trainer_and_conversion_roundtrip(smollm2: Path, hf_model, tmp_path: Path) -> None:
     from _trainer_helpers import free_port
 
-    from agentrl.convert import hf_to_mcore, mcore_to_hf_dir
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.hf_checkpoint import hf_to_mcore, mcore_to_hf_dir
     from agentrl.trainer.model import load_hf_state_dict
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
     from agentrl.types import Trajectory
 
     warnings.filterwarnings("ignore")

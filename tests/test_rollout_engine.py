@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.rollout import ChatTokenizer, Orchestrator, RolloutConfig
 from agentrl.testing.envs import SyntheticEnv

@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 
 from agentrl.cluster import free_port
 from agentrl.config import ConfigError, build_config
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env
 from agentrl.metrics import read_metrics

@@ -57,7 +57,7 @@ def _ours(pid: str) -> bool:
 def _leftovers() -> list[str]:
     """Processes a run may start: engines, retrieval servers, Ray daemons and workers."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    pats = ("agentrl.engine.embedded_server", "retrieval_server", "raylet", "gcs_server", "ray::")
+    pats = ("agentrl.embedded.server", "retrieval_server", "raylet", "gcs_server", "ray::")
     return [
         line
         for line in out.splitlines()

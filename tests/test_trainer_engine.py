@@ -13,8 +13,8 @@ import pytest
 import torch
 from _trainer_helpers import free_port
 
+from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
-from agentrl.engine.embedded_server import start_embedded_server
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
@@ -25,7 +25,8 @@ def trainer(tiny_model_dir: Path):
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), lr=1e-2, micro_batch_size=3, weight_sync_bucket_mb=1)
     tr = MegatronTrainer(cfg)

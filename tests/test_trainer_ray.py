@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from _trainer_helpers import make_trajectories
 
-from agentrl.engine.embedded_server import start_embedded_server
-from agentrl.trainer.trainer import TrainerConfig
+from agentrl.embedded.server import start_embedded_server
+from agentrl.trainer.config import TrainerConfig
 
 
 def test_trainer_group_on_ray(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ def _trainer(model_dir: Path, **kw):
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     return MegatronTrainer(TrainerConfig(model_path=str(model_dir), **kw))
 
@@ -82,7 +83,7 @@ def test_sft_mode_reduces_the_loss(tiny_model_dir: Path) -> None:
 
 
 def test_trainer_loads_a_converted_megatron_dir(tiny_model_factory, tmp_path: Path) -> None:
-    from agentrl.convert import hf_to_mcore
+    from agentrl.trainer.hf_checkpoint import hf_to_mcore
     from agentrl.trainer.model import load_hf_state_dict
 
     model_dir = tiny_model_factory("qwen3")

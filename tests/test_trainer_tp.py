@@ -23,8 +23,9 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out: str, e
 
 
 def _train_once(rank: int, world: int, model_dir: str, extra: dict) -> dict:
+    from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.model import mcore_to_hf
-    from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(
         model_path=model_dir,

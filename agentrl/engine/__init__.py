@@ -1,8 +1,8 @@
-"""Inference engines speaking SGLang's native HTTP API: the async client, the SGLang launcher and the
-embedded engine (a labelled stand-in for SGLang that runs on CPU or one GPU).
+"""Talking to any engine that speaks SGLang's native HTTP API: the async client, the SGLang launcher, the
+weight-broadcast process group and the OpenAI front end over token-in/token-out generation.
 
-Only light modules are imported here; ``embedded_server`` and ``launcher`` pull in torch / subprocess
-machinery and are imported where used.
+The embedded stand-in engine (CPU or one GPU) lives in :mod:`agentrl.embedded`. Only light modules are
+imported here; ``launcher`` pulls in subprocess machinery and is imported where used.
 """
 
 from agentrl.engine.client import (

@@ -1,7 +1,7 @@
 """The async client of SGLang's native HTTP API, for one engine, several engines or an sglang-router.
 
 :class:`EngineClient` is the only way agentrl talks to an inference engine (a real SGLang server, an
-``sglang-router`` in front of several, or the embedded engine in :mod:`agentrl.engine.embedded_server`):
+``sglang-router`` in front of several, or the embedded engine in :mod:`agentrl.embedded.server`):
 
 * ``generate`` sends ``input_ids`` (token-in/token-out) and returns a :class:`GenerateResult` with the
   sampled ids, their logprobs, the finish reason and the engine's ``weight_version``. With several

@@ -4,7 +4,7 @@
 The front end owns tokenization: it renders ``messages`` (and ``tools``) with the model's chat template,
 asks a :class:`CompletionBackend` for tokens, detokenizes them and parses tool calls out of the text.
 Two backends use it: the embedded engine (:func:`add_openai_routes` on the app of
-:mod:`agentrl.engine.embedded_server`, generation in process) and the rollout's recording proxy
+:mod:`agentrl.embedded.server`, generation in process) and the rollout's recording proxy
 (:mod:`agentrl.rollout.agent_proxy`, which forwards to ``/generate`` and records every token).
 
 What is served: ``messages`` (text, or lists of text parts), ``tools`` / ``tool_choice``, ``n``,
@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from agentrl.chat import ChatTokenizer
 from agentrl.engine.openai_request import (
     OpenAIError,
     check_messages,
@@ -50,7 +51,6 @@ from agentrl.engine.openai_request import (
     tool_call_format,
 )
 from agentrl.engine.openai_stream import Events, Generations, StableText, chat_events, completion_events
-from agentrl.rollout.tokenize import ChatTokenizer
 
 TokenHook = Callable[[list[int], list[float]], None]
 
@@ -472,84 +472,3 @@ def add_openai_routes(app: web.Application, backend: CompletionBackend, prefix: 
             web.get(f"{prefix}/models", h["models"]),
         ]
     )
-
-
-# ---- the embedded engine as a backend -----------------------------------------------------------------
-class EmbeddedBackend:
-    """:class:`CompletionBackend` over an in-process :class:`~agentrl.engine.embedded.EmbeddedEngine`.
-
-    ``top_logprobs`` come from one teacher-forced forward of prompt + completion on the engine's device
-    thread after sampling (the engine itself returns the sampled token's logprob only); the sampled
-    tokens' own ``logprob`` values are the engine's.
-    """
-
-    def __init__(self, engine: Any, served_model: str | None = None) -> None:
-        from pathlib import Path
-
-        self.engine = engine
-        self.model = served_model or engine.model_path
-        self._aliases = {self.model, engine.model_path, Path(engine.model_path).name}
-        self.chat = ChatTokenizer(engine.tokenizer)
-
-    @property
-    def context_len(self) -> int:
-        return int(self.engine.max_context)
-
-    def accepts_model(self, name: str) -> bool:
-        return name in self._aliases
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
-        return Prompt(self.chat.prompt_ids(messages, tools), messages, tools)
-
-    async def generate(
-        self,
-        prompt: Prompt,
-        sampling: dict[str, Any],
-        rid: str,
-        top_logprobs: int,
-        on_tokens: TokenHook | None = None,
-    ) -> Generation:
-        from agentrl.engine.embedded import EngineFailed
-        from agentrl.engine.sampling import EngineBadRequest, RequestSampling
-
-        try:
-            sp = RequestSampling.from_sglang(sampling, self.engine.default_max_new_tokens)
-            if on_tokens is None:
-                rec = await self.engine.generate(prompt.ids, sp, rid)
-            else:  # the engine's token stream: each step's new tokens go to the hook as they come
-                stream = self.engine.stream(prompt.ids, sp, rid)
-                try:
-                    async for delta in stream:
-                        on_tokens(delta.ids, delta.logprobs)
-                finally:
-                    await stream.aclose()
-                rec = stream.record
-        except EngineBadRequest as err:
-            raise OpenAIError(str(err)) from None
-        except EngineFailed as err:
-            raise OpenAIError(str(err), status=500, type="server_error") from None
-        except asyncio.CancelledError:  # the client went away: nothing may keep generating for it
-            self.engine.abort(rid)
-            raise
-        fr = rec.finish_reason or {}
-        matched = fr.get("matched") if isinstance(fr.get("matched"), str) else None
-        top = None
-        if top_logprobs and rec.output_ids:
-            top = await self.engine._on_device(self._top_logprobs, prompt.ids, rec.output_ids, top_logprobs)
-        return Generation(
-            rec.output_ids, rec.logprobs, str(fr.get("type", "stop")), len(prompt.ids), rec.cached_tokens,
-            rec.weight_version, matched, top,
-        )  # fmt: skip
-
-    def _top_logprobs(self, prompt: list[int], output: list[int], k: int) -> list[list[tuple[int, float]]]:
-        import torch
-
-        model = self.engine.model
-        with torch.inference_mode():
-            ids = torch.tensor([prompt + output[:-1]], device=next(model.parameters()).device)
-            logits = model(ids).logits[0, len(prompt) - 1 :].float().log_softmax(-1)
-            vals, idx = logits.topk(k, dim=-1)
-        return [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(idx, vals, strict=True)]
-
-    def on_reply(self, gen: Generation, message: dict[str, Any] | None) -> None:
-        pass

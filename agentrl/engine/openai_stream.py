@@ -27,8 +27,8 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from agentrl.chat import ChatTokenizer
 from agentrl.engine.openai_request import OpenAIError
-from agentrl.rollout.tokenize import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

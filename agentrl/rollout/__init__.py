@@ -14,13 +14,13 @@ The staleness invariant and its owner live in :mod:`agentrl.buffer`.
 """
 
 from agentrl.buffer import DataExhausted, Group, StalenessController, TrajectoryBuffer
+from agentrl.chat import ChatTemplateError, ChatTokenizer
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.rollout.ray_actor import OrchestratorSpec, RolloutWorker, make_rollout_actor
-from agentrl.rollout.tokenize import ChatTemplateError, ChatTokenizer
 
 __all__ = [
     "ChatTemplateError",

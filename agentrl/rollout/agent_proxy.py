@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
+from agentrl.chat import _MARK, ChatTokenizer
 from agentrl.engine.client import EngineError, EngineRequestError
 from agentrl.engine.openai_api import (
     Answer,
@@ -64,7 +65,6 @@ from agentrl.engine.types import SamplingParams
 from agentrl.rollout.dataset import Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.metrics import RolloutMetrics
-from agentrl.rollout.tokenize import _MARK, ChatTokenizer
 from agentrl.types import Trajectory
 
 log = logging.getLogger(__name__)

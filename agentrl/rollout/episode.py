@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from agentrl.buffer import StalenessController, within_bound
+from agentrl.chat import ChatTokenizer
 from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env
@@ -36,7 +37,6 @@ from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import Draw
 from agentrl.rollout.lockstep import request_seed
 from agentrl.rollout.metrics import RolloutMetrics
-from agentrl.rollout.tokenize import ChatTokenizer
 from agentrl.types import Status, Trajectory
 
 log = logging.getLogger(__name__)

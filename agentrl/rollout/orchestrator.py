@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
+from agentrl.chat import ChatTokenizer
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.agent import AgentEnv
@@ -67,7 +68,6 @@ from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.lockstep import LockstepSchedule
 from agentrl.rollout.metrics import RolloutMetrics
-from agentrl.rollout.tokenize import ChatTokenizer
 from agentrl.types import Status, Trajectory
 
 if TYPE_CHECKING:

@@ -7,6 +7,6 @@
 * :mod:`agentrl.testing.verifiers`: rewards that need no trained model (``length_parity``).
 * :mod:`agentrl.testing.configs`: run-config fragments for CI-sized runs of ``train_async.py``.
 
-The real parts they stand beside: the embedded engine (:mod:`agentrl.engine.embedded_server`), SGLang, and
+The real parts they stand beside: the embedded engine (:mod:`agentrl.embedded.server`), SGLang, and
 the built-in envs (:mod:`agentrl.envs`).
 """

@@ -9,7 +9,7 @@ a computation: ``base_latency + per_token_time * n`` seconds per request (0 = ze
 failures are injected at configurable rates (HTTP 500, or a hang that ends in a client timeout).
 
 It exists for tests and benchmarks of the orchestrator (real HTTP, no GPU). It is not an inference
-engine: the embedded engine (``agentrl.engine.embedded_server``) and SGLang are.
+engine: the embedded engine (``agentrl.embedded.server``) and SGLang are.
 
 Run it in its own process (what tests and benches do, so it never shares their event loop)::
 

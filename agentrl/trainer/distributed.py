@@ -16,7 +16,7 @@ from agentrl.cluster import free_port
 from agentrl.trainer.losses import MetricSums
 
 if TYPE_CHECKING:
-    from agentrl.trainer.trainer import TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
 
 
 def resolve_device(cfg: TrainerConfig) -> torch.device:

@@ -29,7 +29,7 @@ from agentrl.trainer.distributed import all_reduce_scalar
 from agentrl.trainer.logprobs import ModelLogprobs, position_ids
 
 if TYPE_CHECKING:
-    from agentrl.trainer.trainer import TrainerConfig
+    from agentrl.trainer.config import TrainerConfig
 
 MicroLoss = Callable[[MicroBatch, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 """``(micro-batch, (logprobs, entropy)) -> loss``: one micro-batch's share of the mini-batch loss."""

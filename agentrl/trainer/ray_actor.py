@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from agentrl.cluster import free_port
-from agentrl.trainer.trainer import TrainerConfig
+from agentrl.trainer.config import TrainerConfig
 from agentrl.types import Trajectory
 
 

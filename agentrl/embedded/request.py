@@ -1,8 +1,8 @@
 """One generation request inside the embedded engine: its state while it runs, its tokens as they come,
 and its record once done.
 
-:class:`EngineRequest` is what :class:`~agentrl.engine.embedded.EmbeddedEngine` and its
-:class:`~agentrl.engine.scheduler.Scheduler` share about a request (tokens so far, slot, abort flag, the
+:class:`EngineRequest` is what :class:`~agentrl.embedded.engine.EmbeddedEngine` and its
+:class:`~agentrl.embedded.scheduler.Scheduler` share about a request (tokens so far, slot, abort flag, the
 future its caller awaits, the hook that sees each sampled token); :class:`GenerationRecord` is what the
 caller gets back. :class:`TokenStream` is the streaming form of a request: an async iterator of its newly
 sampled tokens (:class:`TokenDelta`), with the record once it ends.
@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.engine.sampling import RequestSampling
+from agentrl.embedded.sampling import RequestSampling
 
 
 class EngineFailed(RuntimeError):

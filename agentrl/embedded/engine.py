@@ -2,7 +2,7 @@
 
 :class:`EmbeddedEngine` loads the model and plans the KV cache on its one device thread, checks requests,
 holds them while paused or while a weight update drains the engine, and hands them to its
-:class:`~agentrl.engine.scheduler.Scheduler`, which batches them over a slot KV cache (prefill in chunks,
+:class:`~agentrl.embedded.scheduler.Scheduler`, which batches them over a slot KV cache (prefill in chunks,
 then decode; the forward in :mod:`.runner`, a CUDA graph per batch/length bucket on a GPU; sampling on
 the device in :mod:`.sampling`). A request's state and its finished record are in :mod:`.request`.
 
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from agentrl.engine.prefix_cache import PrefixCache
-from agentrl.engine.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
-from agentrl.engine.runner import ExtendBatch, ModelRunner, plan_kv_cache
-from agentrl.engine.sampling import EngineBadRequest, RequestSampling, sample_tokens
-from agentrl.engine.scheduler import Scheduler
-from agentrl.engine.weights import DrainLock, WeightGroups, check_weights, copy_weights, load_checkpoint
+from agentrl.embedded.prefix_cache import PrefixCache
+from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
+from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
+from agentrl.embedded.sampling import EngineBadRequest, RequestSampling, sample_tokens
+from agentrl.embedded.scheduler import Scheduler
+from agentrl.embedded.weights import DrainLock, WeightGroups, check_weights, copy_weights, load_checkpoint
 
 log = logging.getLogger("agentrl.engine")
 

@@ -5,7 +5,7 @@ context_len + 1, head_dim]`` for keys and for values. The engine keeps its runni
 ``0 .. n-1`` (it compacts on removal), so a decode step over ``n`` sequences reads one contiguous slice
 ``[:B, :, :L]`` with ``B >= n`` and ``L`` the longest sequence, each rounded up to a bucket; on a GPU
 each ``(B, L)`` bucket is one captured CUDA graph, replayed with no per-layer Python. Slots past
-``max_batch`` hold finished sequences for prefix reuse (:mod:`agentrl.engine.prefix_cache`). The last
+``max_batch`` hold finished sequences for prefix reuse (:mod:`agentrl.embedded.prefix_cache`). The last
 column of every slot is scratch: padded prefill tokens and padded decode rows write there, and no
 attention ever reads it.
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from agentrl.engine.prefix_cache import PrefixCache
-from agentrl.engine.request import EngineFailed, EngineRequest
-from agentrl.engine.runner import ExtendBatch, ModelRunner
-from agentrl.engine.sampling import sample_tokens
+from agentrl.embedded.prefix_cache import PrefixCache
+from agentrl.embedded.request import EngineFailed, EngineRequest
+from agentrl.embedded.runner import ExtendBatch, ModelRunner
+from agentrl.embedded.sampling import sample_tokens
 
 log = logging.getLogger("agentrl.engine")
 

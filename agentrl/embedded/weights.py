@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from agentrl.engine.sampling import EngineBadRequest
+from agentrl.embedded.sampling import EngineBadRequest
 
 
 class DrainLock:

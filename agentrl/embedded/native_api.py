@@ -1,4 +1,4 @@
-"""SGLang's native HTTP API for an in-process :class:`~agentrl.engine.embedded.EmbeddedEngine`.
+"""SGLang's native HTTP API for an in-process :class:`~agentrl.embedded.engine.EmbeddedEngine`.
 
 :func:`build_app` answers, with the same endpoints and JSON shapes as ``sglang.launch_server`` (see the
 SGLang reference notes): ``/generate``, ``/abort_request``, ``/pause_generation``,
@@ -42,18 +42,19 @@ from typing import Any
 
 from aiohttp import web
 
-from agentrl.engine.embedded import (
+from agentrl.embedded.engine import (
     EmbeddedEngine,
     EngineBadRequest,
     EngineFailed,
     GenerationRecord,
     RequestSampling,
 )
-from agentrl.engine.openai_api import EmbeddedBackend, add_openai_routes
+from agentrl.embedded.openai_backend import EmbeddedBackend
+from agentrl.engine.openai_api import add_openai_routes
 
 __all__ = ["ENGINE_NAME", "build_app"]
 
-log = logging.getLogger("agentrl.engine.embedded_server")
+log = logging.getLogger("agentrl.embedded.server")
 
 _OPEN_PATHS = {"/health", "/health_generate"}
 ENGINE_NAME = "agentrl-embedded (stand-in for SGLang)"

@@ -1,0 +1,282 @@
+"""The embedded engine's server process: a stand-in for SGLang that speaks SGLang's native HTTP API on CPU
+or one GPU.
+
+``python -m agentrl.embedded.server --model DIR --host 127.0.0.1 --port N [--device cpu|cuda]
+[--dtype float32|bfloat16] [--api-key K] [--max-batch-size B]`` serves a Hugging Face checkpoint directory
+with the endpoints of ``sglang.launch_server`` (:mod:`agentrl.embedded.native_api`, which also lists where
+the embedded engine differs) and OpenAI's (:mod:`agentrl.engine.openai_api`). Generation runs in
+:class:`~agentrl.embedded.engine.EmbeddedEngine` (continuous batching over a slot KV cache, CUDA graphs for
+decode on a GPU, prefix reuse across turns).
+
+Security: it binds 127.0.0.1 by default and refuses a non-loopback ``--host`` without ``--api-key``. With
+a key, every endpoint except ``/health`` and ``/health_generate`` requires ``Authorization: Bearer KEY``.
+
+:func:`start_embedded_server` runs it as a subprocess (own process group, waits for ``/health``) and returns a
+handle with ``.url`` and ``.stop()``; tests and ``train_async.py`` use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from agentrl.embedded.engine import EmbeddedEngine
+from agentrl.embedded.native_api import ENGINE_NAME, build_app
+from agentrl.engine._proc import ServerProcess, ServerStartError, is_loopback
+
+__all__ = ["EmbeddedServer", "ServerStartError", "build_app", "is_loopback", "main", "start_embedded_server"]
+
+log = logging.getLogger("agentrl.embedded.server")
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m agentrl.embedded.server",
+        description="Embedded engine speaking SGLang's native HTTP API (a stand-in for SGLang).",
+    )
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless --api-key is given)")
+    p.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one (see --port-file)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint"
+    )
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together at most")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="tokens per prefill step (default 8192 GPU, 2048 CPU)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=int,
+        default=None,
+        help="KV slot length = longest prompt + output (default: the model's, up to 8192, as memory allows)",
+    )
+    p.add_argument(
+        "--prefix-cache-slots",
+        type=int,
+        default=None,
+        help="finished sequences kept for prefix reuse (default: max-batch-size; 0 turns reuse off)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="GPU: share of the memory free after loading the model that the KV cache may take "
+        "(default 0.8; lower it when a trainer shares the GPU)",
+    )
+    p.add_argument("--no-cuda-graphs", action="store_true", help="GPU: decode without CUDA graphs")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GPU: torch.compile the layer pieces and the sampler (about 1.5x the decode speed, ~30 s more "
+        "start-up); --no-compile to skip",
+    )
+    p.add_argument(
+        "--warmup-len",
+        type=int,
+        default=2048,
+        help="GPU: capture the decode graphs of attention lengths up to this at start-up (0: on first use)",
+    )
+    p.add_argument("--default-max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_loopback(args.host) and not args.api_key:
+        sys.exit(
+            f"refusing to serve on non-loopback address {args.host!r} without --api-key "
+            "(anyone reaching it could generate, abort requests or replace the weights)"
+        )
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda but no CUDA device is available")
+        dev = torch.device(args.device)
+        torch.cuda.set_device(dev.index if dev.index is not None else 0)  # plain "cuda" means GPU 0
+    # The generation step runs in a worker thread beside the HTTP loop; a short GIL switch interval keeps
+    # either from waiting the default 5 ms for the other.
+    sys.setswitchinterval(0.0005)
+    log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, args.dtype)
+    asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import signal
+
+    engine = EmbeddedEngine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_len=args.context_len,
+        prefix_cache_slots=args.prefix_cache_slots,
+        mem_fraction=args.mem_fraction,
+        seed=args.seed,
+        default_max_new_tokens=args.default_max_new_tokens,
+        cuda_graphs=not args.no_cuda_graphs,
+        compile=args.compile,
+    )
+    if args.warmup_len:
+        t0 = time.perf_counter()
+        n = await asyncio.to_thread(engine.warmup, args.warmup_len)
+        if n:
+            log.info("captured %d decode CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+    app = build_app(engine, api_key=args.api_key)
+    # handler_cancellation: a client that disconnects (timeout, crash) cancels its generation instead of
+    # leaving it to run to max_new_tokens.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host.strip("[]"), args.port))
+    site = web.SockSite(runner, sock)
+    await site.start()
+    port = sock.getsockname()[1]
+    if args.port_file:
+        _write_port_file(args.port_file, port)
+    log.info("serving on http://%s:%d", args.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch_parent() -> None:
+        while args.parent_pid and not stop.is_set():
+            try:
+                os.kill(args.parent_pid, 0)
+            except ProcessLookupError:
+                log.warning("parent %d is gone: shutting down", args.parent_pid)
+                stop.set()
+            await asyncio.sleep(1.0)
+
+    watcher = asyncio.create_task(watch_parent())
+    await stop.wait()
+    watcher.cancel()
+    engine.abort(None)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(runner.cleanup(), timeout=5)
+    await asyncio.to_thread(engine.shutdown)
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)  # atomic: a reader never sees a partial number
+
+
+# ---------------------------------------------------------------------------------------------- helper
+class EmbeddedServer:
+    """Handle of an embedded-engine subprocess (from :func:`start_embedded_server`)."""
+
+    def __init__(self, process: ServerProcess, host: str, port: int, api_key: str | None) -> None:
+        self.process = process
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        h = f"[{host}]" if ":" in host else host
+        self.url = f"http://{h}:{port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def log_file(self) -> Path:
+        return self.process.log_file
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def stop(self) -> int | None:
+        """Stop the server and everything it started (SIGTERM, then SIGKILL, to its process group)."""
+        return self.process.stop()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_embedded_server(
+    model_dir: str | Path,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    dtype: str = "float32",
+    api_key: str | None = None,
+    max_batch_size: int = 64,
+    extra_args: Sequence[str] = (),
+    timeout: float = 180.0,
+    log_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> EmbeddedServer:
+    """Start ``python -m agentrl.embedded.server`` in its own process group and wait for ``/health``.
+
+    ``port=0`` lets the server pick a free port (reported back through a file, so there is no race).
+    Raises :class:`ServerStartError` with the server's log tail if it exits or is not healthy in time.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
+    port_file = workdir / "port"
+    log_path = Path(log_file) if log_file is not None else workdir / "server.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "agentrl.embedded.server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--max-batch-size",
+        str(max_batch_size),
+        "--port-file",
+        str(port_file),
+        "--parent-pid",
+        str(os.getpid()),
+        *extra_args,
+    ]
+    if api_key:
+        argv += ["--api-key", api_key]
+    proc = ServerProcess(argv, log_path, env=env, scratch_dir=workdir)  # removed when it stops
+    t0 = time.monotonic()
+    proc.wait_until(port_file.exists, timeout, "listening")
+    bound = int(port_file.read_text())
+    h = f"[{host}]" if ":" in host else host
+    proc.wait_healthy(f"http://{h}:{bound}/health", timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    return EmbeddedServer(proc, host, bound, api_key)
+
+
+if __name__ == "__main__":
+    main()

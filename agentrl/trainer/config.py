@@ -1,0 +1,89 @@
+"""The Megatron trainer's configuration: model, parallelism, optimizer, micro-batching and loss
+(:class:`TrainerConfig`, the ``trainer`` section of a run config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from agentrl.config import ConfigModel
+from agentrl.trainer.losses import LossConfig
+
+
+class TrainerConfig(ConfigModel):
+    """Model, parallelism, optimizer, batching and loss of the Megatron trainer."""
+
+    model_path: str = Field(..., description="HF model directory the weights (and shape) are loaded from")
+    mcore_path: str | None = Field(
+        None, description="optional Megatron dir (agentrl.convert hf-to-mcore) to load instead of model_path's weights"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameter dtype (bf16: fp32 main weights in the GPU optimizer)"
+    )
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size (GPU only)")
+    vocab_divisible_by: int = Field(
+        1, ge=1, description="pad the vocabulary to a multiple of tp * this (128 is GPU-friendly)"
+    )
+    recompute_activations: bool = Field(
+        False, description="full activation recomputation (memory for compute)"
+    )
+    seed: int = Field(1234, description="seed of torch / numpy / python RNGs")
+
+    lr: float = Field(1e-6, gt=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="final learning rate of the decay")
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps")
+    lr_decay_steps: int | None = Field(
+        None, ge=1, description="decay length in optimizer steps (None: constant after warmup)"
+    )
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR decay after warmup"
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this (0 = off)")
+    optimizer: Literal["auto", "megatron", "torch"] = Field(
+        "auto", description="auto: megatron DDP + distributed optimizer on GPU, torch AdamW on CPU"
+    )
+
+    micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="if set, micro-batches are filled up to this many padded tokens instead"
+    )
+    pack_sequences: bool = Field(
+        False,
+        description="micro-batches of sequences laid end to end up to max_tokens_per_micro_batch real tokens, "
+        "attention within each sequence (no compute on padding; pp = 1 only)",
+    )
+    logprob_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="if set, the LM head and the logprobs run this many tokens at a time inside the loss "
+        "(no full fp32 [tokens, vocabulary] logits; pp = 1 only)",
+    )
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto",
+        description="decoupled mode's π_old: auto takes it from the update's own forward (detached) when the "
+        "step makes one optimizer step, since π_old are then the very weights of that forward; recompute "
+        "always runs a separate no-grad pass first",
+    )
+    compile_kernels: bool | None = Field(
+        None,
+        description="torch.compile the log-softmax / entropy math (logprobs.py) and megatron's SwiGLU "
+        "(its bias_activation_fusion). None: on CUDA (compiling on CPU takes longer than it saves)",
+    )
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each transformer layer (fuses norms, RoPE, residuals; cuts launches; "
+        "the first step of each new shape compiles)",
+    )
+    num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
+    loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
+    weight_sync_bucket_mb: int = Field(
+        512, ge=1, description="bucket size of the distributed weight broadcast"
+    )
