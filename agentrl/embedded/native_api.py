@@ -1,6 +1,6 @@
 """SGLang's native HTTP API for an in-process :class:`~agentrl.embedded.engine.EmbeddedEngine`.
 
-:func:`build_app` answers, with the same endpoints and JSON shapes as ``sglang.launch_server`` (see the
+:func:`build_app` (a handler per endpoint on :class:`NativeAPI`) answers, with the same endpoints and JSON shapes as ``sglang.launch_server`` (see the
 SGLang reference notes): ``/generate``, ``/abort_request``, ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``, ``/update_weight_version``,
@@ -86,34 +86,19 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def build_app(
-    engine: EmbeddedEngine, api_key: str | None = None, served_model_path: str | None = None
-) -> web.Application:
-    """The aiohttp application answering SGLang's native endpoints for ``engine``."""
+class NativeAPI:
+    """SGLang's native endpoints over one engine, a handler per endpoint (the routes in :meth:`routes`)."""
 
-    @web.middleware
-    async def guard(request: web.Request, handler):
-        if api_key and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            token = given[7:] if given.startswith("Bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return _error(401, "missing or invalid API key (Authorization: Bearer <key>)")
-        try:
-            return await handler(request)
-        except EngineBadRequest as err:
-            return _error(400, str(err))
-        except EngineFailed as err:
-            return _error(500, str(err))
-        except web.HTTPException:
-            raise
-        except Exception as err:
-            log.exception("unhandled error on %s", request.path)
-            return _error(500, f"{type(err).__name__}: {err}")
+    def __init__(
+        self, engine: EmbeddedEngine, api_key: str | None = None, served_model_path: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.served_model_path = served_model_path
+        self.tok = engine.tokenizer
 
-    tok = engine.tokenizer
-
-    def answer(rec, return_logprob: bool, skip_special: bool, trim_stop: bool) -> dict[str, Any]:
-        text = tok.decode(rec.output_ids, skip_special_tokens=skip_special)
+    def _answer(self, rec, return_logprob: bool, skip_special: bool, trim_stop: bool) -> dict[str, Any]:
+        text = self.tok.decode(rec.output_ids, skip_special_tokens=skip_special)
         fr = rec.finish_reason
         if fr is None:  # a streamed answer so far: no half character at the end
             text = text.rstrip("\ufffd")
@@ -136,21 +121,21 @@ def build_app(
             ]
         return {"text": text, "output_ids": rec.output_ids, "meta_info": meta}
 
-    async def generate_one(
-        ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
+    async def _generate_one(
+        self, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
     ) -> dict[str, Any]:
-        sampling = RequestSampling.from_sglang(sp, engine.default_max_new_tokens)
-        rec = await engine.generate(ids, sampling, rid)
-        return answer(rec, return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
+        sampling = RequestSampling.from_sglang(sp, self.engine.default_max_new_tokens)
+        rec = await self.engine.generate(ids, sampling, rid)
+        return self._answer(rec, return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
 
-    async def stream_one(
-        request: web.Request, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
+    async def _stream_one(
+        self, request: web.Request, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
     ) -> web.StreamResponse:
         """SGLang's streamed ``/generate``: server-sent events, each the answer so far (cumulative text,
         ids and logprobs; ``finish_reason`` null until the last one), then ``[DONE]``."""
-        sampling = RequestSampling.from_sglang(sp, engine.default_max_new_tokens)
+        sampling = RequestSampling.from_sglang(sp, self.engine.default_max_new_tokens)
         args = (return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
-        stream = engine.stream(ids, sampling, rid)
+        stream = self.engine.stream(ids, sampling, rid)
         try:
             delta = await anext(stream, None)  # a refused request raises here: a plain 400 / 500
             resp = web.StreamResponse(
@@ -162,11 +147,11 @@ def build_app(
                 while delta is not None:
                     out, lps = out + delta.ids, lps + delta.logprobs
                     so_far = GenerationRecord(
-                        rid, ids, out, lps, None, engine.weight_version, time.perf_counter() - t0
+                        rid, ids, out, lps, None, self.engine.weight_version, time.perf_counter() - t0
                     )
-                    await resp.write(_event(answer(so_far, *args)))
+                    await resp.write(_event(self._answer(so_far, *args)))
                     delta = await anext(stream, None)
-                await resp.write(_event(answer(stream.record, *args)))
+                await resp.write(_event(self._answer(stream.record, *args)))
             except (EngineBadRequest, EngineFailed) as err:  # after the first event: SGLang sends it as one
                 await resp.write(_event({"error": {"message": str(err)}}))
             await resp.write(_event("[DONE]"))
@@ -175,7 +160,7 @@ def build_app(
         finally:
             await stream.aclose()  # a client that left cancels this handler: abort its request
 
-    async def generate(request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         ids = body.get("input_ids")
         text = body.get("text")
@@ -183,7 +168,7 @@ def build_app(
             raise EngineBadRequest("give input_ids or text")
         if ids is None:
             texts = text if isinstance(text, list) else [text]
-            batch = [tok.encode(t) for t in texts]
+            batch = [self.tok.encode(t) for t in texts]
             single = not isinstance(text, list)
         else:
             single = not (isinstance(ids, list) and ids and isinstance(ids[0], list))
@@ -211,39 +196,42 @@ def build_app(
         if body.get("stream"):
             if not single:
                 raise EngineBadRequest("stream=true takes one request, not a batch")
-            return await stream_one(request, batch[0], sps[0], str(rids[0]), return_logprob)
+            return await self._stream_one(request, batch[0], sps[0], str(rids[0]), return_logprob)
         outs = await asyncio.gather(
-            *(generate_one(b, s, str(r), return_logprob) for b, s, r in zip(batch, sps, rids, strict=True))
+            *(
+                self._generate_one(b, s, str(r), return_logprob)
+                for b, s, r in zip(batch, sps, rids, strict=True)
+            )
         )
         return web.json_response(outs[0] if single else outs)
 
-    async def abort_request(request: web.Request) -> web.Response:
+    async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if body.get("abort_all"):
-            engine.abort(None)
+            self.engine.abort(None)
         elif body.get("rid"):
-            engine.abort(str(body["rid"]))
+            self.engine.abort(str(body["rid"]))
         return web.json_response({"success": True})
 
-    async def pause_generation(request: web.Request) -> web.Response:
+    async def pause_generation(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        engine.pause(str(body.get("mode", "abort")))
+        self.engine.pause(str(body.get("mode", "abort")))
         return web.json_response({"status": "ok", "success": True})
 
-    async def continue_generation(request: web.Request) -> web.Response:
-        engine.continue_generation()
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.engine.continue_generation()
         return web.json_response({"status": "ok", "success": True})
 
-    async def flush_cache(request: web.Request) -> web.Response:
-        await engine.flush_cache()
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self.engine.flush_cache()
         return web.json_response({"success": True, "message": "Cache flushed."})
 
-    async def update_weights_from_disk(request: web.Request) -> web.Response:
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if not body.get("model_path"):
             raise EngineBadRequest("model_path is required")
         try:
-            await engine.update_weights_from_disk(
+            await self.engine.update_weights_from_disk(
                 str(body["model_path"]),
                 body.get("weight_version"),
                 bool(body.get("abort_all_requests", False)),
@@ -257,13 +245,13 @@ def build_app(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
 
-    async def init_weights_update_group(request: web.Request) -> web.Response:
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
         if missing:
             raise EngineBadRequest(f"missing fields: {', '.join(missing)}")
         try:
-            await engine.init_weights_update_group(
+            await self.engine.init_weights_update_group(
                 str(body["master_address"]),
                 int(body["master_port"]),
                 int(body["rank_offset"]),
@@ -279,18 +267,20 @@ def build_app(
             {"success": True, "message": "Succeeded to initialize custom process group."}
         )
 
-    async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        clean = await engine.destroy_weights_update_group(str(body.get("group_name", "weight_update_group")))
+        clean = await self.engine.destroy_weights_update_group(
+            str(body.get("group_name", "weight_update_group"))
+        )
         message = (
             "Succeeded to destroy custom process group." if clean else "Aborted the custom process group."
         )
         return web.json_response({"success": True, "message": message})
 
-    async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         try:
-            await engine.update_weights_from_distributed(
+            await self.engine.update_weights_from_distributed(
                 list(body.get("names") or []),
                 list(body.get("dtypes") or []),
                 list(body.get("shapes") or []),
@@ -303,92 +293,125 @@ def build_app(
             return web.json_response({"success": False, "message": str(err)}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
-    async def update_weight_version(request: web.Request) -> web.Response:
+    async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if body.get("new_version") is None:
             raise EngineBadRequest("new_version is required")
         if body.get("abort_all_requests", True):  # SGLang's default
-            engine.abort(None)
-        engine.weight_version = str(body["new_version"])
+            self.engine.abort(None)
+        self.engine.weight_version = str(body["new_version"])
         return web.json_response(
-            {"success": True, "message": "weight version updated", "new_version": engine.weight_version}
+            {"success": True, "message": "weight version updated", "new_version": self.engine.weight_version}
         )
 
-    async def get_weight_version(request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": engine.weight_version})
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
 
-    async def get_model_info(request: web.Request) -> web.Response:
+    async def get_model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "model_path": served_model_path or engine.model_path,
-                "tokenizer_path": served_model_path or engine.model_path,
+                "model_path": self.served_model_path or self.engine.model_path,
+                "tokenizer_path": self.served_model_path or self.engine.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
-                "weight_version": engine.weight_version,
+                "weight_version": self.engine.weight_version,
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                "model_type": getattr(engine.model.config, "model_type", None),
-                "architectures": getattr(engine.model.config, "architectures", None),
+                "model_type": getattr(self.engine.model.config, "model_type", None),
+                "architectures": getattr(self.engine.model.config, "architectures", None),
             }
         )
 
-    async def get_server_info(request: web.Request) -> web.Response:
+    async def get_server_info(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
                 "engine": ENGINE_NAME,
                 "version": "agentrl-embedded",
-                "model_path": engine.model_path,
+                "model_path": self.engine.model_path,
                 "tp_size": 1,
                 "dp_size": 1,
-                "device": str(engine.device),
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "max_running_requests": engine.max_batch_size,
-                "context_length": engine.max_context,
-                "weight_version": engine.weight_version,
-                "num_running_requests": engine.num_running,
-                "paused": engine.paused_mode,
-                "api_key_required": bool(api_key),
-                "context_len": engine.context_len,
-                "prefix_cache_slots": 0 if engine.prefix_cache is None else engine.prefix_cache.num_slots,
-                **engine.stats,
-                **engine.memory_info(),
+                "device": str(self.engine.device),
+                "dtype": str(self.engine.dtype).removeprefix("torch."),
+                "max_running_requests": self.engine.max_batch_size,
+                "context_length": self.engine.max_context,
+                "weight_version": self.engine.weight_version,
+                "num_running_requests": self.engine.num_running,
+                "paused": self.engine.paused_mode,
+                "api_key_required": bool(self.api_key),
+                "context_len": self.engine.context_len,
+                "prefix_cache_slots": 0
+                if self.engine.prefix_cache is None
+                else self.engine.prefix_cache.num_slots,
+                **self.engine.stats,
+                **self.engine.memory_info(),
             }
         )
 
-    async def health(request: web.Request) -> web.Response:
-        if not engine.healthy:
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.healthy:
             return _error(503, "generation loop is not running")
         return web.Response(text="")
 
-    async def health_generate(request: web.Request) -> web.Response:
-        if not engine.healthy:
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.engine.healthy:
             return _error(503, "generation loop is not running")
-        if engine.paused_mode is not None:
+        if self.engine.paused_mode is not None:
             return web.Response(text="")  # paused on purpose: healthy, but a generate would wait
         sampling = RequestSampling(temperature=0.0, max_new_tokens=1)
-        await asyncio.wait_for(engine.generate([0], sampling, f"health-{uuid.uuid4().hex}"), timeout=60)
+        await asyncio.wait_for(self.engine.generate([0], sampling, f"health-{uuid.uuid4().hex}"), timeout=60)
         return web.Response(text="")
 
-    app = web.Application(middlewares=[guard], client_max_size=64 * 1024**2)
-    app.add_routes(
-        [
-            web.post("/generate", generate),
-            web.post("/abort_request", abort_request),
-            web.post("/pause_generation", pause_generation),
-            web.post("/continue_generation", continue_generation),
-            web.post("/flush_cache", flush_cache),
-            web.get("/flush_cache", flush_cache),
-            web.post("/update_weights_from_disk", update_weights_from_disk),
-            web.post("/init_weights_update_group", init_weights_update_group),
-            web.post("/destroy_weights_update_group", destroy_weights_update_group),
-            web.post("/update_weights_from_distributed", update_weights_from_distributed),
-            web.post("/update_weight_version", update_weight_version),
-            web.get("/get_weight_version", get_weight_version),
-            web.get("/get_model_info", get_model_info),
-            web.get("/get_server_info", get_server_info),
-            web.get("/health", health),
-            web.get("/health_generate", health_generate),
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/generate", self.generate),
+            web.post("/abort_request", self.abort_request),
+            web.post("/pause_generation", self.pause_generation),
+            web.post("/continue_generation", self.continue_generation),
+            web.post("/flush_cache", self.flush_cache),
+            web.get("/flush_cache", self.flush_cache),
+            web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/init_weights_update_group", self.init_weights_update_group),
+            web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
+            web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/update_weight_version", self.update_weight_version),
+            web.get("/get_weight_version", self.get_weight_version),
+            web.get("/get_model_info", self.get_model_info),
+            web.get("/get_server_info", self.get_server_info),
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health_generate),
         ]
-    )
+
+
+def _auth_guard(api_key: str | None):
+    """Middleware: the API key check (all but the health endpoints) and errors answered in SGLang's shape."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if api_key and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            token = given[7:] if given.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return _error(401, "missing or invalid API key (Authorization: Bearer <key>)")
+        try:
+            return await handler(request)
+        except EngineBadRequest as err:
+            return _error(400, str(err))
+        except EngineFailed as err:
+            return _error(500, str(err))
+        except web.HTTPException:
+            raise
+        except Exception as err:
+            log.exception("unhandled error on %s", request.path)
+            return _error(500, f"{type(err).__name__}: {err}")
+
+    return guard
+
+
+def build_app(
+    engine: EmbeddedEngine, api_key: str | None = None, served_model_path: str | None = None
+) -> web.Application:
+    """The aiohttp application answering SGLang's native endpoints (and OpenAI's) for ``engine``."""
+    app = web.Application(middlewares=[_auth_guard(api_key)], client_max_size=64 * 1024**2)
+    app.add_routes(NativeAPI(engine, api_key, served_model_path).routes())
     add_openai_routes(app, EmbeddedBackend(engine, served_model_path))  # /v1/* (OpenAI's API)
     return app
