@@ -31,7 +31,7 @@ from typing import Any
 
 from agentrl.cluster import start_ray, start_service, stop_all
 from agentrl.config import ConfigError, dump_config
-from agentrl.metrics import MetricsLogger, Progress
+from agentrl.metrics import MetricsLogger, ProgressLine
 from agentrl.recipe import load_run_config, make_recipe, metric_label
 from agentrl.run_config import RunConfig
 from agentrl.trainer.ray_actor import TrainerGroup
@@ -233,7 +233,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         # 5. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
         await rollout.start.remote()
         shown = {"reward": "batch/reward", **{k.rsplit("/", 1)[-1]: k for k in before}}
-        progress = Progress(
+        progress = ProgressLine(
             cfg.steps, keys={**shown, "stale": "batch/staleness_mean", "tok/s": "trainer/tokens_per_s"}
         )
         for step in range(start_step, cfg.steps):

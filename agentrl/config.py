@@ -103,11 +103,6 @@ def read_config(
     return data, source
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Load ``cls`` from a YAML file (optional) plus ``key=value`` overrides."""
-    return build_config(cls, *read_config(path, overrides))
-
-
 def dump_config(cfg: BaseModel) -> str:
     """YAML text of a config (what a run saves next to its outputs)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,7 +1,7 @@
 """Metrics and progress: the one place every component reports numbers through.
 
 :class:`MetricsLogger` appends one JSON object per ``log`` call to ``metrics.jsonl`` (always) and
-writes TensorBoard scalars when ``tensorboard`` is installed. :class:`Progress` is a one-line console
+writes TensorBoard scalars when ``tensorboard`` is installed. :class:`ProgressLine` is a one-line console
 display (a bar plus a few chosen metrics) that redraws in place on a terminal and prints plain lines
 otherwise. Components keep their own counters and hand them over as flat ``{name: number}`` dicts.
 """
@@ -83,7 +83,7 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-class Progress:
+class ProgressLine:
     """A console progress line: ``step 3/20 [#####-----] reward=0.41 em=0.38 stale=0.6 12.3 tok/s``."""
 
     def __init__(

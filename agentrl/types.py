@@ -110,9 +110,6 @@ class Trajectory:
         """The model's own text, observations left out (what verifiers score)."""
         return "".join(t.text for t in self.turns if t.role == "assistant")
 
-    def response_text(self) -> str:
-        return "".join(t.text for t in self.turns)
-
     def validate(self) -> None:
         """Raise ValueError when per-token lists disagree or turns do not tile the response."""
         n = len(self.response_ids)

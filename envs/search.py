@@ -65,14 +65,6 @@ def format_prompt(question: str) -> str:
     return PROMPT.format(question=question.strip())
 
 
-def search_r1_label(task: dict[str, Any]) -> Any:
-    """The gold answers of a task: ``label`` or the Search-R1 parquet ``reward_model.ground_truth``."""
-    if task.get("label") is not None:
-        return task["label"]
-    rm = task.get("reward_model") or {}
-    return rm.get("ground_truth") if isinstance(rm, dict) else None
-
-
 @register_env("search")
 class SearchEnv(Env):
     """Search-R1 tool use. Task: ``{"question": str}`` or a Search-R1 parquet row (``prompt`` messages)."""

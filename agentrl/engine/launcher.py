@@ -18,7 +18,6 @@ lifecycles against a stand-in executable.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -314,11 +313,6 @@ class SGLangServerActor:
     def pid(self) -> int | None:
         return None if self.launcher.process is None else self.launcher.process.pid
 
-    def visible_devices(self) -> str | None:
-        import os
-
-        return os.environ.get("CUDA_VISIBLE_DEVICES")
-
     def stop(self) -> int | None:
         return self.launcher.stop()
 
@@ -345,8 +339,3 @@ def remote_sglang_server(cfg: SGLangConfig, num_gpus: float | None = None, **ray
     return actor_cls.remote(cfg.model_dump())
 
 
-def wait_all_healthy(launchers: Sequence[_Launcher], timeout: float) -> None:
-    """Wait until every launcher answers /health (they start in parallel; one wait for all)."""
-    deadline = time.monotonic() + timeout
-    for launcher in launchers:
-        launcher.wait_healthy(max(1.0, deadline - time.monotonic()))

@@ -68,6 +68,7 @@ from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.lockstep import LockstepSchedule
 from agentrl.rollout.metrics import RolloutMetrics
+from agentrl.sandboxes.shared import close_shared_sandboxes
 from agentrl.types import Status, Trajectory
 
 if TYPE_CHECKING:
@@ -188,7 +189,8 @@ class Orchestrator:
         self._loop_task = asyncio.create_task(self._admission_loop(), name="rollout-admission")
 
     async def stop(self) -> None:
-        """Cancel running groups (they stay in flight: re-drawn on resume) and stop admitting."""
+        """Cancel running groups (they stay in flight: re-drawn on resume), stop admitting, and close the
+        sandboxes the episodes shared."""
         self._stopping = True
         self.controller.notify()
         if self._loop_task is not None:
@@ -202,6 +204,7 @@ class Orchestrator:
         self._engine_open.set()  # nobody waits forever on a pause that will never be lifted
         if self.agents is not None:
             await self.agents.close()
+        await close_shared_sandboxes()  # the run's warm sandbox pools (a later start makes new ones)
         await self.buffer.set_exhausted(True)
 
     # ================================================================ admission

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from agentrl.trainer.optim import TrainerOptimizer
 
 
-class Progress(NamedTuple):
+class TrainerCounters(NamedTuple):
     """The trainer's counters that a checkpoint carries."""
 
     step: int  # train_step calls completed
@@ -34,7 +34,7 @@ def save_checkpoint(
     ckpt_dir: str | Path,
     module: torch.nn.Module,
     optimizer: TrainerOptimizer,
-    progress: Progress,
+    progress: TrainerCounters,
     config: dict[str, Any],
     rank: int,
     world_size: int,
@@ -79,7 +79,7 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 def load_checkpoint(
     path: str | Path, module: torch.nn.Module, optimizer: TrainerOptimizer, rank: int
-) -> Progress:
+) -> TrainerCounters:
     """Restore what :func:`save_checkpoint` wrote (``path``: a step dir or the root) into ``module``,
     ``optimizer`` and the RNGs (collective); returns the saved counters."""
     p = Path(path)
@@ -89,7 +89,9 @@ def load_checkpoint(
     load_local_state(module, state["model"])
     optimizer.load_state_dict(state, p)
     set_rng_state(state["rng"])
-    progress = Progress(int(state["step"]), int(state["optimizer_steps"]), int(state["policy_version"]))
+    progress = TrainerCounters(
+        int(state["step"]), int(state["optimizer_steps"]), int(state["policy_version"])
+    )
     dist.barrier()
     return progress
 

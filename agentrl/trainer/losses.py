@@ -205,12 +205,6 @@ class MetricSums:
         else:
             self.maxes[name] = max(self.maxes[name], value)
 
-    def merge(self, other: MetricSums) -> None:
-        for k in other.sums:
-            self.add(k, other.sums[k], other.counts[k])
-        for k, v in other.maxes.items():
-            self.max(k, v)
-
     def resolve(self) -> None:
         """Read every tensor value to the host (one transfer per device); all values are floats after."""
         by_device: dict[torch.device, list[tuple[dict, str]]] = {}

@@ -56,10 +56,6 @@ def apply_cpu_patches() -> bool:
     return True
 
 
-def cpu_patches_active() -> bool:
-    return _APPLIED
-
-
 def quiet_default_tp_group() -> None:
     """Make the tensor-parallel layers' default-group lookup silent (point 4 above); idempotent."""
     from megatron.core import parallel_state

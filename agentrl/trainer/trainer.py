@@ -50,7 +50,7 @@ from agentrl.trainer.batch import (
     split_micro_batches,
 )
 from agentrl.trainer.checkpoint import (
-    Progress,
+    TrainerCounters,
     latest_checkpoint,
     load_checkpoint,
     load_local_state,
@@ -415,7 +415,7 @@ class MegatronTrainer:
     def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
         """``ckpt_dir/step_{N}/rank_{R}.pt`` (model, optimizer, LR schedule, RNG, step, version); then
         ``ckpt_dir/latest`` names it (see :mod:`agentrl.trainer.checkpoint`). Collective."""
-        progress = Progress(self.step, self.optimizer_steps, self.policy_version)
+        progress = TrainerCounters(self.step, self.optimizer_steps, self.policy_version)
         config = self.cfg.model_dump(mode="json")
         return save_checkpoint(
             ckpt_dir, self.module, self.optim, progress, config, self.rank, self.world_size

@@ -107,24 +107,6 @@ async def broadcast_weights(
     return stats
 
 
-def receive_weights(
-    group: Any,
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    device: str | torch.device = "cpu",
-) -> list[tuple[str, torch.Tensor]]:
-    """The receiver's half of one bucket (what an engine does; used by tests and the embedded engine)."""
-    from agentrl.engine.dist import parse_dtype
-
-    out = []
-    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
-        t = torch.empty(shape, dtype=parse_dtype(dt), device=device)
-        dist.broadcast(t, src=0, group=group)
-        out.append((name, t))
-    return out
-
-
 class WeightBroadcaster:
     """The trainer side of a distributed weight-sync group with a set of engines (an EngineClient)."""
 
