@@ -61,6 +61,7 @@ class EmbeddedEngine:
         mem_fraction: float | None = None,
         cuda_graphs: bool = True,
         compile: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +72,8 @@ class EmbeddedEngine:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.default_max_new_tokens = default_max_new_tokens
         self.max_batch_size = max_batch_size
+        # a request's tokens and logprobs do not depend on what else runs (agentrl.batch_invariant)
+        self.batch_invariant = batch_invariant
         on_gpu = self.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens or (8192 if on_gpu else 2048)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -147,6 +150,7 @@ class EmbeddedEngine:
             max_batch_size,
             cuda_graphs=cuda_graphs,
             compile=compile,
+            batch_invariant=self.batch_invariant,
         )
         return slots
 
@@ -172,6 +176,8 @@ class EmbeddedEngine:
         graphs = self.runner.capture_all(max_length)
         if self.runner.compiled:
             for rows, width in ((1, 1), (1, 8), (2, 1), (2, 8)):
+                if rows > self.max_batch_size:  # only running slots 0..max_batch_size-1 may be written: with
+                    continue  # one slot and no prefix cache, slot 1 was past the KV cache (a device-side assert)
                 logits = self.runner.extend(ExtendBatch(list(range(rows)), [[0] * width] * rows, [0] * rows))
                 with torch.inference_mode():
                     sample_tokens(logits, [RequestSampling()] * rows, [0] * rows, [width] * rows)

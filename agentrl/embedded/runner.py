@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from agentrl import batch_invariant as bi
+
 log = logging.getLogger("agentrl.engine")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -171,6 +173,7 @@ class ModelRunner:
         max_batch: int,
         cuda_graphs: bool = True,
         compile: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -209,6 +212,17 @@ class ModelRunner:
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
         cos, sin = self.inner.rotary_emb(dummy, pos)  # the model's own RoPE (scaling variants included)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [context_len + 1, head_dim]
+        # batch_invariant: every op of agentrl.batch_invariant, so a row's bits depend on nothing but its own
+        # tokens (not the batch, its position in it, the prefill chunking or a prefix hit); RoPE tables by
+        # element-wise products, as the trainer's true on-policy forward builds them
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            rope_type = getattr(self.inner.rotary_emb, "rope_type", "default")
+            if rope_type != "default":
+                raise ValueError(f"batch-invariant mode serves plain RoPE only, not {rope_type!r}")
+            self.cos, self.sin = bi.rope_tables(
+                self.inner.rotary_emb.inv_freq, context_len + 1, self.device, self.dtype
+            )
         self.vocab_size = int(self.lm_head_weight.shape[0])
 
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -230,7 +244,9 @@ class ModelRunner:
             decode_attention,
             lm_head,
         )
-        self.compiled = compile and self.device.type == "cuda"
+        if batch_invariant:
+            self._pre, self._post, self._head = bi.pre_attention, bi.post_attention, bi.lm_head
+        self.compiled = compile and self.device.type == "cuda" and not batch_invariant
         if self.compiled:
             self._pre, self._post, self._attn, self._head = (
                 torch.compile(f, dynamic=True)
@@ -291,10 +307,16 @@ class ModelRunner:
         group = self.n_heads // self.n_kv
 
         x = self.inner.embed_tokens(ids)
+        qpos = torch.where(valid, pos, 0)  # padding queries attend to key 0 only (their output is dropped)
         for i, w in enumerate(self.weights):
             q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
             self.k[i][slots[:, None], :, write] = k
             self.v[i][slots[:, None], :, write] = v
+            if self.batch_invariant:  # from the cache, as decode reads it
+                kk, vv = (self.k[i][:, :, :keys], self.v[i][:, :, :keys]) if not q.is_cuda else (self.k[i], self.v[i])
+                o = bi.attention(q, kk, vv, qpos, self.scale, slots)
+                x = self._post(x, o, w, self.norm_eps)
+                continue
             if fresh:
                 kk, vv = k.transpose(1, 2), v.transpose(1, 2)
             else:
@@ -317,13 +339,16 @@ class ModelRunner:
         group = self.n_heads // self.n_kv
         masked = torch.arange(length, device=self.device)[None, None, None, :] > pos[:, None, None, None]
         # masked: [b, 1, 1, length], True where a key is past the row's position
+        apos = pos.masked_fill(pos >= self.context_len, 0)  # padding rows (scratch column) read key 0 only
         x = self.inner.embed_tokens(ids)
         for i, w in enumerate(self.weights):
             q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
             self.k[i][rows, :, pos] = k  # KV writes stay outside compiled code: no copy of the cache
             self.v[i][rows, :, pos] = v
             kk, vv = self.k[i][:b, :, :length], self.v[i][:b, :, :length]  # [b, kv, length, d]
-            if self.decode_attention == "sdpa":
+            if self.batch_invariant:
+                o = bi.attention(q[:, None], kk, vv, apos[:, None], self.scale).view(b, -1)
+            elif self.decode_attention == "sdpa":
                 o = F.scaled_dot_product_attention(
                     q[:, :, None], kk, vv, attn_mask=~masked, scale=self.scale, enable_gqa=group > 1
                 ).reshape(b, -1)

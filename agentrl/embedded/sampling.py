@@ -189,11 +189,24 @@ def filter_logits(
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[RequestSampling], seeds: list[int], positions: list[int]
+    logits: torch.Tensor,
+    params: list[RequestSampling],
+    seeds: list[int],
+    positions: list[int],
+    invariant_rows: int | None = None,
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row of fp32 ``logits`` [rows, vocab]; row ``r`` follows ``params[r]``
     with its draw keyed by (``seeds[r]``, ``positions[r]``). Returns the ids and their raw-logit
-    logprobs (one host sync)."""
+    logprobs (one host sync).
+
+    ``invariant_rows`` (batch-invariant mode): the logprobs are :func:`agentrl.batch_invariant.token_logprobs`
+    (the true on-policy trainer's formula), and on a GPU the rows are padded to this many, so every step
+    runs the same kernel shapes and a row's draw does not depend on how many rows share the step."""
+    real = len(params)
+    if invariant_rows is not None and logits.is_cuda and real < invariant_rows:
+        pad = invariant_rows - real
+        logits = torch.nn.functional.pad(logits, (0, 0, 0, pad))
+        params, seeds, positions = [*params, *[RequestSampling()] * pad], [*seeds, *[0] * pad], [*positions, *[0] * pad]
     dev, vocab, n = logits.device, logits.shape[-1], len(params)
     temps = [p.temperature for p in params]
     if any(t > 0 for t in temps):
@@ -217,6 +230,12 @@ def sample_tokens(
     else:
         tokens, log_z = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, tokens[:, None]).squeeze(1) - log_z
+    if invariant_rows is not None:
+        from agentrl.batch_invariant import token_logprobs
+
+        logp = token_logprobs(logits, tokens)
+    if n > real:
+        tokens, logp, n = tokens[:real], logp[:real], real
     both = torch.cat([tokens.double(), logp.double()])
     if dev.type == "cuda":  # one device-to-host copy, waited for with the GIL released (HTTP goes on)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)

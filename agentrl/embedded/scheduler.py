@@ -235,6 +235,7 @@ class Scheduler:
                 [r.sampling for r in sampled],
                 [r.seed for r in sampled],
                 [len(r.seq) for r in sampled],
+                invariant_rows=self.runner.max_batch if self.runner.batch_invariant else None,
             )
 
     def _commit(self, step: Step, result: tuple[list[int], list[float]]) -> None:

@@ -82,6 +82,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPU: decode without CUDA graphs")
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens and logprobs are the same bits alone or batched, at any batch position, "
+        "with or without prefix reuse, whatever the prefill chunking (agentrl.batch_invariant kernels; "
+        "no torch.compile); what deterministic runs use",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -140,6 +147,7 @@ async def _serve(args: argparse.Namespace) -> None:
         default_max_new_tokens=args.default_max_new_tokens,
         cuda_graphs=not args.no_cuda_graphs,
         compile=args.compile,
+        batch_invariant=args.batch_invariant,
     )
     if args.warmup_len:
         t0 = time.perf_counter()

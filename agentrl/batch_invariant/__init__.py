@@ -1,0 +1,196 @@
+"""Batch-invariant kernels: a row's result does not depend on how many rows share the call, nor where it sits.
+
+Nondeterminism in inference is mostly batch variance: a kernel picks another tiling, or splits a
+reduction differently, when the batch changes size, so one request's logits change with its neighbours.
+Every op here fixes the reduction order of a row whatever the batch:
+
+* :func:`linear` -- on CPU the rows go through BLAS in a multiple of :data:`ROW_TILE` rows (oneDNN/MKL
+  switch to other kernels below about a dozen rows; from 12 rows on, a row's dot products are the same
+  bits for any row count, any row position and any output width, measured on AVX-512 and AVX2). On a
+  GPU a Triton matmul with one tiling for every shape and no split-K (:mod:`.triton_ops`).
+* :func:`rms_norm`, :func:`logsumexp` -- reduced within a row (one Triton program per row on a GPU).
+* :func:`attention` -- every query walks its keys ``0..pos`` in chunks of :data:`KEY_CHUNK` from key 0,
+  in order, whether it is one decode query over a KV cache, one of a prefill chunk, or one of a
+  trainer's full sequence. Keys past ``pos`` contribute exact zeros, so the bucket a decode step pads to
+  and the chunking of a prefill do not change a bit.
+
+:func:`pre_attention` / :func:`post_attention` are a decoder layer in these ops (the embedded engine's
+order: norms, separate q/k/v projections, RoPE, SwiGLU), shared by the engine's deterministic mode
+and the trainer's true on-policy forward, so both compute a token's logprob in the same order.
+Autograd works through every op (on a GPU the Triton forward has a torch backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+ROW_TILE = 16  # CPU: rows reach BLAS in multiples of this (invariant from 12 rows on)
+KEY_CHUNK = 64  # attention reduces over keys in chunks of this many, in order
+
+
+def _rows_padded(m: int) -> int:
+    return max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+
+
+def _pad_rows(x: Tensor, dim: int) -> tuple[Tensor, int]:
+    """``x`` padded with zero rows along ``dim`` to a multiple of :data:`ROW_TILE` (contiguous)."""
+    m = x.shape[dim]
+    extra = _rows_padded(m) - m
+    if extra:
+        pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, extra]
+        x = F.pad(x, pad)
+    return x.contiguous(), m
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T (+ bias)`` with each output row independent of the other rows; the bias is added
+    after the product (an addmm may fuse it in another order)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x.is_cuda:
+        from agentrl.batch_invariant.triton_ops import matmul
+
+        y = matmul(x2, weight)
+    else:
+        xp, m = _pad_rows(x2, 0)
+        y = F.linear(xp, weight)[:m]
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, weight.shape[0])
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim (fp32 statistics, weight applied in the input dtype), per row."""
+    if x.is_cuda:
+        from agentrl.batch_invariant.triton_ops import rms_norm as tri
+
+        return tri(x, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def logsumexp(x: Tensor) -> Tensor:
+    """fp32 ``logsumexp`` of each row of ``x`` [rows, n]."""
+    if x.is_cuda:
+        from agentrl.batch_invariant.triton_ops import logsumexp as tri
+
+        return tri(x)
+    return torch.logsumexp(x.float(), dim=-1)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log_softmax(logits)[target]`` per row of fp32 ``logits`` [rows, vocab], the engine's and the
+    true on-policy trainer's one formula."""
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp(logits)
+
+
+def _ordered_sum(t: Tensor, dim: int) -> Tensor:
+    """Sum over ``dim`` left to right (a fixed order, whatever the length)."""
+    acc = t.select(dim, 0)
+    for j in range(1, t.shape[dim]):
+        acc = acc + t.select(dim, j)
+    return acc
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None = None
+) -> Tensor:
+    """Causal attention of queries at known positions over keys ``0..pos``.
+
+    ``q`` [B, W, H, d]: W queries of sequence ``b`` at positions ``q_pos`` [B, W] (a query sees the keys
+    at positions ``<= q_pos``; clamp padding queries to 0). ``k``/``v`` [S, KV, L, d]: the keys of
+    sequence ``b`` are ``k[slots[b]]`` (``k[b]`` without ``slots``), at positions ``0..L-1``; GQA by
+    grouping ``H // KV`` query heads per key head. Returns [B, W, H * d] in ``q``'s dtype."""
+    if q.is_cuda:
+        from agentrl.batch_invariant.triton_ops import attention as tri
+
+        return tri(q, k, v, q_pos, scale, slots)
+    if slots is not None:
+        k, v = k.index_select(0, slots), v.index_select(0, slots)
+    b, w, h, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    g = h // kv
+    chunks = -(-length // KEY_CHUNK)
+    pad = chunks * KEY_CHUNK - length
+    k = F.pad(k, (0, 0, 0, pad)).contiguous()
+    v = F.pad(v, (0, 0, 0, pad)).contiguous()
+    # query rows of a key head: (query, head of the group), padded to a multiple of ROW_TILE
+    qg, rows = _pad_rows(q.view(b, w, kv, g, d).permute(0, 2, 1, 3, 4).reshape(b, kv, w * g, d), 2)
+    pos = q_pos[:, :, None].expand(b, w, g).reshape(b, w * g)
+    pos = F.pad(pos, (0, qg.shape[2] - rows))
+    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [b, kv, rows', keys]
+    masked = torch.arange(k.shape[2], device=q.device)[None, None, None, :] > pos[:, None, :, None]
+    s = s.masked_fill(masked, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # the max is exact in any order
+    shape = (*p.shape[:3], chunks, KEY_CHUNK)
+    denom = _ordered_sum(p.view(shape).sum(-1), -1)  # per chunk, then chunk by chunk
+    pc = p.to(v.dtype).view(shape).transpose(2, 3).contiguous()  # [b, kv, chunks, rows', chunk]
+    part = torch.matmul(pc, v.view(b, kv, chunks, KEY_CHUNK, d))  # [b, kv, chunks, rows', d]
+    o = (_ordered_sum(part, 2).float() / denom[..., None]).to(q.dtype)[:, :, :rows]
+    return o.view(b, kv, w, g, d).permute(0, 2, 1, 3, 4).reshape(b, w, h * d)
+
+
+def rope_tables(inv_freq: Tensor, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [n, head_dim] of positions ``0..n-1`` from the model's ``inv_freq`` (plain RoPE), by
+    element-wise products on ``device`` (no matmul, so no TF32 or tiling choice enters)."""
+    pos = torch.arange(n, device=device, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def pre_attention(
+    x: Tensor, w: tuple, cos: Tensor, sin: Tensor, eps: float, heads: int, kv: int, d: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Input norm, q/k/v projections, (Qwen3) q/k norms and RoPE; ``x`` is [..., hidden], heads come out
+    in dim -2. ``w`` = (ln1, wq, bq, wk, bk, wv, bv, q_norm, k_norm, ...) as the engine's runner orders a
+    layer's tensors; biases and q/k norms may be None."""
+    ln1, wq, bq, wk, bk, wv, bv, qn, kn = w[:9]
+    h = rms_norm(x, ln1, eps)
+    lead = h.shape[:-1]
+    q = linear(h, wq, bq).view(*lead, heads, d)
+    k = linear(h, wk, bk).view(*lead, kv, d)
+    v = linear(h, wv, bv).view(*lead, kv, d)
+    if qn is not None:
+        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def post_attention(x: Tensor, o: Tensor, w: tuple, eps: float) -> Tensor:
+    """Output projection + residual, then the SwiGLU MLP + residual."""
+    wo, bo, ln2, wg, bg, wu, bu, wd, bd = w[9:]
+    x = x + linear(o, wo, bo)
+    h = rms_norm(x, ln2, eps)
+    return x + linear(F.silu(linear(h, wg, bg)) * linear(h, wu, bu), wd, bd)
+
+
+def lm_head(x: Tensor, norm: Tensor, eps: float, weight: Tensor) -> Tensor:
+    """fp32 logits of the final hidden states."""
+    return linear(rms_norm(x, norm, eps), weight).float()
+
+
+__all__ = [
+    "KEY_CHUNK",
+    "ROW_TILE",
+    "attention",
+    "linear",
+    "lm_head",
+    "logsumexp",
+    "post_attention",
+    "pre_attention",
+    "rms_norm",
+    "rope_tables",
+    "token_logprobs",
+]
