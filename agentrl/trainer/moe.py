@@ -1,0 +1,424 @@
+"""Mixture-of-experts models in the trainer: which MoE families are served, the MoE shape read from an HF
+config, the expert weights' mapping between HF and megatron-core (tensor- and expert-parallel), routing
+replay and the load-balancing loss as a metric.
+
+**Family.** Qwen3-MoE (``qwen3_moe``): Qwen3 attention (per-head q/k RMSNorm, no qkv bias) and in every
+layer a top-k softmax router (``mlp.gate``) over ``num_experts`` SwiGLU experts
+(``mlp.experts.{e}.{gate,up,down}_proj``), no shared expert. ``norm_topk_prob`` renormalizes the k gates
+(megatron: top-k over the logits then a softmax over the k, ``moe_router_pre_softmax=False``); without it
+the gates are the full softmax's values at the k experts (``moe_router_pre_softmax=True``). Other MoE
+families (Mixtral, DeepSeek-V2/V3, Qwen2-MoE with its shared expert, GLM-4.5, ...) are refused by name.
+
+**Megatron side.** megatron-core's ``MoELayer`` from the local spec: ``TopKRouter`` (its
+``router.weight`` is the HF gate, replicated over TP), the ``allgather`` token dispatcher (the one that
+runs on gloo as well as NCCL; ``alltoall`` allocates CUDA streams) and ``SequentialMLP`` experts (one
+``ColumnParallelLinear``/``RowParallelLinear`` pair per local expert, the expert's ``linear_fc1`` is
+``[gate_t; up_t]`` per TP rank like the dense MLP). The grouped-GEMM expert modules need Transformer
+Engine or the ``grouped_gemm`` package, neither of which agentrl requires.
+
+**Expert parallelism** (``ep``): rank ``e`` of the expert-parallel group holds experts
+``[e*E/ep, (e+1)*E/ep)`` under local names ``local_experts.0..``; everything else is replicated over
+``ep``. Converted shards are keyed ``(pp_rank, tp_rank, ep_rank)`` when ``ep > 1``.
+
+**Routing replay (R3).** The engine reports, per token and layer, the k experts it routed to (SGLang's
+``meta_info["routed_experts"]``: base64 of int32 ``[tokens, layers, k]``, every input position of the
+sequence, i.e. all tokens but the last). With replay on, each router's top-k indices are forced to the
+recorded ones and the gates are recomputed from this forward's router logits at those indices (so the
+router still gets gradients). Rows with no record (``-1``) keep their own top-k.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+
+# model_type -> the family's name, for the refusal message
+UNSUPPORTED_MOE_FAMILIES = {
+    "mixtral": "Mixtral",
+    "deepseek_v2": "DeepSeek-V2",
+    "deepseek_v3": "DeepSeek-V3",
+    "qwen2_moe": "Qwen2-MoE",
+    "glm4_moe": "GLM-4.5",
+    "olmoe": "OLMoE",
+    "gpt_oss": "gpt-oss",
+    "llama4": "Llama 4",
+    "dbrx": "DBRX",
+    "jamba": "Jamba",
+    "granitemoe": "Granite-MoE",
+    "phimoe": "Phi-MoE",
+    "minimax": "MiniMax",
+    "ernie4_5_moe": "ERNIE-4.5-MoE",
+    "hunyuan_v1_moe": "Hunyuan-MoE",
+    "qwen3_next": "Qwen3-Next",
+}
+
+
+def refuse_unsupported_moe(model_type: str | None, config: dict[str, Any] | None = None) -> None:
+    """Raise ``ValueError`` naming the family when ``model_type`` is a mixture-of-experts family agentrl
+    does not serve (also an unknown type whose config has expert counts)."""
+    family = UNSUPPORTED_MOE_FAMILIES.get(str(model_type))
+    if family is None and config is not None and model_type not in MOE_MODEL_TYPES:
+        if any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            family = str(model_type)
+    if family is not None:
+        raise ValueError(
+            f"{family} mixture-of-experts models (model_type {model_type!r}) are not supported; "
+            f"the supported MoE family is Qwen3-MoE (model_type 'qwen3_moe')"
+        )
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE shape of a model: every decoder layer's MLP is a routed set of experts."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # per expert (HF moe_intermediate_size)
+    norm_topk_prob: bool
+    aux_loss_coef: float  # HF router_aux_loss_coef (the trainer's default coefficient)
+
+    @classmethod
+    def from_hf_config(cls, c: dict[str, Any]) -> MoESpec | None:
+        """The MoE shape of a config.json dict; None for a dense model. Unsupported layouts raise."""
+        if c.get("model_type") not in MOE_MODEL_TYPES:
+            return None
+        n = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+        k = int(c.get("num_experts_per_tok") or 0)
+        if n < 1 or not 1 <= k <= n:
+            raise ValueError(f"num_experts {n} / num_experts_per_tok {k}: need 1 <= k <= num_experts")
+        if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
+            raise ValueError(
+                "decoder_sparse_step != 1 / mlp_only_layers (dense layers between MoE layers) are not "
+                "supported: every layer must be a mixture-of-experts layer"
+            )
+        if c.get("shared_expert_intermediate_size"):
+            raise ValueError("shared experts (shared_expert_intermediate_size) are not supported")
+        return cls(
+            num_experts=n,
+            topk=k,
+            ffn_hidden_size=int(c["moe_intermediate_size"]),
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            aux_loss_coef=float(c.get("router_aux_loss_coef", 0.0) or 0.0),
+        )
+
+    def expert_range(self, ep: int, ep_rank: int) -> tuple[int, int]:
+        """Global expert indices [start, end) held by expert-parallel rank ``ep_rank``."""
+        if self.num_experts % ep:
+            raise ValueError(f"{self.num_experts} experts do not split over expert parallel size {ep}")
+        n = self.num_experts // ep
+        return ep_rank * n, (ep_rank + 1) * n
+
+    def active_ffn_params(self, hidden: int) -> int:
+        """Parameters one token's MLP uses per layer: k experts plus the router."""
+        return self.topk * 3 * hidden * self.ffn_hidden_size + self.num_experts * hidden
+
+    def total_ffn_params(self, hidden: int) -> int:
+        return self.num_experts * 3 * hidden * self.ffn_hidden_size + self.num_experts * hidden
+
+
+def transformer_kwargs(moe: MoESpec, ep: int = 1, aux_loss_coef: float | None = None) -> dict[str, Any]:
+    """The megatron ``TransformerConfig`` fields of ``moe`` (``aux_loss_coef`` None: the HF config's)."""
+    coef = moe.aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
+        moe_aux_loss_coeff=coef,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=ep,
+    )
+
+
+# ---- HF <-> megatron expert weights ----------------------------------------------------------------
+def hf_moe_names(layer: int, num_experts: int) -> list[str]:
+    """The HF tensor names of one MoE layer's MLP (router, then every expert's three projections)."""
+    h = f"model.layers.{layer}.mlp."
+    names = [h + "gate.weight"]
+    for e in range(num_experts):
+        names += [h + f"experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return names
+
+
+def hf_moe_shapes(layer: int, moe: MoESpec, hidden: int) -> dict[str, tuple[int, ...]]:
+    h, f = f"model.layers.{layer}.mlp.", moe.ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {h + "gate.weight": (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        shapes |= {
+            h + f"experts.{e}.gate_proj.weight": (f, hidden),
+            h + f"experts.{e}.up_proj.weight": (f, hidden),
+            h + f"experts.{e}.down_proj.weight": (hidden, f),
+        }
+    return shapes
+
+
+def check_moe_tensors(hf: dict[str, torch.Tensor], layer: int, moe: MoESpec, hidden: int) -> None:
+    """Raise ``ValueError`` naming the first tensor of layer ``layer``'s MLP that is missing or has
+    another shape than ``moe`` says (an expert count or size that does not match the config)."""
+    want = hf_moe_shapes(layer, moe, hidden)
+    for name, shape in want.items():
+        if name not in hf:
+            raise ValueError(
+                f"{name}: missing (config: {moe.num_experts} experts of size {moe.ffn_hidden_size})"
+            )
+        if tuple(hf[name].shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(hf[name].shape)} != {shape} from the config")
+    extra = f"model.layers.{layer}.mlp.experts.{moe.num_experts}.gate_proj.weight"
+    if extra in hf:
+        raise ValueError(f"{extra}: more experts in the checkpoint than num_experts={moe.num_experts}")
+
+
+def moe_layer_to_mcore(
+    hf: dict[str, torch.Tensor], layer: int, moe: MoESpec, hidden: int, tp: int, ep: int
+) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """One HF MoE layer's MLP -> ``{(tp_rank, ep_rank): {local megatron name under 'mlp.': tensor}}``."""
+    check_moe_tensors(hf, layer, moe, hidden)
+    h = f"model.layers.{layer}.mlp."
+    if moe.ffn_hidden_size % tp:
+        raise ValueError(f"moe_intermediate_size {moe.ffn_hidden_size} does not split over tp {tp}")
+    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {(t, e): {} for t in range(tp) for e in range(ep)}
+    for t in range(tp):
+        for e in range(ep):
+            out[(t, e)]["router.weight"] = hf[h + "gate.weight"]
+    for e in range(ep):
+        start, end = moe.expert_range(ep, e)
+        for j, g in enumerate(range(start, end)):
+            x = h + f"experts.{g}."
+            gate = torch.chunk(hf[x + "gate_proj.weight"], tp, dim=0)
+            up = torch.chunk(hf[x + "up_proj.weight"], tp, dim=0)
+            down = torch.chunk(hf[x + "down_proj.weight"], tp, dim=1)
+            for t in range(tp):
+                local = f"experts.local_experts.{j}."
+                out[(t, e)][local + "linear_fc1.weight"] = torch.cat([gate[t], up[t]], dim=0).contiguous()
+                out[(t, e)][local + "linear_fc2.weight"] = down[t].contiguous()
+    return out
+
+
+def moe_layer_to_hf(
+    shards: dict[tuple[int, int], dict[str, torch.Tensor]], prefix: str, layer: int, moe: MoESpec
+) -> dict[str, torch.Tensor]:
+    """``{(tp_rank, ep_rank): local state dict}`` of one stage -> the HF tensors of MoE layer ``layer``
+    (megatron names ``prefix + 'mlp.'...``)."""
+    tp = 1 + max(t for t, _ in shards)
+    ep = 1 + max(e for _, e in shards)
+    m = prefix + "mlp."
+    h = f"model.layers.{layer}.mlp."
+    hf = {h + "gate.weight": shards[(0, 0)][m + "router.weight"]}
+    for e in range(ep):
+        start, end = moe.expert_range(ep, e)
+        for j, g in enumerate(range(start, end)):
+            local = m + f"experts.local_experts.{j}."
+            gates, ups = [], []
+            for t in range(tp):
+                gt, ut = torch.chunk(shards[(t, e)][local + "linear_fc1.weight"], 2, dim=0)
+                gates.append(gt)
+                ups.append(ut)
+            x = h + f"experts.{g}."
+            hf[x + "gate_proj.weight"] = torch.cat(gates, dim=0).contiguous()
+            hf[x + "up_proj.weight"] = torch.cat(ups, dim=0).contiguous()
+            hf[x + "down_proj.weight"] = torch.cat(
+                [shards[(t, e)][local + "linear_fc2.weight"] for t in range(tp)], dim=1
+            ).contiguous()
+    return hf
+
+
+def is_expert_param(name: str) -> bool:
+    """A megatron parameter that lives on one expert-parallel rank only (not the router)."""
+    return ".mlp.experts." in name
+
+
+# ---- routing replay -------------------------------------------------------------------------------
+def encode_routed_experts(ids: np.ndarray | torch.Tensor) -> str:
+    """int32 ``[tokens, layers, k]`` -> SGLang's ``meta_info["routed_experts"]`` (base64 of the bytes)."""
+    arr = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str, num_layers: int, topk: int) -> np.ndarray:
+    """SGLang's ``meta_info["routed_experts"]`` -> int32 ``[tokens, num_layers, topk]``."""
+    flat = np.frombuffer(base64.b64decode(data), dtype=np.int32)
+    if flat.size % (num_layers * topk):
+        raise ValueError(
+            f"routed_experts holds {flat.size} ids, not a multiple of layers x k = {num_layers} x {topk}"
+        )
+    return flat.reshape(-1, num_layers, topk)
+
+
+class RouterReplay:
+    """Installed as ``router.router_replay`` on each megatron ``TopKRouter`` (megatron's top-k routing
+    calls its ``get_replay_topk``). With no target it is megatron's own top-k; with ``target`` (int
+    ``[tokens, k]`` in the router's token order, ``-1`` rows = no record) it forces those indices and
+    gathers the scores at them; ``record`` keeps the indices it returned."""
+
+    def __init__(self) -> None:
+        self.target: torch.Tensor | None = None
+        self.record = False
+        self.recorded: torch.Tensor | None = None
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is not None:
+            target = self.target.to(device=scores.device, dtype=idx.dtype)
+            if target.shape != idx.shape:
+                raise ValueError(
+                    f"replayed routing has shape {tuple(target.shape)}, the router {tuple(idx.shape)}"
+                )
+            known = (target >= 0).all(-1, keepdim=True)
+            idx = torch.where(known, target, idx)
+            values = scores.gather(1, idx)
+        if self.record:
+            self.recorded = idx.detach()
+        return values, idx
+
+
+def routers(model: torch.nn.Module) -> list[Any]:
+    """The model's ``TopKRouter`` modules in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def install_router_replay(model: torch.nn.Module) -> int:
+    """Put a :class:`RouterReplay` on every router of ``model`` (idle until a target is set)."""
+    rs = routers(model)
+    for r in rs:
+        r.router_replay = RouterReplay()
+    return len(rs)
+
+
+def router_order(routed: torch.Tensor, packed_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, s, layers, k]`` (the micro-batch's padded layout) -> ``[layers, tokens, k]`` in the order a
+    megatron router sees the tokens: sequence-major ``[s, b]`` flattened, or the packed order."""
+    b, s, L, k = routed.shape
+    if packed_index is not None:
+        return routed.reshape(b * s, L, k)[packed_index].permute(1, 0, 2)
+    return routed.permute(1, 0, 2, 3).reshape(s * b, L, k).permute(1, 0, 2)
+
+
+@contextlib.contextmanager
+def replay_routing(
+    model: torch.nn.Module, routed: torch.Tensor | None, packed_index: torch.Tensor | None = None
+) -> Iterator[None]:
+    """While inside, ``model``'s routers use the recorded experts ``routed`` (``[b, s, layers, k]``,
+    ``-1`` = no record); a no-op when ``routed`` is None."""
+    if routed is None:
+        yield
+        return
+    rs = routers(model)
+    per_layer = router_order(routed, packed_index)
+    if per_layer.shape[0] != len(rs):
+        raise ValueError(f"routing recorded for {per_layer.shape[0]} layers, the model has {len(rs)} routers")
+    for r, target in zip(rs, per_layer, strict=True):
+        if not isinstance(r.router_replay, RouterReplay):
+            raise RuntimeError(
+                "the model's routers have no RouterReplay; build it with install_router_replay"
+            )
+        r.router_replay.target = target.contiguous()
+    try:
+        yield
+    finally:
+        for r in rs:
+            r.router_replay.target = None
+
+
+@contextlib.contextmanager
+def record_routing(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collects, per layer, the top-k indices the routers chose in the forwards run inside (router order)."""
+    rs = routers(model)
+    out: list[torch.Tensor] = []
+    for r in rs:
+        r.router_replay.record = True
+    try:
+        yield out
+    finally:
+        for r in rs:
+            r.router_replay.record = False
+            out.append(r.router_replay.recorded)
+            r.router_replay.recorded = None
+
+
+def routed_tensor(
+    records: list[str | None], lengths: list[int], shape: tuple[int, int], num_layers: int, topk: int
+) -> torch.Tensor:
+    """The micro-batch's ``[b, s, layers, k]`` int32 routing from each row's SGLang record (positions past
+    a record, padding and rows without one are ``-1``)."""
+    b, s = shape
+    out = torch.full((b, s, num_layers, topk), -1, dtype=torch.int32)
+    for row, (rec, n) in enumerate(zip(records, lengths, strict=True)):
+        if rec is None:
+            continue
+        arr = torch.from_numpy(decode_routed_experts(rec, num_layers, topk).copy())
+        m = min(n, arr.shape[0], s)
+        out[row, :m] = arr[:m]
+    return out
+
+
+# ---- load-balancing loss ----------------------------------------------------------------------------
+def set_aux_loss_scale(scale: float, device: torch.device) -> None:
+    """The factor the load-balancing loss's gradient gets in the next backward passes (megatron's
+    ``MoEAuxLossAutoScaler``): 1 / (micro-batches summed into one step)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))
+
+
+def pop_aux_loss(num_forwards: int) -> float | None:
+    """The load-balancing loss (unscaled, mean over layers and over the ``num_forwards`` training forwards
+    since the last call) that megatron's routers logged; clears the log. None when nothing was logged."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    value = None
+    if entry is not None and num_forwards > 0:
+        v = entry["values"].detach().float()
+        value = float(v.mean()) / num_forwards
+    clear_aux_losses_tracker()
+    return value
+
+
+__all__ = [
+    "MOE_MODEL_TYPES",
+    "UNSUPPORTED_MOE_FAMILIES",
+    "MoESpec",
+    "RouterReplay",
+    "check_moe_tensors",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "hf_moe_names",
+    "hf_moe_shapes",
+    "install_router_replay",
+    "is_expert_param",
+    "moe_layer_to_hf",
+    "moe_layer_to_mcore",
+    "pop_aux_loss",
+    "record_routing",
+    "refuse_unsupported_moe",
+    "replay_routing",
+    "routed_tensor",
+    "router_order",
+    "routers",
+    "set_aux_loss_scale",
+    "transformer_kwargs",
+]
