@@ -1,11 +1,14 @@
 """A custom env in under 60 lines: guess a secret number, with feedback after every guess.
 
 Run one episode through the contract checker:  python -m agentrl.examples.custom_env
-Train on it by naming it in the config:  env: guess_number  (or env: agentrl.examples.custom_env:GuessEnv)
+Train on it by naming it in the config: env: {name: agentrl.examples.custom_env:GuessEnv}, as
+examples/custom_env.yaml does (or env: guess_number once this module is imported).
+The README shows the lines between the [readme:env] markers; tests/test_docs.py checks they match.
 """
 
 from __future__ import annotations
 
+# [readme:env]
 import re
 from typing import Any
 
@@ -36,9 +39,12 @@ class GuessEnv(Env):
             return StepResult(reward=1.0, terminated=True, info={"turns": self.turn})
         else:
             feedback = "higher" if int(m.group(1)) < self.secret else "lower"
-        if self.turn >= self.max_turns:  # our own turn budget: the episode ends unsolved
+        if self.turn >= self.max_turns:  # out of turns: the episode ends unsolved
             return StepResult(reward=0.0, truncated=True, info={"turns": self.turn})
         return StepResult(observation=feedback, observation_role="user")
+
+
+# [readme:env-end]
 
 
 if __name__ == "__main__":
