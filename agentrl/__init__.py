@@ -8,7 +8,10 @@ The user-facing folders ``envs/``, ``tools/``, ``sandboxes/`` and ``examples/`` 
 ``agentrl.envs``, ``agentrl.tools``, ``agentrl.sandboxes`` and ``agentrl.examples``.
 """
 
+from agentrl import _moved
 from agentrl.types import Status, Trajectory, Turn
+
+_moved.install()
 
 __all__ = ["Status", "Trajectory", "Turn"]
 __version__ = "0.1.0"
