@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with the package index, what a GPU machine without it needs for agentrl:
 # Python 3.12 wheels that its image lacks (megatron-core, pydantic, bm25s, gguf, ...) and Ray, packed
-# without its Java jars, RLlib and dashboard front-end (the wheel alone is over a 64 MiB carry limit).
-# Output: .whl/gpu/ (about 41 MB). Install there with scripts/gpu_setup.sh.
+# without its Java jars, RLlib and dashboard front-end, which a training run does not use (they make the
+# wheel several times larger). Output: .whl/gpu/ (about 41 MB); copy it with the checkout and install it
+# on the GPU machine with scripts/gpu_setup.sh. Guide: docs/guide/gpus-and-scaling.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.whl/gpu
