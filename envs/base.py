@@ -34,7 +34,7 @@ class StepResult:
     observation: str | None = None  # text to show the model next (None: nothing to add)
     reward: float | None = None  # terminal reward, or None to let the verifier decide
     terminated: bool = False  # the episode ended normally (an answer was given)
-    truncated: bool = False  # the env cut the episode short (e.g. its own turn budget)
+    truncated: bool = False  # the env cut the episode short (e.g. it ran out of turns)
     info: dict[str, Any] = field(default_factory=dict)
     observation_role: str = "tool"  # chat role for the observation ("tool" or "user")
     # "message": render as a chat message of observation_role; "raw": append the text verbatim, continuing
