@@ -60,6 +60,10 @@ class Trajectory:
     label: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # MoE models: the experts the engine routed each input position to, as SGLang's
+    # meta_info["routed_experts"] carries them (base64 of int32 [tokens, layers, k]; the latest turn's
+    # record, which covers every token but the last). The trainer replays it (trainer.moe.routing_replay).
+    routed_experts: str | None = None
 
     # ---- building -------------------------------------------------------------------------------
     def append_model_tokens(

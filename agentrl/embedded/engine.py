@@ -308,6 +308,7 @@ class EmbeddedEngine:
         self._unpaused.clear()
         self.paused_mode = mode
         if mode == "abort":
+            routed_experts=req.routed_experts,
             return self.abort(None)
         return self.scheduler.retract_all()
 

@@ -122,11 +122,16 @@ class NativeAPI:
         return {"text": text, "output_ids": rec.output_ids, "meta_info": meta}
 
     async def _generate_one(
-        self, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
+        self, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool, return_routed: bool = False
     ) -> dict[str, Any]:
         sampling = RequestSampling.from_sglang(sp, self.engine.default_max_new_tokens)
         rec = await self.engine.generate(ids, sampling, rid)
-        return self._answer(rec, return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
+        out = self._answer(rec, return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
+        if return_routed and rec.routed_experts is not None:  # SGLang's R3 field: base64 int32 [t, layers, k]
+            from agentrl.trainer.moe import encode_routed_experts
+
+            out["meta_info"]["routed_experts"] = encode_routed_experts(rec.routed_experts)
+        return out
 
     async def _stream_one(
         self, request: web.Request, ids: list[int], sp: dict[str, Any], rid: str, return_logprob: bool
@@ -199,13 +204,14 @@ class NativeAPI:
             return await self._stream_one(request, batch[0], sps[0], str(rids[0]), return_logprob)
         outs = await asyncio.gather(
             *(
-                self._generate_one(b, s, str(r), return_logprob)
+                self._generate_one(b, s, str(r), return_logprob, return_routed)
                 for b, s, r in zip(batch, sps, rids, strict=True)
             )
         )
         return web.json_response(outs[0] if single else outs)
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        return_routed = bool(body.get("return_routed_experts", False))
         body = await _json_body(request)
         if body.get("abort_all"):
             self.engine.abort(None)

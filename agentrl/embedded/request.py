@@ -35,6 +35,7 @@ class GenerationRecord:
     weight_version: str
     latency: float
     cached_tokens: int = 0
+    routed_experts: Any = None  # MoE: int32 tensor [tokens, layers, k] (every input position), else None
 
 
 @dataclass(eq=False)
@@ -60,6 +61,7 @@ class EngineRequest:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     created: float = field(default_factory=time.perf_counter)
     on_token: Callable[[int, float], None] | None = None  # called with each sampled token; must not raise
+    routed_experts: Any = None  # MoE: the experts of every input position, read when it finishes
 
 
 @dataclass

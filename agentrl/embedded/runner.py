@@ -10,8 +10,9 @@ column of every slot is scratch: padded prefill tokens and padded decode rows wr
 attention ever reads it.
 
 The forward is written here over the HF model's own modules (embedding, norms, q/k/v/o projections,
-MLP, LM head) for the Llama, Qwen2 and Qwen3 families, so the weights the trainer pushes are the
-weights served, with no copy. Prefill ("extend") handles a batch of sequences that each already have
+MLP, LM head) for the Llama, Qwen2 and Qwen3 families and the Qwen3-MoE mixture-of-experts family (its
+MLP in :mod:`agentrl.embedded.moe`; the experts each token was routed to are kept per slot position beside
+the KV cache, for routing replay), so the weights the trainer pushes are the weights served, with no copy. Prefill ("extend") handles a batch of sequences that each already have
 ``start`` tokens cached and add ``n`` new ones (a fresh prompt, a prompt whose prefix was found in the
 cache, or one chunk of a long prompt) with torch SDPA; decode computes attention for one new token per
 sequence as two batched matmuls over the cached keys and values.
@@ -29,7 +30,7 @@ from agentrl import batch_invariant as bi
 
 log = logging.getLogger("agentrl.engine")
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _bucket(x: int, buckets: list[int]) -> int:
@@ -120,6 +121,19 @@ def post_attention(x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float) -> to
     return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
 
 
+def post_attention_moe(
+    x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float, topk: int, norm: bool, sorted_experts: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection + residual, then the mixture-of-experts MLP + residual; also the expert ids
+    [..., k] each token was routed to. ``w`` ends (wo, bo, ln2, router, gate_up, down)."""
+    from agentrl.embedded.moe import moe_mlp
+
+    wo, bo, ln2, router, gate_up, down = w[9:]
+    x = x + F.linear(o, wo, bo)
+    y, ids = moe_mlp(rms_norm(x, ln2, eps), router, gate_up, down, topk, norm, sorted_experts)
+    return x + y, ids
+
+
 def decode_attention(
     q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, masked: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -142,6 +156,16 @@ def _layer_weights(layer: torch.nn.Module) -> tuple:
     own parameters: in-place weight updates reach them)."""
     a, m = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    if hasattr(m, "experts"):  # a mixture-of-experts MLP: router, fused experts (see agentrl.embedded.moe)
+        return (
+            layer.input_layernorm.weight,
+            a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            a.o_proj.weight, a.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj,
+        )  # fmt: skip
     return (
         layer.input_layernorm.weight,
         a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
@@ -176,6 +200,9 @@ class ModelRunner:
         batch_invariant: bool = False,
     ) -> None:
         cfg = model.config
+        from agentrl.trainer.moe import MoESpec, refuse_unsupported_moe
+
+        refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"the embedded engine serves {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
@@ -224,6 +251,15 @@ class ModelRunner:
                 self.inner.rotary_emb.inv_freq, context_len + 1, self.device, self.dtype
             )
         self.vocab_size = int(self.lm_head_weight.shape[0])
+        self.moe = MoESpec.from_hf_config(cfg.to_dict())
+        if self.moe is not None and batch_invariant:
+            raise ValueError("batch-invariant mode serves dense models only, not mixture-of-experts models")
+        # MoE: the experts of every (layer, slot, position), written where the KV goes; -1 = not computed
+        self.routed = None
+        if self.moe is not None:
+            shape = (len(self.layers), num_slots, context_len + 1, self.moe.topk)
+            self.routed = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        self._route_at: tuple = ()  # (slot index, position index) of the tokens in the running forward
 
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         # Decode attention: torch SDPA on CPU (fused there), two batched matmuls over the cached keys and
@@ -252,6 +288,19 @@ class ModelRunner:
                 torch.compile(f, dynamic=True)
                 for f in (pre_attention, post_attention, decode_attention, lm_head)
             )
+        if self.moe is not None:
+            # CUDA graphs need the experts without host syncs: torch._grouped_mm over expert-sorted rows
+            sorted_experts = self.cuda_graphs and hasattr(torch, "_grouped_mm")
+            self.cuda_graphs = self.cuda_graphs and sorted_experts
+            layer_of = {id(w): i for i, w in enumerate(self.weights)}
+            moe = self.moe
+
+            def post_moe(x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
+                x, ids = post_attention_moe(x, o, w, eps, moe.topk, moe.norm_topk_prob, sorted_experts)
+                self.routed[layer_of[id(w)]][self._route_at] = ids  # type: ignore[index]
+                return x
+
+            self._post = post_moe
         self._pinned = (
             torch.empty(2 * max_batch, dtype=torch.long).pin_memory() if self.device.type == "cuda" else None
         )
@@ -274,6 +323,15 @@ class ModelRunner:
         if n > start and src != dst:
             self.k[:, dst, :, start:n].copy_(self.k[:, src, :, start:n])
             self.v[:, dst, :, start:n].copy_(self.v[:, src, :, start:n])
+            if self.routed is not None:
+                self.routed[:, dst, start:n].copy_(self.routed[:, src, start:n])
+
+    def routed_experts(self, slot: int, n: int) -> torch.Tensor:
+        """MoE models: the experts positions ``0..n-1`` of ``slot`` were routed to, int32 [n, layers, k]
+        on the CPU (SGLang's routed_experts layout)."""
+        if self.routed is None:
+            raise ValueError("routed_experts: the served model is not a mixture-of-experts model")
+        return self.routed[:, slot, :n].permute(1, 0, 2).to("cpu", copy=True)
 
     # ------------------------------------------------------------------ shared pieces
     def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,6 +363,7 @@ class ModelRunner:
             mask = (kpos[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, width, keys]
         cos, sin = self.cos[pos.clamp(max=self.context_len)], self.sin[pos.clamp(max=self.context_len)]
         group = self.n_heads // self.n_kv
+        self._route_at = (slots[:, None], write)  # MoE routing goes where the KV goes
 
         x = self.inner.embed_tokens(ids)
         qpos = torch.where(valid, pos, 0)  # padding queries attend to key 0 only (their output is dropped)
@@ -340,6 +399,7 @@ class ModelRunner:
         masked = torch.arange(length, device=self.device)[None, None, None, :] > pos[:, None, None, None]
         # masked: [b, 1, 1, length], True where a key is past the row's position
         apos = pos.masked_fill(pos >= self.context_len, 0)  # padding rows (scratch column) read key 0 only
+        self._route_at = (rows, pos)  # MoE routing goes where the KV goes
         x = self.inner.embed_tokens(ids)
         for i, w in enumerate(self.weights):
             q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)

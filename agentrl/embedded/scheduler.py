@@ -293,6 +293,9 @@ class Scheduler:
             pc = self.prefix_cache
             if pc is not None and r.epoch == self.epoch and r.cached >= pc.block:
                 dst, have = pc.insert(r.seq[: r.cached])
+        if r.slot >= 0 and finish is not None and self.runner.routed is not None:
+            # MoE: the experts every input position went to (the slot's copies run only at the next step)
+            r.routed_experts = self.runner.routed_experts(r.slot, len(r.seq) - 1)
                 if dst is not None:
                     self._copies.append((r.slot, dst, r.cached, have))
             last = self.active.pop()

@@ -59,15 +59,37 @@ class DrainLock:
                 self._cond.notify_all()
 
 
+def _target(model: torch.nn.Module, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The tensor an update named ``name`` writes: the parameter itself, or for a mixture-of-experts model
+    one expert's slice of transformers' fused experts when ``name`` is a checkpoint's per-expert name
+    (``...mlp.experts.{e}.gate_proj.weight``, as SGLang's weight updates name them)."""
+    if name in params:
+        return params[name].data
+    from agentrl.embedded.moe import fused_expert_name
+
+    num_experts = int(getattr(model.config, "num_experts", 0) or 0)
+    hit = fused_expert_name(name, num_experts) if num_experts else None
+    if hit is None or hit[0] not in params:
+        return None
+    fused, e, proj = hit
+    t = params[fused].data[e]
+    if proj == "down_proj":
+        return t
+    half = t.shape[0] // 2  # gate_up_proj: the gate rows, then the up rows
+    return t[:half] if proj == "gate_proj" else t[half:]
+
+
 def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Raise :class:`EngineBadRequest` naming the tensors that are not parameters of ``model`` or have
     another shape. (``state_dict`` names tied weights under both names.)"""
     params = model.state_dict(keep_vars=True)
-    errors = [
-        f"{n}: {('unknown' if n not in params else f'shape {tuple(t.shape)} != {tuple(params[n].shape)}')}"
-        for n, t in tensors.items()
-        if n not in params or tuple(params[n].shape) != tuple(t.shape)
-    ]
+    errors = []
+    for n, t in tensors.items():
+        dst = _target(model, params, n)
+        if dst is None:
+            errors.append(f"{n}: unknown")
+        elif tuple(dst.shape) != tuple(t.shape):
+            errors.append(f"{n}: shape {tuple(t.shape)} != {tuple(dst.shape)}")
     if errors:
         raise EngineBadRequest("weights do not fit the served model: " + "; ".join(errors[:10]))
 
@@ -78,7 +100,8 @@ def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
     params = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, t in tensors.items():
-            params[name].data.copy_(t.to(device=params[name].device, dtype=params[name].dtype))
+            dst = _target(model, params, name)
+            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))  # type: ignore[union-attr]
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

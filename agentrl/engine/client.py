@@ -264,14 +264,19 @@ class EngineClient:
         sampling: SamplingParams,
         rid: str | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
-        """Sample a continuation of ``input_ids`` on the least-loaded endpoint."""
+        """Sample a continuation of ``input_ids`` on the least-loaded endpoint. ``return_routed_experts``
+        (MoE models): ``meta["routed_experts"]`` holds the experts every input position was routed to
+        (SGLang's field; an SGLang server needs ``--enable-return-routed-experts``)."""
         payload: dict[str, Any] = {
             "input_ids": [int(i) for i in input_ids],
             "sampling_params": sampling.to_sglang(),
             "return_logprob": bool(return_logprob),
             "stream": False,
         }  # logprob_start_len left at SGLang's default (-1): logprobs of the output tokens only
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
         body = await self._request("POST", "/generate", payload, rid=rid)

@@ -1,6 +1,6 @@
 """Tiny random models with locally trained tokenizers, written as standard HF model directories.
 
-``python -m agentrl.models.tiny --out DIR --arch qwen2|qwen3|llama [--vocab-corpus FILE]`` trains a
+``python -m agentrl.models.tiny --out DIR --arch qwen2|qwen3|llama|qwen3_moe [--vocab-corpus FILE]`` trains a
 byte-level BPE tokenizer with the ``tokenizers`` library (on the given corpus, or on a small built-in
 text), builds a small randomly initialised transformers model of the chosen family, and writes
 config.json, generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json
@@ -118,8 +118,12 @@ def train_tokenizer(texts: list[str], vocab_size: int = 1024) -> Any:
     return tok
 
 
+ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
+
+
 def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **shape: Any) -> Any:
-    """A transformers config of the family ``arch`` with a small default shape."""
+    """A transformers config of the family ``arch`` with a small default shape (``qwen3_moe``: 8 experts
+    of ``moe_intermediate_size`` = hidden, top-2, renormalized gates)."""
     import transformers
 
     hidden = shape.pop("hidden_size", 64)
@@ -146,8 +150,20 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **shape: 
         cfg = transformers.Qwen3Config(**common, head_dim=shape.pop("head_dim", hidden // heads), **shape)
     elif arch == "llama":
         cfg = transformers.LlamaConfig(**common, **shape)
+    elif arch == "qwen3_moe":
+        # every layer a mixture of experts: num_experts SwiGLU experts of moe_intermediate_size, top-k routed
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=shape.pop("head_dim", hidden // heads),
+            num_experts=shape.pop("num_experts", 8),
+            num_experts_per_tok=shape.pop("num_experts_per_tok", 2),
+            moe_intermediate_size=shape.pop("moe_intermediate_size", hidden),
+            norm_topk_prob=shape.pop("norm_topk_prob", True),
+            router_aux_loss_coef=shape.pop("router_aux_loss_coef", 0.001),
+            **shape,
+        )
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose qwen2, qwen3 or llama")
+        raise ValueError(f"unknown arch {arch!r}; choose {', '.join(ARCHS)}")
     return cfg
 
 
@@ -212,16 +228,23 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output HF model directory")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    p.add_argument("--arch", default="qwen2", choices=list(ARCHS))
     p.add_argument("--vocab-corpus", default=None, help="text file to train the tokenizer on")
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    p.add_argument("--experts-per-token", type=int, default=2, help="qwen3_moe: top-k")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args(argv)
+    moe = (
+        {"num_experts": a.num_experts, "num_experts_per_tok": a.experts_per_token}
+        if a.arch == "qwen3_moe"
+        else {}
+    )
     out = build_tiny_model(
         a.out,
         arch=a.arch,
@@ -233,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         num_hidden_layers=a.num_layers,
         num_attention_heads=a.num_heads,
         num_key_value_heads=a.num_kv_heads,
+        **moe,
     )
     print(out)
 

@@ -55,6 +55,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     packed: PackedTokens | None = None  # the model input, when packed
+    routed_experts: torch.Tensor | None = None  # MoE routing replay: [b, s, layers, k] int, -1 = none
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +75,7 @@ class MicroBatch:
             mv(self.old_logprobs),
             mv(self.ref_logprobs),
             None if self.packed is None else self.packed.to(device),
+            mv(self.routed_experts),
         )  # type: ignore[arg-type]
 
 

@@ -11,6 +11,23 @@ from agentrl.config import ConfigModel
 from agentrl.trainer.losses import LossConfig
 
 
+class MoEConfig(ConfigModel):
+    """Mixture-of-experts options (used only when the model is an MoE model)."""
+
+    routing_replay: bool = Field(
+        False,
+        description="replay the engine's routing (R3): each router's top-k experts forced to the ones the "
+        "engine recorded for the token (meta_info routed_experts), gates recomputed from the router's "
+        "logits at them, in π_old and in the loss",
+    )
+    aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="load-balancing auxiliary loss coefficient (None: the model config's "
+        "router_aux_loss_coef; 0: off). Logged as moe_aux_loss",
+    )
+
+
 class TrainerConfig(ConfigModel):
     """Model, parallelism, optimizer, batching and loss of the Megatron trainer."""
 
@@ -24,6 +41,9 @@ class TrainerConfig(ConfigModel):
     )
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     pp: int = Field(1, ge=1, description="pipeline-parallel size (GPU only)")
+    ep: int = Field(
+        1, ge=1, description="expert-parallel size (MoE models; divides the data-parallel size and the expert count)"
+    )
     vocab_divisible_by: int = Field(
         1, ge=1, description="pad the vocabulary to a multiple of tp * this (128 is GPU-friendly)"
     )
@@ -87,3 +107,4 @@ class TrainerConfig(ConfigModel):
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"
     )
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture-of-experts options")

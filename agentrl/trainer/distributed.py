@@ -45,14 +45,23 @@ def init_distributed(cfg: TrainerConfig, device: torch.device) -> None:
         dist.init_process_group(backend, rank=rank, world_size=world)
     if dist.get_world_size() % (cfg.tp * cfg.pp):
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp*pp = {cfg.tp * cfg.pp}")
+    if cfg.ep > 1 and dist.get_world_size() % (cfg.tp * cfg.pp * cfg.ep):
+        raise ValueError(
+            f"world size {dist.get_world_size()} is not a multiple of tp*pp*ep = {cfg.tp * cfg.pp * cfg.ep} "
+            "(expert parallelism splits the data-parallel ranks)"
+        )
     if ps.model_parallel_is_initialized():
         if (
             ps.get_tensor_model_parallel_world_size() != cfg.tp
             or ps.get_pipeline_model_parallel_world_size() != cfg.pp
+            or ps.get_expert_model_parallel_world_size() != cfg.ep
         ):
             raise RuntimeError("megatron parallel_state is already initialized with other sizes")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp)
+    extra = {"expert_model_parallel_size": cfg.ep} if cfg.ep > 1 else {}
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, **extra
+    )
 
 
 def seed_everything(seed: int, device: torch.device) -> None:

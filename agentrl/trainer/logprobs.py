@@ -274,6 +274,16 @@ class ModelLogprobs:
         """``(logprob, entropy)`` of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]``
         layout; a packed micro-batch runs packed (attention within each sequence) and is unpacked."""
         pk = mb.packed
+        routed = getattr(mb, "routed_experts", None)
+        if routed is not None:  # MoE routing replay: the routers take the recorded experts
+            from agentrl.trainer.moe import replay_routing
+
+            with replay_routing(_gpt(model), routed, None if pk is None else pk.index):
+                return self._of(model, mb)
+        return self._of(model, mb)
+
+    def _of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor]:
+        pk = mb.packed
         if pk is None:
             return self(model, mb.tokens, mb.targets)
         from megatron.core.packed_seq_params import PackedSeqParams

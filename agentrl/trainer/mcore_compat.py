@@ -30,6 +30,10 @@ data-parallel gradient all-reduce and its own micro-batch loop (pipeline size 1)
    issues a ``DeprecationWarning`` on rank 0. torch.compile cannot trace that call (its category argument
    is a class), so it split every layer into several graphs there. The patch looks the group up the same
    way, without the warning.
+
+5. Mixture-of-experts models (:func:`apply_moe_patches`): the router's gate reads a Transformer Engine
+   name that is unbound without TE. The MoE layer uses the ``allgather`` token dispatcher, the one that
+   allocates no CUDA stream (see :mod:`agentrl.trainer.moe`).
 """
 
 from __future__ import annotations
@@ -71,3 +75,13 @@ def quiet_default_tp_group() -> None:
         return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
     layers.get_tensor_model_parallel_group_if_none = lookup
+
+
+def apply_moe_patches() -> None:
+    """megatron-core's router gate (``RouterGatingLinearFunction``) reads ``te_general_gemm``, a name its
+    module binds only when Transformer Engine imports; without TE the read is a ``NameError``. Bind it to
+    None there, which selects the plain ``torch.mm`` branch the function already has. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

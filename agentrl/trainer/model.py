@@ -2,7 +2,9 @@
 mapping between the two naming schemes, both ways, with tensor- and pipeline-parallel sharding.
 
 Supported families: Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm, no qkv bias) and Llama; all with
-GQA, RoPE (theta from the config), RMSNorm (eps from the config), SwiGLU, tied or untied embeddings.
+GQA, RoPE (theta from the config), RMSNorm (eps from the config), SwiGLU, tied or untied embeddings. And
+the mixture-of-experts family Qwen3-MoE: Qwen3 attention with megatron-core's ``MoELayer`` as every
+layer's MLP (the MoE parts and the expert-parallel layout live in :mod:`agentrl.trainer.moe`).
 The layer spec is megatron-core's *local* spec (no Transformer Engine) with the core attention swapped
 for :class:`~agentrl.trainer.attention.SDPACoreAttention` (torch ``scaled_dot_product_attention``, causal, GQA), which runs on CPU
 and uses the flash/efficient kernels on GPU.
@@ -30,8 +32,17 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.trainer.attention import SDPACoreAttention
+from agentrl.trainer.moe import (
+    MOE_MODEL_TYPES,
+    MoESpec,
+    hf_moe_shapes,
+    install_router_replay,
+    moe_layer_to_hf,
+    moe_layer_to_mcore,
+    refuse_unsupported_moe,
+)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 
 
 # ---- architecture ---------------------------------------------------------------------------------
@@ -53,12 +64,14 @@ class ModelArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoESpec | None = None  # None: a dense model
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | Any) -> ModelArch:
         """Read a config.json dict (or a transformers config object); unsupported features raise."""
         c = cfg if isinstance(cfg, dict) else cfg.to_dict()
         mt = c.get("model_type")
+        refuse_unsupported_moe(mt, c)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -76,19 +89,20 @@ class ModelArch:
         heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
         head_dim = c.get("head_dim") or hidden // heads
-        if mt == "llama":
+        if mt in ("llama", *MOE_MODEL_TYPES):
             qkv_bias = bool(c.get("attention_bias", False))
             if qkv_bias:
-                raise ValueError("llama attention_bias=True (o_proj bias) is not supported")
+                raise ValueError(f"{mt} attention_bias=True (o_proj bias) is not supported")
         else:
             qkv_bias = mt == "qwen2"
         if c.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
+        moe = MoESpec.from_hf_config(c)
         return cls(
             model_type=mt,
             vocab_size=int(c["vocab_size"]),
             hidden_size=hidden,
-            ffn_hidden_size=int(c["intermediate_size"]),
+            ffn_hidden_size=moe.ffn_hidden_size if moe else int(c["intermediate_size"]),
             num_layers=int(c["num_hidden_layers"]),
             num_attention_heads=heads,
             num_kv_heads=int(c.get("num_key_value_heads") or heads),
@@ -98,7 +112,8 @@ class ModelArch:
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", *MOE_MODEL_TYPES),
+            moe=moe,
         )
 
     @classmethod
@@ -116,13 +131,17 @@ class ModelArch:
         n = self.num_layers // pp
         return pp_rank * n, (pp_rank + 1) * n
 
-    def num_params(self) -> int:
-        """Parameter count of the HF model (tied embedding counted once)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count of the HF model (tied embedding counted once); ``active``: for an MoE model,
+        only what one token uses (k experts and the router per layer)."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        mlp = 3 * h * self.ffn_hidden_size
+        if self.moe is None:
+            mlp = 3 * h * self.ffn_hidden_size
+        else:
+            mlp = self.moe.active_ffn_params(h) if active else self.moe.total_ffn_params(h)
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
@@ -139,9 +158,12 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     recompute: bool = False,
     fused_swiglu: bool = False,
+    ep: int = 1,
+    moe_aux_loss_coef: float | None = None,
 ) -> Any:
     """The megatron ``TransformerConfig`` of ``arch`` for the given parallel sizes. ``fused_swiglu``: megatron's
-    SwiGLU compiled by torch.compile (its ``bias_activation_fusion``), the one fusion without TE/apex."""
+    SwiGLU compiled by torch.compile (its ``bias_activation_fusion``), the one fusion without TE/apex.
+    ``ep`` / ``moe_aux_loss_coef``: MoE models only (expert-parallel size; None: the HF config's coefficient)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = params_dtype == torch.bfloat16
@@ -179,6 +201,12 @@ def transformer_config(
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if arch.moe is not None:
+        from agentrl.trainer.moe import transformer_kwargs
+
+        kwargs.update(transformer_kwargs(arch.moe, ep, moe_aux_loss_coef))
+    elif ep != 1:
+        raise ValueError("expert parallelism (ep > 1) needs a mixture-of-experts model")
     return TransformerConfig(**kwargs)
 
 
@@ -186,7 +214,11 @@ def layer_spec(arch: ModelArch) -> Any:
     """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` as core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    # grouped-GEMM experts need Transformer Engine or the grouped_gemm package: SequentialMLP experts
+    num_experts = arch.moe.num_experts if arch.moe is not None else None
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
@@ -201,11 +233,18 @@ def build_gpt_model(
     recompute: bool = False,
     fused_swiglu: bool = False,
     compile_layers: bool = False,
+    ep: int = 1,
+    moe_aux_loss_coef: float | None = None,
 ) -> Any:
-    """A megatron ``GPTModel`` for this rank (megatron's ``parallel_state`` must be initialized)."""
+    """A megatron ``GPTModel`` for this rank (megatron's ``parallel_state`` must be initialized). An MoE
+    model's routers carry an idle :class:`~agentrl.trainer.moe.RouterReplay` (routing replay)."""
     from megatron.core.models.gpt import GPTModel
 
-    cfg = transformer_config(arch, tp, pp, params_dtype, recompute, fused_swiglu)
+    cfg = transformer_config(arch, tp, pp, params_dtype, recompute, fused_swiglu, ep, moe_aux_loss_coef)
+    if arch.moe is not None:
+        from agentrl.trainer.mcore_compat import apply_moe_patches
+
+        apply_moe_patches()
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec(arch),
@@ -222,6 +261,8 @@ def build_gpt_model(
     for param in model.parameters():  # torch's norms are built in fp32; in params_dtype rms_norm runs fused
         param.data = param.data.to(params_dtype)
     mark_tensor_parallel_params(model)
+    if arch.moe is not None:
+        install_router_replay(model)
     if compile_layers:
         compile_transformer_layers(model)
     return model
@@ -324,17 +365,24 @@ def hf_to_mcore_shards(
     tp: int = 1,
     pp: int = 1,
     vocab_divisible_by: int = 1,
-    ranks: list[tuple[int, int]] | None = None,
-) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """HF state dict -> ``{(pp_rank, tp_rank): megatron local state dict}`` (only ``ranks`` if given)."""
-    wanted = set(ranks) if ranks is not None else {(p, t) for p in range(pp) for t in range(tp)}
-    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {key: {} for key in wanted}
+    ranks: list[tuple[int, ...]] | None = None,
+    ep: int = 1,
+) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
+    """HF state dict -> ``{(pp_rank, tp_rank): megatron local state dict}`` (only ``ranks`` if given); with
+    expert parallelism (``ep > 1``, MoE models) the keys are ``(pp_rank, tp_rank, ep_rank)``. A tensor
+    whose expert count or shape does not fit the config raises ``ValueError`` naming it."""
+    if ep > 1 and arch.moe is None:
+        raise ValueError("expert parallelism (ep > 1) needs a mixture-of-experts model")
+    all_ranks = [(p, t, e) for p in range(pp) for t in range(tp) for e in range(ep)]
+    wanted = {r if len(r) == 3 else (*r, 0) for r in ranks} if ranks is not None else set(all_ranks)
+    out: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {key: {} for key in wanted}
     padded = arch.padded_vocab_size(tp, vocab_divisible_by)
 
     def put(p: int, name: str, shards: list[torch.Tensor] | torch.Tensor) -> None:
         for t in range(tp):
-            if (p, t) in wanted:
-                out[(p, t)][name] = shards if isinstance(shards, torch.Tensor) else shards[t]
+            for e in range(ep):
+                if (p, t, e) in wanted:
+                    out[(p, t, e)][name] = shards if isinstance(shards, torch.Tensor) else shards[t]
 
     emb = hf["model.embed_tokens.weight"]
     put(0, "embedding.word_embeddings.weight", _split_rows(_pad_vocab(emb, padded), tp))
@@ -373,6 +421,12 @@ def hf_to_mcore_shards(
                 put(p, m + "self_attention.q_layernorm.weight", hf[a + "q_norm.weight"])
                 put(p, m + "self_attention.k_layernorm.weight", hf[a + "k_norm.weight"])
             put(p, m + "self_attention.linear_proj.weight", _split_cols(hf[a + "o_proj.weight"], tp))
+            if arch.moe is not None:
+                experts = moe_layer_to_mcore(hf, i, arch.moe, arch.hidden_size, tp, ep)
+                for (t, e), tensors in experts.items():
+                    if (p, t, e) in wanted:
+                        out[(p, t, e)].update({m + "mlp." + k: v for k, v in tensors.items()})
+                continue
             gate = _split_rows(hf[h + "mlp.gate_proj.weight"], tp)
             up = _split_rows(hf[h + "mlp.up_proj.weight"], tp)
             put(
@@ -381,13 +435,18 @@ def hf_to_mcore_shards(
                 [torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)],
             )
             put(p, m + "mlp.linear_fc2.weight", _split_cols(hf[h + "mlp.down_proj.weight"], tp))
-    return out
+    if ep == 1:
+        return {(p, t): d for (p, t, _), d in out.items()}
+    return out  # type: ignore[return-value]
 
 
 def mcore_to_hf(
-    shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch
+    shards: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch
 ) -> dict[str, torch.Tensor]:
-    """``{(pp_rank, tp_rank): local state dict}`` (all ranks) -> HF state dict with HF names."""
+    """``{(pp_rank, tp_rank): local state dict}`` (all ranks; ``(pp_rank, tp_rank, ep_rank)`` keys for an
+    expert-parallel MoE layout) -> HF state dict with HF names."""
+    by_ep = {k if len(k) == 3 else (*k, 0): d for k, d in shards.items()}
+    shards = {(p, t): d for (p, t, e), d in by_ep.items() if e == 0}  # type: ignore[assignment]
     pp = 1 + max(p for p, _ in shards)
     tp = 1 + max(t for _, t in shards)
     hf: dict[str, torch.Tensor] = {}
@@ -424,6 +483,10 @@ def mcore_to_hf(
                 hf[a + "q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
                 hf[a + "k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
             hf[a + "o_proj.weight"] = cat_cols(p, m + "self_attention.linear_proj.weight")
+            if arch.moe is not None:
+                stage = {(t, e): d for (q, t, e), d in by_ep.items() if q == p}
+                hf.update(moe_layer_to_hf(stage, m, i, arch.moe))
+                continue
             gates, ups = [], []
             for t in range(tp):
                 g, u = torch.chunk(shards[(p, t)][m + "mlp.linear_fc1.weight"], 2, dim=0)
@@ -449,10 +512,15 @@ def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (arch.ffn_hidden_size, h),
-            p + "mlp.up_proj.weight": (arch.ffn_hidden_size, h),
-            p + "mlp.down_proj.weight": (h, arch.ffn_hidden_size),
         }
+        if arch.moe is not None:
+            shapes |= hf_moe_shapes(i, arch.moe, h)
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (arch.ffn_hidden_size, h),
+                p + "mlp.up_proj.weight": (arch.ffn_hidden_size, h),
+                p + "mlp.down_proj.weight": (h, arch.ffn_hidden_size),
+            }
         if arch.qkv_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),

@@ -149,19 +149,33 @@ class TorchOptimizer:
         if self.dp_size == 1:
             return
         group = self.ps.get_data_parallel_group()
+        # MoE expert parallelism: a rank's experts (megatron marks them allreduce=False) are replicated
+        # only over the expert-data-parallel ranks, the ranks holding the same experts
+        expert_group = self.ps.get_expert_data_parallel_group() if self.cfg.ep > 1 else None
         for p in self.model.parameters():
-            dist.all_reduce(p.grad, group=group)
+            if getattr(p, "allreduce", True):
+                dist.all_reduce(p.grad, group=group)
+            elif dist.get_world_size(expert_group) > 1:
+                dist.all_reduce(p.grad, group=expert_group)
 
     def clip_grads(self) -> float:
         """Global L2 norm over all model-parallel shards (TP-duplicated params counted once); clip."""
         sq = torch.zeros((), dtype=torch.float64)
+        sq_experts = torch.zeros((), dtype=torch.float64)  # expert-parallel shards (MoE, ep > 1)
         params = [p for p in self.model.parameters() if p.grad is not None]
         for p in params:
             sharded = getattr(p, "tensor_model_parallel", False)
             if sharded or self.tp_rank == 0:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
+                part = p.grad.detach().double().pow(2).sum().cpu()
+                if getattr(p, "allreduce", True):
+                    sq += part
+                else:
+                    sq_experts += part
         if self.cfg.tp * self.cfg.pp > 1:
             dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+        if self.cfg.ep > 1:
+            dist.all_reduce(sq_experts, group=self.ps.get_expert_tensor_model_pipeline_parallel_group())
+            sq += sq_experts
         norm = float(sq.sqrt())
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (norm + 1e-6)

@@ -78,6 +78,7 @@ from agentrl.trainer.model import (
     save_hf_dir,
 )
 from agentrl.trainer.optim import MicroLoss, build_optimizer
+from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
 from agentrl.trainer.weight_sync import EngineWeightSync, gather_hf_state_dict
 from agentrl.types import Trajectory
 
@@ -143,6 +144,16 @@ class MegatronTrainer:
                 "pack_sequences needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
             )
 
+        if self.arch.moe is None and (cfg.ep > 1 or cfg.moe.routing_replay):
+            raise ValueError(
+                f"ep > 1 and moe.routing_replay need a mixture-of-experts model; {cfg.model_path} is a "
+                f"dense {self.arch.model_type} model"
+            )
+        if cfg.moe.routing_replay and (cfg.pp > 1 or cfg.recompute_activations):
+            # recomputation would route the backward's forward again, outside the replayed micro-batch
+            raise ValueError("moe.routing_replay needs pp = 1 and no recompute_activations")
+        # routing replay: each micro-batch carries the engine's recorded experts (see agentrl.trainer.moe)
+        self.replay_routing = self.arch.moe is not None and cfg.moe.routing_replay
         self.compile_kernels = (
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
         )
@@ -196,9 +207,15 @@ class MegatronTrainer:
         )
 
     def _local_shard(self) -> dict[str, torch.Tensor]:
-        key = (self.pp_rank, self.tp_rank)
+        key: tuple[int, ...] = (self.pp_rank, self.tp_rank)
+        if self.cfg.ep > 1:
+            if self.cfg.mcore_path is not None:
+                raise ValueError("mcore_path with ep > 1: load the HF weights (model_path) instead")
+            key = (*key, self.ps.get_expert_model_parallel_rank())
         if self.cfg.mcore_path is not None:
 
+            ep=self.cfg.ep,
+            moe_aux_loss_coef=self.cfg.moe.aux_loss_coef,
             return load_mcore_shard(self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp)
         hf = load_hf_state_dict(self.cfg.model_path)
         return hf_to_mcore_shards(
@@ -246,12 +263,28 @@ class MegatronTrainer:
                 out[i] = lp[row, p - 1 : p - 1 + r].float().cpu().tolist()
         return out
 
+            self._attach_routing(mb, trajectories)
     def _logprobs_no_grad(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         if self.cfg.pp > 1:
             return self.optim.pipeline_logprobs(mb)  # type: ignore[attr-defined]
         was_training = model.training
         model.eval()
         lp, _ = self.logprobs.of(model, mb)
+    def _attach_routing(self, mb: MicroBatch, trajectories: list[Trajectory]) -> None:
+        """With routing replay, the engine's recorded experts of ``mb``'s rows (``[b, s, layers, k]``)."""
+        if not self.replay_routing:
+            return
+        moe = self.arch.moe
+        assert moe is not None
+        rows = [trajectories[i] for i in mb.traj_index]
+        mb.routed_experts = routed_tensor(
+            [t.routed_experts for t in rows],
+            [input_length(t) for t in rows],
+            (mb.tokens.shape[0], mb.tokens.shape[1]),
+            self.arch.num_layers,
+            moe.topk,
+        ).to(self.device)
+
         model.train(was_training)
         return lp.float().detach()
 
@@ -290,6 +323,8 @@ class MegatronTrainer:
             for mini in plan:
                 for mb in mini.micro_batches:
                     if need_old:
+            for mb in mini.micro_batches:
+                self._attach_routing(mb, usable)
                         mb.old_logprobs = self._logprobs_no_grad(self.model, mb)
                     elif not self._old_from_update:
                         mb.old_logprobs = mb.rollout_logprobs
@@ -304,7 +339,16 @@ class MegatronTrainer:
         for _ in range(cfg.ppo_epochs):
             for mini in plan:
                 self.model.train()
-                loss, gnorm = self.optim.update(mini.micro_batches, self._micro_loss(mini.denom, metrics))
+                if self.arch.moe is not None:  # the load-balancing loss: a mean over micro-batches and dp ranks
+                    dp_sum = 1 if self.use_megatron_optim else self.dp_size  # megatron's DDP averages over dp
+                    set_aux_loss_scale(1.0 / (len(mini.micro_batches) * dp_sum), self.device)
+                loss, gnorm = self.optim.update(
+                    mini.micro_batches, self._micro_loss(mini.denom, metrics)
+                )
+                if self.arch.moe is not None:
+                    aux = pop_aux_loss(len(mini.micro_batches))
+                    if aux is not None:
+                        aux_losses.append(aux)
                 self.optimizer_steps += 1
                 losses.append(loss)
                 grad_norms.append(gnorm)
@@ -315,6 +359,7 @@ class MegatronTrainer:
         out = reduce_metrics(metrics, self.ps, cfg.pp, self.device)
         dp_group = self.ps.get_data_parallel_group()
         total_tokens = all_reduce_scalar(float(tokens_processed), dp_group, self.device)
+        aux_losses: list[float] = []
         out.update(
             loss=float(np.mean(losses)),
             grad_norm=float(np.mean(grad_norms)),
@@ -350,6 +395,9 @@ class MegatronTrainer:
                 old,
                 mb.advantages,
                 mb.loss_mask,
+        if aux_losses:  # megatron's normalization: 1 when the routing is uniform
+            aux_sum = all_reduce_scalar(float(np.mean(aux_losses)), dp_group, self.device)
+            out["moe_aux_loss"] = aux_sum / self.dp_size
                 self.cfg.loss,
                 denom,
                 rollout_logprobs=mb.rollout_logprobs,

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from agentrl.cluster import free_port
 from agentrl.trainer.model import ModelArch, mcore_to_hf
+from agentrl.trainer.moe import is_expert_param
 
 log = logging.getLogger("agentrl.weight_sync")
 
@@ -207,8 +208,9 @@ def gather_hf_state_dict(
         for k, v in module.state_dict().items()
         if not k.endswith("_extra_state") and v is not None
     }
-    shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    shards: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     tp_group = ps.get_tensor_model_parallel_group()
+    ep = ps.get_expert_model_parallel_world_size() if arch.moe is not None else 1
     for name in sorted(local):
         t = local[name].contiguous()
         if tp > 1:
@@ -216,8 +218,15 @@ def gather_hf_state_dict(
             dist.all_gather(parts, t, group=tp_group)
         else:
             parts = [t]
+        if ep > 1 and is_expert_param(name):  # each expert-parallel rank holds other experts
+            for r, part in enumerate(parts):
+                held = [torch.empty_like(part) for _ in range(ep)]
+                dist.all_gather(held, part.contiguous(), group=ps.get_expert_model_parallel_group())
+                for e, x in enumerate(held):
+                    shards.setdefault((pp_rank, r, e), {})[name] = x.to(device)
+            continue
         for r, part in enumerate(parts):
-            shards.setdefault((pp_rank, r), {})[name] = part.to(device)
+            shards.setdefault((pp_rank, r) if ep == 1 else (pp_rank, r, 0), {})[name] = part.to(device)
     if pp > 1:
         gathered: list[Any] = [None] * pp
         dist.all_gather_object(
