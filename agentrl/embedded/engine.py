@@ -274,6 +274,7 @@ class EmbeddedEngine:
             weight_version=self.weight_version,
             latency=time.perf_counter() - req.created,
             cached_tokens=req.cached_tokens,
+            routed_experts=req.routed_experts,
         )
 
     def stream(self, input_ids: list[int], sampling: RequestSampling, rid: str) -> TokenStream:
@@ -308,7 +309,6 @@ class EmbeddedEngine:
         self._unpaused.clear()
         self.paused_mode = mode
         if mode == "abort":
-            routed_experts=req.routed_experts,
             return self.abort(None)
         return self.scheduler.retract_all()
 

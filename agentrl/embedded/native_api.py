@@ -202,6 +202,7 @@ class NativeAPI:
             if not single:
                 raise EngineBadRequest("stream=true takes one request, not a batch")
             return await self._stream_one(request, batch[0], sps[0], str(rids[0]), return_logprob)
+        return_routed = bool(body.get("return_routed_experts", False))
         outs = await asyncio.gather(
             *(
                 self._generate_one(b, s, str(r), return_logprob, return_routed)
@@ -211,7 +212,6 @@ class NativeAPI:
         return web.json_response(outs[0] if single else outs)
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        return_routed = bool(body.get("return_routed_experts", False))
         body = await _json_body(request)
         if body.get("abort_all"):
             self.engine.abort(None)

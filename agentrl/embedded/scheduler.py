@@ -289,13 +289,13 @@ class Scheduler:
         KV in the prefix cache, free its slot (the last running request moves into it) and wake its caller."""
         if finish is not None:
             r.finish = finish
+        if r.slot >= 0 and finish is not None and self.runner.routed is not None:
+            # MoE: the experts every input position went to (the slot's copies run only at the next step)
+            r.routed_experts = self.runner.routed_experts(r.slot, len(r.seq) - 1)
         if r.slot >= 0:  # running (a waiting request has no slot yet)
             pc = self.prefix_cache
             if pc is not None and r.epoch == self.epoch and r.cached >= pc.block:
                 dst, have = pc.insert(r.seq[: r.cached])
-        if r.slot >= 0 and finish is not None and self.runner.routed is not None:
-            # MoE: the experts every input position went to (the slot's copies run only at the next step)
-            r.routed_experts = self.runner.routed_experts(r.slot, len(r.seq) - 1)
                 if dst is not None:
                     self._copies.append((r.slot, dst, r.cached, have))
             last = self.active.pop()

@@ -104,7 +104,7 @@ class TrainerConfig(ConfigModel):
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture-of-experts options")
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"
     )
-    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture-of-experts options")

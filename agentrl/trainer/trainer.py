@@ -77,8 +77,8 @@ from agentrl.trainer.model import (
     load_hf_state_dict,
     save_hf_dir,
 )
-from agentrl.trainer.optim import MicroLoss, build_optimizer
 from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
+from agentrl.trainer.optim import MicroLoss, build_optimizer
 from agentrl.trainer.weight_sync import EngineWeightSync, gather_hf_state_dict
 from agentrl.types import Trajectory
 
@@ -143,7 +143,6 @@ class MegatronTrainer:
             raise ValueError(
                 "pack_sequences needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
             )
-
         if self.arch.moe is None and (cfg.ep > 1 or cfg.moe.routing_replay):
             raise ValueError(
                 f"ep > 1 and moe.routing_replay need a mixture-of-experts model; {cfg.model_path} is a "
@@ -154,6 +153,7 @@ class MegatronTrainer:
             raise ValueError("moe.routing_replay needs pp = 1 and no recompute_activations")
         # routing replay: each micro-batch carries the engine's recorded experts (see agentrl.trainer.moe)
         self.replay_routing = self.arch.moe is not None and cfg.moe.routing_replay
+
         self.compile_kernels = (
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
         )
@@ -204,6 +204,8 @@ class MegatronTrainer:
             recompute=self.cfg.recompute_activations,
             fused_swiglu=self.compile_kernels,
             compile_layers=self.cfg.compile_layers,
+            ep=self.cfg.ep,
+            moe_aux_loss_coef=self.cfg.moe.aux_loss_coef,
         )
 
     def _local_shard(self) -> dict[str, torch.Tensor]:
@@ -214,8 +216,6 @@ class MegatronTrainer:
             key = (*key, self.ps.get_expert_model_parallel_rank())
         if self.cfg.mcore_path is not None:
 
-            ep=self.cfg.ep,
-            moe_aux_loss_coef=self.cfg.moe.aux_loss_coef,
             return load_mcore_shard(self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp)
         hf = load_hf_state_dict(self.cfg.model_path)
         return hf_to_mcore_shards(
@@ -257,19 +257,13 @@ class MegatronTrainer:
             lengths, c.micro_batch_size, c.max_tokens_per_micro_batch, c.pack_sequences
         ):
             mb = make_micro_batch(trajectories, idx, zero, self.pad_id, pack=c.pack_sequences).to(self.device)
+            self._attach_routing(mb, trajectories)
             lp, _ = self.logprobs.of(self.model, mb)
             for row, i in enumerate(idx):
                 p, r = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
                 out[i] = lp[row, p - 1 : p - 1 + r].float().cpu().tolist()
         return out
 
-            self._attach_routing(mb, trajectories)
-    def _logprobs_no_grad(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        if self.cfg.pp > 1:
-            return self.optim.pipeline_logprobs(mb)  # type: ignore[attr-defined]
-        was_training = model.training
-        model.eval()
-        lp, _ = self.logprobs.of(model, mb)
     def _attach_routing(self, mb: MicroBatch, trajectories: list[Trajectory]) -> None:
         """With routing replay, the engine's recorded experts of ``mb``'s rows (``[b, s, layers, k]``)."""
         if not self.replay_routing:
@@ -285,6 +279,12 @@ class MegatronTrainer:
             moe.topk,
         ).to(self.device)
 
+    def _logprobs_no_grad(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        if self.cfg.pp > 1:
+            return self.optim.pipeline_logprobs(mb)  # type: ignore[attr-defined]
+        was_training = model.training
+        model.eval()
+        lp, _ = self.logprobs.of(model, mb)
         model.train(was_training)
         return lp.float().detach()
 
@@ -315,6 +315,8 @@ class MegatronTrainer:
         )
         for mini in plan:
             mini.micro_batches = [mb.to(self.device) for mb in mini.micro_batches]
+            for mb in mini.micro_batches:
+                self._attach_routing(mb, usable)
 
         # π_old (and π_ref) with the weights of this step, before any update
         t_old = time.perf_counter()
@@ -323,8 +325,6 @@ class MegatronTrainer:
             for mini in plan:
                 for mb in mini.micro_batches:
                     if need_old:
-            for mb in mini.micro_batches:
-                self._attach_routing(mb, usable)
                         mb.old_logprobs = self._logprobs_no_grad(self.model, mb)
                     elif not self._old_from_update:
                         mb.old_logprobs = mb.rollout_logprobs
@@ -336,6 +336,7 @@ class MegatronTrainer:
         losses, grad_norms = [], []
         t_train = time.perf_counter()
         tokens_processed = 0
+        aux_losses: list[float] = []
         for _ in range(cfg.ppo_epochs):
             for mini in plan:
                 self.model.train()
@@ -359,7 +360,6 @@ class MegatronTrainer:
         out = reduce_metrics(metrics, self.ps, cfg.pp, self.device)
         dp_group = self.ps.get_data_parallel_group()
         total_tokens = all_reduce_scalar(float(tokens_processed), dp_group, self.device)
-        aux_losses: list[float] = []
         out.update(
             loss=float(np.mean(losses)),
             grad_norm=float(np.mean(grad_norms)),
@@ -380,6 +380,9 @@ class MegatronTrainer:
             update_seconds=train_seconds,
             step_seconds=time.perf_counter() - t_start,
         )
+        if aux_losses:  # megatron's normalization: 1 when the routing is uniform
+            aux_sum = all_reduce_scalar(float(np.mean(aux_losses)), dp_group, self.device)
+            out["moe_aux_loss"] = aux_sum / self.dp_size
         if self.device.type == "cuda":  # the peak since the process started, this rank's GPU
             out["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
@@ -395,9 +398,6 @@ class MegatronTrainer:
                 old,
                 mb.advantages,
                 mb.loss_mask,
-        if aux_losses:  # megatron's normalization: 1 when the routing is uniform
-            aux_sum = all_reduce_scalar(float(np.mean(aux_losses)), dp_group, self.device)
-            out["moe_aux_loss"] = aux_sum / self.dp_size
                 self.cfg.loss,
                 denom,
                 rollout_logprobs=mb.rollout_logprobs,
