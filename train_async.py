@@ -75,6 +75,8 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
                     "port": 0 if e.num_engines > 1 else (e.sglang.port if e.sglang else 30000),
                 }
             )
+            if cfg.colocation.engine_sleep:  # SGLang serves the release / resume endpoints only with it
+                sg.extra_args = {**sg.extra_args, "enable-memory-saver": True}
             start = functools.partial(lambda c: SGLangLauncher(c).start(), sg)
         services.append(start_service(f"engine_{i}", start, num_gpus=e.gpus_per_engine or 0))
         urls.append(ray.get(services[-1].url.remote()))
@@ -135,12 +137,23 @@ async def engine_memory(client: Any) -> dict[str, float]:
 
 
 def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
-    """Means over the run's steps of the step-time breakdown, and the peak GPU memory seen."""
+    """Means over the run's steps of the step-time breakdown (every ``time/*`` figure: waiting for the
+    batch, training, syncing, and when colocated the sleep / wake / offload phases inside them), the
+    engines' idle fraction and generated tokens/s over the loop, and the peak GPU memory seen."""
     out: dict[str, float] = {}
-    for key in ("time/wait_batch_s", "time/train_s", "time/sync_s", "time/step_s"):
-        vals = [r[key] for r in history if key in r]
-        if vals:
-            out[f"mean_{key.removeprefix('time/')}"] = sum(vals) / len(vals)
+    steps = [r for r in history if "time/step_s" in r]
+    for key in sorted({k for r in steps for k in r if k.startswith("time/")}):
+        vals = [r[key] for r in steps if key in r]
+        out[f"mean_{key.removeprefix('time/')}"] = sum(vals) / len(vals)
+    # the rollout's figures cover the window since the previous step: weight them by its length
+    timed = [r for r in steps if "rollout/engine_idle_frac" in r]
+    wall = sum(r["time/step_s"] for r in timed)
+    if wall > 0:
+        out["engine_idle_frac"] = sum(r["rollout/engine_idle_frac"] * r["time/step_s"] for r in timed) / wall
+    toks = [r for r in steps if "rollout/model_tokens" in r]
+    if len(toks) > 1:  # cumulative counter: tokens generated between the first and the last step
+        span = sum(r["time/step_s"] for r in toks[1:])
+        out["generated_tokens_per_s"] = (toks[-1]["rollout/model_tokens"] - toks[0]["rollout/model_tokens"]) / span
     for key in ("trainer/peak_gpu_mem_gb", "engine/peak_gpu_mem_gb"):
         vals = [r[key] for r in history if key in r]
         if vals:
@@ -171,6 +184,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     trainer: TrainerGroup | None = None
     rollout: Any = None
     monitor: EngineClient | None = None  # the driver's own client, for engine metrics only
+    control: EngineClient | None = None  # colocated: the engines' sleep and wake
     try:
         check_gpus(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then the engines
@@ -182,6 +196,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         )
         # weights go to every engine; behind a router (engine.router), to the workers it lists now
         sync_urls = await monitor.worker_urls()
+        control = EngineClient(sync_urls, api_key=cfg.engine.api_key, timeout=300, max_retries=0)
 
         # 3. the trainer (one actor per rank) and the rollout orchestrator (async actor)
         trainer_cfg = cfg.trainer.model_copy(
@@ -215,6 +230,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             await rollout.load_state_dict.remote(state, version)
             print(f"resumed at step {start_step}, policy version {version}", flush=True)
 
+        if cfg.colocation.trainer_offload:  # the engines generate first: the trainer's state waits off the GPU
+            await asyncio.to_thread(trainer.offload)
+
         evals: list[tuple[int, dict[str, float]]] = []  # (step, the recipe's held-out figures)
 
         async def evaluate(step: int) -> dict[str, float]:
@@ -241,15 +259,20 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             t0 = time.monotonic()
             batch = await next_batch(rollout, step + 1)
             t_wait = time.monotonic() - t0
+            phases: dict[str, float] = {}  # colocated: sleep / wake / offload times
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
+                phases = await gpu_to_trainer(cfg, trainer, control)
             t_train = time.monotonic()
             train_metrics = await asyncio.to_thread(trainer.train_step, batch, cfg.rollout.max_staleness)
             t_train = time.monotonic() - t_train
             if cfg.placement == "disaggregated":
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
-            version = await sync(cfg, trainer, sync_urls, out)
+            if cfg.placement == "colocated":
+                version = await gpu_to_engines(cfg, trainer, control, sync_urls, out, phases)
+            else:
+                version = await sync(cfg, trainer, sync_urls, out)
             rollout_stats = await rollout.stats.remote()  # while paused: with deterministic, a fixed point
             await rollout.resume_after_update.remote(version)
             last = {
@@ -262,6 +285,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 "time/train_s": t_train,
                 "time/sync_s": time.monotonic() - t1,
                 "time/step_s": time.monotonic() - t0,
+                **phases,
                 "policy_version": version,
             }
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and step + 1 < cfg.steps:
@@ -269,15 +293,17 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             logger.log(last, step + 1)
             progress.update(step + 1, {**last, **(evals[-1][1] if evals else {})})
             if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
-                await checkpoint(trainer, rollout, ckpt_dir, step + 1)
+                await checkpoint(trainer, rollout, ckpt_dir, step + 1, cfg.colocation.trainer_offload)
         progress.close()
         if cfg.steps > start_step:
-            await checkpoint(trainer, rollout, ckpt_dir, cfg.steps)
+            await checkpoint(trainer, rollout, ckpt_dir, cfg.steps, cfg.colocation.trainer_offload)
 
         after = await evaluate(cfg.steps) if cfg.eval.after else {}
         accounting = await rollout.accounting.remote()
     finally:
         # 6. shutdown: rollout, trainer, engines, servers, Ray -- also on Ctrl-C and errors
+        if control is not None:
+            await control.close()
         await shutdown(rollout, trainer, monitor, services)
         logger.close()
 
@@ -356,15 +382,58 @@ async def sync(cfg: RunConfig, trainer: TrainerGroup, engine_urls: list[str], ou
     """Push the trainer's weights to every engine; returns the new policy version."""
     if cfg.weight_sync == "distributed":
         return await asyncio.to_thread(trainer.sync_weights_distributed)
+    if cfg.weight_sync == "tensor":
+        return await asyncio.to_thread(trainer.sync_weights_from_tensor, engine_urls)
     return await asyncio.to_thread(trainer.sync_weights_from_disk, engine_urls, str(out / "weights"))
 
 
-async def checkpoint(trainer: TrainerGroup, rollout: Any, ckpt_dir: Path, step: int) -> None:
-    """Rollout state first, then the trainer's (which moves ``latest`` last, atomically)."""
+async def _timed(phases: dict[str, float], key: str, call: Any) -> Any:
+    t0 = time.monotonic()
+    result = await call
+    phases[f"time/{key}_s"] = time.monotonic() - t0
+    return result
+
+
+async def gpu_to_trainer(cfg: RunConfig, trainer: TrainerGroup, control: Any) -> dict[str, float]:
+    """Colocated, before a step (generation paused): the engines release their KV cache and weights
+    (colocation.engine_sleep), the trainer takes its state back (colocation.trainer_offload)."""
+    phases: dict[str, float] = {}
+    if cfg.colocation.engine_sleep:
+        await _timed(phases, "engine_release", control.release_memory_occupation())
+    if cfg.colocation.trainer_offload:
+        await _timed(phases, "trainer_onload", asyncio.to_thread(trainer.onload))
+    return phases
+
+
+async def gpu_to_engines(
+    cfg: RunConfig, trainer: TrainerGroup, control: Any, engine_urls: list[str], out: Path,
+    phases: dict[str, float],
+) -> int:  # fmt: skip
+    """Colocated, after a step, in slime's order: the engines take their weights back, get the new ones
+    (version + 1), the trainer lets go of its state, the engines take their KV cache back."""
+    if cfg.colocation.engine_sleep:
+        await _timed(phases, "engine_resume_weights", control.resume_memory_occupation(["weights"]))
+    version = await _timed(phases, "weight_sync", sync(cfg, trainer, engine_urls, out))
+    if cfg.colocation.trainer_offload:
+        await _timed(phases, "trainer_offload", asyncio.to_thread(trainer.offload))
+    if cfg.colocation.engine_sleep:
+        await _timed(phases, "engine_resume_kv", control.resume_memory_occupation(["kv_cache"]))
+    return version
+
+
+async def checkpoint(
+    trainer: TrainerGroup, rollout: Any, ckpt_dir: Path, step: int, offloaded: bool = False
+) -> None:
+    """Rollout state first, then the trainer's (which moves ``latest`` last, atomically). ``offloaded``:
+    the trainer's state is in host memory (colocation.trainer_offload) and comes back for the save."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = await rollout.state_dict.remote()
     (ckpt_dir / f"rollout_{step:08d}.pkl").write_bytes(pickle.dumps(state))
+    if offloaded:
+        await asyncio.to_thread(trainer.onload)
     await asyncio.to_thread(trainer.save_checkpoint, str(ckpt_dir))
+    if offloaded:
+        await asyncio.to_thread(trainer.offload)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:

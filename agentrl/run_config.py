@@ -77,6 +77,24 @@ class EngineSetupConfig(ConfigModel):
     )
 
 
+class ColocationConfig(ConfigModel):
+    """``placement: colocated``: what gives up its GPU memory while the other side works (slime's
+    ``--offload``). Both off: engine and trainer keep everything on the GPU all the time."""
+
+    engine_sleep: bool = Field(
+        False,
+        description="the engines release their KV cache and weights (SGLang's /release_memory_occupation) "
+        "while the trainer steps, and take them back for the weight sync and the next generation; lets "
+        "engine.mem_fraction go to 0.7+. SGLang engines get --enable-memory-saver",
+    )
+    trainer_offload: bool = Field(
+        False,
+        description="the trainer moves its weights, gradients and optimizer state to host memory while "
+        "the engines generate, and back before each step (costs the copies, about 2 x its state / PCIe "
+        "bandwidth per step)",
+    )
+
+
 class EvalConfig(ConfigModel):
     """Held-out evaluation (greedy, one sample per task)."""
 
@@ -125,8 +143,15 @@ class RunConfig(ConfigModel):
         description="colocated: engines and trainer share a device, so generation pauses while training; "
         "disaggregated: they run on separate devices and overlap",
     )
-    weight_sync: Literal["disk", "distributed"] = Field(
-        "distributed", description="disk: HF safetensors + update_weights_from_disk; distributed: broadcast"
+    weight_sync: Literal["disk", "distributed", "tensor"] = Field(
+        "distributed",
+        description="disk: HF safetensors + update_weights_from_disk (any engine that sees the disk); "
+        "distributed: broadcast (NCCL / gloo; engines on other devices); tensor: in memory, "
+        "update_weights_from_tensor with CUDA IPC handles (or shared memory on the CPU), for engines "
+        "on the trainer's machine and GPU (placement: colocated)",
+    )
+    colocation: ColocationConfig = Field(
+        default_factory=ColocationConfig, description="placement colocated: sleep / offload between phases"
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="orchestrator")
     trainer: TrainerConfig = Field(description="Megatron trainer (model_path defaults to the run's)")
@@ -196,7 +221,24 @@ class RunConfig(ConfigModel):
         ):
             raise ValueError(
                 "weight_sync: NCCL cannot broadcast between two processes on one GPU; "
-                "use weight_sync: disk when colocated"
+                "use weight_sync: tensor (or disk) when colocated"
+            )
+        if self.placement != "colocated" and (
+            self.colocation.engine_sleep or self.colocation.trainer_offload
+        ):
+            raise ValueError(
+                "colocation: engine_sleep and trainer_offload take turns on a shared GPU; they need "
+                "placement: colocated"
+            )
+        if self.weight_sync == "tensor" and trainer_on_gpu and self.placement != "colocated":
+            raise ValueError(
+                "weight_sync: tensor passes CUDA IPC handles, which open only on the trainer's own GPU; "
+                "with placement disaggregated use distributed"
+            )
+        if self.weight_sync == "tensor" and self.engine.backend == "external":
+            raise ValueError(
+                "weight_sync: tensor hands weights over in memory to engines this run starts on its own "
+                "machine; engine.backend external may be elsewhere: use disk or distributed"
             )
         return self
 

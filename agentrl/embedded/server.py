@@ -80,6 +80,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="GPU: share of the memory free after loading the model that the KV cache may take "
         "(default 0.8; lower it when a trainer shares the GPU)",
     )
+    p.add_argument(
+        "--memory-mode",
+        default="auto",
+        choices=["auto", "virtual", "copy"],
+        help="how /release_memory_occupation frees the weights and KV cache: virtual (GPU, "
+        "torch_memory_saver: addresses kept, CUDA graphs stay valid), copy (to host memory and back; "
+        "graphs captured again), auto: virtual when it works here, else copy",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPU: decode without CUDA graphs")
     p.add_argument(
         "--batch-invariant",
@@ -147,6 +155,7 @@ async def _serve(args: argparse.Namespace) -> None:
         default_max_new_tokens=args.default_max_new_tokens,
         cuda_graphs=not args.no_cuda_graphs,
         compile=args.compile,
+        memory_mode=args.memory_mode,
         batch_invariant=args.batch_invariant,
     )
     if args.warmup_len:

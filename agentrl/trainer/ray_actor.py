@@ -61,6 +61,16 @@ class TrainerWorker:
         fn = lambda c: self.trainer.sync_weights_from_disk(c, out_dir, abort_all_requests)  # noqa: E731
         return asyncio.run(_with_client(engine_urls if self.trainer.rank == 0 else [], fn))
 
+    def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
+        fn = self.trainer.sync_weights_from_tensor
+        return asyncio.run(_with_client(engine_urls if self.trainer.rank == 0 else [], fn))
+
+    def offload(self) -> dict[str, float]:
+        return self.trainer.offload()
+
+    def onload(self) -> dict[str, float]:
+        return self.trainer.onload()
+
     def init_weight_sync_group(
         self,
         engine_urls: list[str],
@@ -165,6 +175,18 @@ class TrainerGroup:
         self, engine_urls: list[str], out_dir: str, abort_all_requests: bool = False
     ) -> int:
         return self._all("sync_weights_from_disk", engine_urls, out_dir, abort_all_requests)
+
+    def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
+        """Hand the weights to engines on this machine in memory (``/update_weights_from_tensor``)."""
+        return self._all("sync_weights_from_tensor", engine_urls)
+
+    def offload(self) -> dict[str, float]:
+        """Every rank moves its weights, gradients and optimizer state to host memory; rank 0's figures."""
+        return self._all("offload")
+
+    def onload(self) -> dict[str, float]:
+        """Every rank brings its state back to the device; rank 0's figures."""
+        return self._all("onload")
 
     def init_weight_sync_group(
         self,

@@ -1,0 +1,125 @@
+"""What a trainer rank does to share its GPU with an inference engine (``placement: colocated``).
+
+* :class:`TrainerOffload` moves the rank's weights, gradients (megatron's contiguous buffers included),
+  optimizer state (fp32 main weights, Adam moments) and a KV reference model's weights to pinned host
+  memory while the engine generates, and back before the next step (:mod:`agentrl.offload`, content
+  kept bit for bit). Storages shared by several tensors (megatron's parameters are views of one
+  buffer) move once.
+* :func:`push_tensors` hands the full HF-named weights to engines on the same machine in memory
+  (SGLang's ``/update_weights_from_tensor``; CUDA IPC handles on a GPU, shared memory on the CPU; see
+  :mod:`agentrl.engine.named_tensors`), instead of writing them to disk for
+  ``/update_weights_from_disk``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentrl.offload import StorageOffload
+
+__all__ = ["TensorPushStats", "TrainerOffload", "push_tensors", "trainer_state_tensors"]
+
+
+def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Parameters and state tensors of a torch optimizer, or of every torch optimizer inside megatron's
+    (chained / distributed) optimizer."""
+    stack = [optimizer]
+    seen: set[int] = set()
+    while stack:
+        o = stack.pop()
+        if o is None or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.optim.Optimizer):
+            for group in o.param_groups:
+                yield from group["params"]
+            for state in o.state.values():
+                yield from (v for v in state.values() if torch.is_tensor(v))
+        stack.extend(getattr(o, "chained_optimizers", []))
+        stack.extend(getattr(o, "sub_optimizers", []))  # megatron's hybrid CPU/GPU optimizer
+        stack.append(getattr(o, "optimizer", None))
+
+
+def trainer_state_tensors(model: torch.nn.Module, optimizer: Any, extra: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every tensor of a rank's training state: the (DDP-wrapped) model's parameters, gradients and
+    buffers, megatron DDP's parameter and gradient buffers, the optimizer's parameters and state, and the
+    parameters of ``extra`` modules (a reference model)."""
+    out: list[torch.Tensor] = []
+    for m in [model, *extra]:
+        for p in m.parameters():
+            out += [p, p.grad, getattr(p, "main_grad", None)]
+        out += [b for _, b in m.named_buffers()]
+    for attr in ("buffers", "expert_parallel_buffers"):  # megatron DDP: lists of param-and-grad buffers
+        bufs = getattr(model, attr, None)
+        if isinstance(bufs, list):
+            for b in bufs:
+                out += [getattr(b, "param_data", None), getattr(b, "grad_data", None)]
+    out += list(_optimizer_tensors(optimizer))
+    return [t for t in out if t is not None]
+
+
+class TrainerOffload:
+    """The training state of one rank on ``device``, off the device and back (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device,
+                 extra: list[torch.nn.Module] | None = None) -> None:  # fmt: skip
+        self.device = device
+        tensors = [t for t in trainer_state_tensors(model, optimizer, extra or []) if t.device == device]
+        self.state = StorageOffload(tensors, keep=True)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.state.offloaded
+
+    def offload(self) -> dict[str, float]:
+        """Move the state to host memory and free the device memory (no-op if already offloaded)."""
+        stats = self.state.offload()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, where the engine's process can take it
+        return self._report("offload", stats.bytes, stats.seconds)
+
+    def onload(self) -> dict[str, float]:
+        """Bring the state back (no-op if it is on the device)."""
+        stats = self.state.onload()
+        return self._report("onload", stats.bytes, stats.seconds)
+
+    def _report(self, what: str, nbytes: int, seconds: float) -> dict[str, float]:
+        out = {f"{what}_gb": nbytes / 2**30, f"{what}_s": seconds}
+        if self.device.type == "cuda":
+            out["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+            out["gpu_mem_reserved_gb"] = torch.cuda.memory_reserved(self.device) / 2**30
+        return out
+
+
+@dataclass
+class TensorPushStats:
+    """One in-memory weight push: tensors, bytes, and seconds to pack and for the engines to copy."""
+
+    num_tensors: int = 0
+    num_bytes: int = 0
+    pack_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+async def push_tensors(client: Any, hf: dict[str, torch.Tensor], weight_version: int) -> TensorPushStats:
+    """Every engine of ``client`` copies in ``hf`` (one buffer on the tensors' device) as
+    ``weight_version``; the buffer is freed once they all answered."""
+    from agentrl.engine.named_tensors import pack_named_tensors
+
+    t0 = time.perf_counter()
+    packed = pack_named_tensors(list(hf.items()))
+    t1 = time.perf_counter()
+    try:
+        await client.update_weights_from_tensor(
+            [packed.payload], load_format=packed.load_format, weight_version=str(weight_version)
+        )
+    finally:
+        packed.close()
+        if any(t.is_cuda for t in hf.values()):
+            torch.cuda.ipc_collect()  # blocks the engines mapped are freed now, not at the next collect
+    return TensorPushStats(len(hf), packed.num_bytes, t1 - t0, time.perf_counter() - t0)

@@ -1,0 +1,276 @@
+"""One device shared by an engine and a trainer (CPU): the embedded engine's sleep and wake over SGLang's
+endpoints (its state machine, requests in flight, weight updates while asleep), weights handed over in
+memory (``/update_weights_from_tensor``) equal to a disk update bit for bit, and the trainer's offload,
+after which the next step is bit-identical to one without it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+
+from agentrl.embedded.engine import EmbeddedEngine, RequestSampling
+from agentrl.embedded.native_api import build_app
+from agentrl.engine.client import EngineClient, EngineRequestError
+from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
+from agentrl.offload import StorageOffload
+
+TESTS = str(Path(__file__).parent)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def test_storage_offload_frees_and_restores_shared_storages_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    flat = torch.randn(64)
+    view = flat[16:32].view(4, 4)  # a view: its storage is flat's and moves once
+    before = [lin.weight.detach().clone(), lin.bias.detach().clone(), flat.clone()]
+    kept = StorageOffload([lin.weight, lin.bias, flat, view])
+    dropped_buf = torch.randn(10)
+    dropped = StorageOffload([dropped_buf], keep=False)
+    assert len(kept.storages) == 3 and kept.nbytes == (32 + 4 + 64) * 4
+
+    kept.offload()
+    dropped.offload()
+    assert all(s.nbytes() == 0 for s in kept.storages) and dropped_buf.untyped_storage().nbytes() == 0
+    assert kept.offload().storages == 0  # a second offload is a no-op
+    kept.onload()
+    dropped.onload()
+    assert torch.equal(lin.weight, before[0]) and torch.equal(lin.bias, before[1])
+    assert torch.equal(flat, before[2]) and torch.equal(view, before[2][16:32].view(4, 4))
+    assert torch.equal(dropped_buf, torch.zeros(10))  # not kept: zeros, never stale bits
+    lin(torch.ones(2, 8)).sum().backward()  # the parameters still train
+    assert lin.weight.grad is not None
+
+
+def test_named_tensors_in_shared_memory_round_trip_and_bad_payloads_are_refused() -> None:
+    named = [
+        ("a", torch.randn(3, 5).to(torch.bfloat16)),
+        ("b", torch.arange(7)),
+        ("c", torch.randn(2, 2, 2)),
+    ]
+    packed = pack_named_tensors(named)
+    assert packed.load_format == "shared_memory"
+    got, release = unpack_named_tensors(packed.payload, packed.load_format)
+    assert [n for n, _ in got] == ["a", "b", "c"]
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(named, got, strict=True))
+    release()
+    packed.close()
+    with pytest.raises(ValueError, match="shared-memory tensors"):  # the block is gone once closed
+        unpack_named_tensors(packed.payload, packed.load_format)
+
+    meta = json.loads(pack_named_tensors([("x", torch.zeros(4))]).payload)  # leaked on purpose: closed below
+    meta["tensors"][0][3] = 10_000
+    with pytest.raises(ValueError, match="outside the block"):
+        unpack_named_tensors(json.dumps(meta), "shared_memory")
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=meta["shm"])
+    shm.close()
+    shm.unlink()
+
+    import base64
+    import pickle
+
+    evil = base64.b64encode(pickle.dumps([("x", os.getcwd)])).decode()  # a pickle that would call a function
+    with pytest.raises(ValueError, match="may not reference"):
+        unpack_named_tensors(evil)
+    with pytest.raises(ValueError, match="load_format"):
+        unpack_named_tensors("{}", "flattened_bucket")
+
+
+# ------------------------------------------------------------------------------------- engine endpoints
+@contextlib.asynccontextmanager
+async def served(engine: EmbeddedEngine) -> AsyncIterator[EngineClient]:
+    """The engine behind its real HTTP app on loopback, and a client of it."""
+    runner = web.AppRunner(build_app(engine), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = EngineClient(f"http://127.0.0.1:{port}", timeout=120, max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await runner.cleanup()
+        engine.shutdown()
+
+
+def _greedy(n: int) -> RequestSampling:
+    return RequestSampling(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def _param_bytes(engine: EmbeddedEngine) -> int:
+    return sum(p.untyped_storage().nbytes() for p in engine.model.parameters())
+
+
+async def test_sleep_and_wake_state_machine_over_http(tiny_model_dir: Path) -> None:
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=2)
+    prompt = list(range(20, 40))
+    async with served(engine) as client:
+        ref = await engine.generate(prompt, _greedy(8), "ref")
+        info = (await client.server_info())[0]
+        assert info["memory_mode"] == "copy" and not info["asleep"] and info["released"] == []
+        assert info["kv_cache_bytes"] == 2 * engine.runner.k.numel() * 4
+
+        # a wake without a sleep is a caller's bug: 400, saying so
+        with pytest.raises(EngineRequestError, match="nothing is released"):
+            await client.resume_memory_occupation()
+        with pytest.raises(EngineRequestError, match="unknown memory tags"):
+            await client.release_memory_occupation(["optimizer"])
+
+        await client.release_memory_occupation()  # both tags
+        info = (await client.server_info())[0]
+        assert info["asleep"] and info["released"] == ["kv_cache", "weights"]
+        assert _param_bytes(engine) == 0 and engine.runner.k.untyped_storage().nbytes() == 0
+        with pytest.raises(EngineRequestError, match="already released"):
+            await client.release_memory_occupation(["kv_cache"])
+
+        # a request sent while asleep waits for the wake; health stays green
+        waiting = asyncio.create_task(engine.generate(prompt, _greedy(8), "asleep"))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and await client.health()
+        await client.resume_memory_occupation(["weights"])  # slime's order: weights, then the cache
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and engine.asleep  # the KV cache is still released
+        with pytest.raises(EngineRequestError, match="weights not released"):
+            await client.resume_memory_occupation(["weights"])
+        await client.resume_memory_occupation(["kv_cache"])
+        rec = await asyncio.wait_for(waiting, 60)
+        assert not engine.asleep
+        # the weights came back bit for bit, the cache empty: the same greedy tokens and logprobs
+        assert rec.output_ids == ref.output_ids and rec.logprobs == ref.logprobs
+
+
+async def test_sleep_with_requests_in_flight_loses_nothing(tiny_model_dir: Path) -> None:
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=3)
+    long = RequestSampling(temperature=1.0, max_new_tokens=120, ignore_eos=True)
+    prompts = [list(range(30 + i, 50 + i)) for i in range(5)]  # 3 running, 2 waiting for a slot
+    async with served(engine) as client:
+        tasks = [asyncio.create_task(engine.generate(p, long, f"r{i}")) for i, p in enumerate(prompts)]
+        while engine.stats["decode_steps"] < 3:
+            await asyncio.sleep(0.005)
+        await client.release_memory_occupation()
+        assert not engine.scheduler.in_flight  # taken out, tokens kept, held until the wake
+        made = [len(engine._requests[f"r{i}"].output_ids) for i in range(5)]
+        assert any(made) and not any(t.done() for t in tasks)
+        await client.resume_memory_occupation()
+        recs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    assert [r.finish_reason["type"] for r in recs] == ["length"] * 5
+    assert all(len(r.output_ids) == 120 for r in recs)
+    assert all(r.output_ids[:n] == list(r.output_ids[:n]) for r, n in zip(recs, made, strict=True))
+    assert not engine.scheduler.in_flight and not engine._requests
+
+
+async def test_weight_update_while_asleep(tiny_model_dir: Path) -> None:
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2)
+    new = {n: p.detach() + 0.01 for n, p in engine.model.named_parameters()}
+    async with served(engine) as client:
+        await client.release_memory_occupation()
+        packed = pack_named_tensors(list(new.items()))
+        try:  # weights released: refused, and nothing changes
+            with pytest.raises(EngineRequestError, match="resume_memory_occupation with tags"):
+                await client.update_weights_from_tensor([packed.payload], packed.load_format, "1")
+            with pytest.raises(EngineRequestError, match="the weights are released"):
+                await client.update_weights_from_disk(str(tiny_model_dir), "1")
+            await client.resume_memory_occupation(["weights"])
+            # only the KV cache released: the update applies (nothing is generating)
+            await client.update_weights_from_tensor([packed.payload], packed.load_format, "2")
+        finally:
+            packed.close()
+        await client.resume_memory_occupation(["kv_cache"])
+        assert engine.weight_version == "2"
+        got = dict(engine.model.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in new.items())
+        rec = await engine.generate(list(range(10, 30)), _greedy(4), "after")
+        assert rec.weight_version == "2" and len(rec.output_ids) == 4
+
+
+# ------------------------------------------------------------------------- trainer: offload, in memory
+def _trainer_job(model_dir: str, out: str, offload: bool) -> None:
+    """Three train steps (offload + onload between them when asked), then the weights to two engines:
+    one in memory, one by disk. Writes the trainer's final weights and the engines' weights."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, TESTS)
+    from _trainer_helpers import dist_env, make_trajectories
+
+    from agentrl.cluster import free_port
+
+    dist_env(0, 1, free_port())
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    cfg = TrainerConfig(model_path=model_dir, lr=1e-3, micro_batch_size=2, weight_decay=0.01)
+    tr = MegatronTrainer(cfg)
+    moved = 0.0
+    for step in range(3):
+        tr.train_step(make_trajectories(tr.arch.vocab_size, seed=step, version=tr.policy_version))
+        if offload:
+            moved = tr.offload()["offload_gb"]
+            assert all(p.untyped_storage().nbytes() == 0 for p in tr.module.parameters())
+            try:
+                tr.train_step(make_trajectories(tr.arch.vocab_size, seed=99))
+                raise AssertionError("trained while offloaded")
+            except RuntimeError as err:
+                assert "offloaded" in str(err)
+            tr.onload()
+    result = {"weights": tr.hf_state_dict(), "moved_gb": moved}
+
+    async def to_engines() -> None:
+        a = EmbeddedEngine(model_dir, max_batch_size=2)
+        b = EmbeddedEngine(model_dir, max_batch_size=2)
+        async with served(a) as ca, served(b) as cb:
+            await tr.sync_weights_from_tensor(ca)
+            await tr.sync_weights_from_disk(cb, f"{out}.hf")
+            result["tensor"] = {n: p.detach().clone() for n, p in a.model.state_dict().items()}
+            result["disk"] = {n: p.detach().clone() for n, p in b.model.state_dict().items()}
+            result["versions"] = (a.weight_version, b.weight_version)
+
+    asyncio.run(to_engines())
+    torch.save(result, out)
+    tr.shutdown()
+
+
+def _run_job(model_dir: Path, out: Path, offload: bool) -> dict:
+    code = (
+        f"import sys; sys.path.insert(0, {TESTS!r}); from test_colocate import _trainer_job; "
+        f"_trainer_job({str(model_dir)!r}, {str(out)!r}, {offload})"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def test_trainer_offload_keeps_steps_bit_identical_and_tensor_sync_equals_disk(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    plain = _run_job(tiny_model_dir, tmp_path / "plain.pt", offload=False)
+    moved = _run_job(tiny_model_dir, tmp_path / "offload.pt", offload=True)
+    assert moved["moved_gb"] > 0
+    # after offload + onload between every step, the next steps are the same bits
+    assert plain["weights"].keys() == moved["weights"].keys()
+    assert all(torch.equal(plain["weights"][k], moved["weights"][k]) for k in plain["weights"])
+    # weights handed over in memory equal the ones loaded from disk, bit for bit
+    for run in (plain, moved):
+        assert run["versions"] == ("1", "2")
+        assert run["tensor"].keys() == run["disk"].keys()
+        assert all(torch.equal(run["tensor"][k], run["disk"][k]) for k in run["tensor"])
+    from agentrl.trainer.model import load_hf_state_dict
+
+    init = load_hf_state_dict(tiny_model_dir)["model.embed_tokens.weight"]
+    assert not torch.equal(plain["tensor"]["model.embed_tokens.weight"], init)  # the trained weights arrived
