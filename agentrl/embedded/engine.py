@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from agentrl.embedded.memory import TAGS, EngineMemory, MemoryMode
 from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
 from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
@@ -61,6 +62,7 @@ class EmbeddedEngine:
         mem_fraction: float | None = None,
         cuda_graphs: bool = True,
         compile: bool = False,
+        memory_mode: MemoryMode = "auto",
         batch_invariant: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,6 +90,7 @@ class EmbeddedEngine:
             context_len,
             cuda_graphs,
             compile,
+            memory_mode,
         ).result()
         self.prefix_cache = (
             PrefixCache(list(range(max_batch_size, max_batch_size + slots))) if slots else None
@@ -102,9 +105,10 @@ class EmbeddedEngine:
         self._rng = random.Random(seed)
         self._requests: dict[str, EngineRequest] = {}  # rid -> request
         self._drain = DrainLock()
-        self._unpaused = asyncio.Event()
+        self._unpaused = asyncio.Event()  # set while requests may enter: neither paused nor asleep
         self._unpaused.set()
         self.paused_mode: str | None = None
+        self._sleeping = False  # from the start of a release until every tag is resumed
         self.groups = WeightGroups(self.device)
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
         self.scheduler = Scheduler(
@@ -118,13 +122,17 @@ class EmbeddedEngine:
             self.stats,
         )
 
-    def _load(self, auto_model, mem_fraction, prefix_cache_slots, context_len, cuda_graphs, compile) -> int:
+    def _load(
+        self, auto_model, mem_fraction, prefix_cache_slots, context_len, cuda_graphs, compile, memory_mode
+    ) -> int:
         """Device thread: the model, the KV cache plan and the runner; returns the prefix-cache slots."""
         max_batch_size, on_gpu = self.max_batch_size, self.device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(self.device)  # the current device is per thread
+        self.memory = EngineMemory(self.device, memory_mode)
         model = auto_model.from_pretrained(self.model_path, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
+        with self.memory.region("weights"):
+            self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -152,6 +160,20 @@ class EmbeddedEngine:
             compile=compile,
             batch_invariant=self.batch_invariant,
         )
+        if self.memory.mode == "virtual":  # the KV cache again, inside its releasable region
+            for name in ("k", "v"):
+                old = getattr(self.runner, name)
+                shape, dtype = old.shape, old.dtype
+                setattr(self.runner, name, None)
+                del old
+                torch.cuda.empty_cache()  # one cache at a time: no second full-size peak
+                with self.memory.region("kv_cache"):
+                    setattr(self.runner, name, torch.zeros(shape, dtype=dtype, device=self.device))
+        for p in self.model.parameters():  # CPU weights may map the checkpoint file: own memory can be freed
+            if not p.untyped_storage().resizable():
+                p.data = p.data.clone()
+        self.memory.register("weights", self.model.parameters())
+        self.memory.register("kv_cache", [self.runner.k, self.runner.v])
         return slots
 
     def _eos_ids(self) -> set[int]:
@@ -191,6 +213,18 @@ class EmbeddedEngine:
         return {
             "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(self.device) / 2**30,
             "reserved_gpu_mem_gb": torch.cuda.memory_reserved(self.device) / 2**30,
+            "allocated_gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30,
+            "free_gpu_mem_gb": torch.cuda.mem_get_info(self.device)[0] / 2**30,
+        }
+
+    def memory_state(self) -> dict[str, object]:
+        """How the engine frees memory (virtual or copy), what is released now, and each tag's bytes."""
+        return {
+            "memory_mode": self.memory.mode,
+            "asleep": self.asleep,
+            "released": sorted(self.memory.released),
+            **{f"{t}_bytes": n for t, n in self.memory.sizes.items()},
+            **{f"{k}_s": v for k, v in self.memory.last_seconds.items()},
         }
 
     @property
@@ -306,15 +340,85 @@ class EmbeddedEngine:
     def pause(self, mode: str = "abort") -> int:
         if mode not in ("abort", "retract", "in_place"):
             raise EngineBadRequest(f"pause mode must be abort, retract or in_place, not {mode!r}")
-        self._unpaused.clear()
         self.paused_mode = mode
+        self._set_gate()
         if mode == "abort":
             return self.abort(None)
         return self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
+        """End a pause; requests enter again unless the engine is asleep (then they wait for the wake)."""
         self.paused_mode = None
-        self._unpaused.set()
+        self._set_gate()
+
+    def _set_gate(self) -> None:
+        if self.paused_mode is None and not self._sleeping:
+            self._unpaused.set()
+        else:
+            self._unpaused.clear()
+
+    # ------------------------------------------------------------------ sleep and wake
+    @property
+    def asleep(self) -> bool:
+        """From the start of a release until every released tag is resumed; requests wait meanwhile."""
+        return self._sleeping
+
+    def _tags(self, tags: list[str] | None, default: list[str]) -> list[str]:
+        if tags is None:
+            return list(default)
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise EngineBadRequest(f"tags must be a list of strings ({', '.join(TAGS)}), not {tags!r}")
+        bad = [t for t in tags if t not in TAGS]
+        if bad:
+            raise EngineBadRequest(f"unknown memory tags {bad}; the tags are {', '.join(TAGS)}")
+        return list(dict.fromkeys(tags))
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Sleep: free the device memory of ``tags`` (default both). Requests in flight are taken out
+        keeping their tokens (as ``pause(retract)``) and wait, with new ones, until every tag is resumed;
+        then they continue where they were (their KV recomputed). Releasing a tag that is already released
+        is refused. Returns the tags released."""
+        tags = self._tags(tags, list(TAGS))
+        already = [t for t in tags if t in self.memory.released]
+        if already:
+            raise EngineBadRequest(
+                f"{', '.join(already)} already released; resume_memory_occupation first"
+            )
+        self._sleeping = True
+        self._set_gate()
+        self.scheduler.retract_all()
+        async with self._drain.write(), self.scheduler.step_lock:  # every request is out; no step runs
+            if "kv_cache" in tags:
+                self.scheduler.flush_prefix_cache()  # nothing cached survives a released cache
+                self.scheduler.drop_slot_copies()
+            await self._on_device(lambda: [self.memory.release(t) for t in tags])
+        return tags
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Wake: give ``tags`` (default: every released one) their memory back; the weights with their
+        content, the KV cache empty. Resuming a tag that is not released is refused (400): a wake without
+        a sleep is a caller's bug. Once nothing is released, waiting requests enter again (unless paused).
+        Returns the tags resumed."""
+        released = [t for t in TAGS if t in self.memory.released]
+        if tags is None and not released:
+            raise EngineBadRequest("nothing is released: resume_memory_occupation without a release")
+        tags = self._tags(tags, released)
+        resident = [t for t in tags if t not in self.memory.released]
+        if resident:
+            raise EngineBadRequest(f"{', '.join(resident)} not released: nothing to resume")
+
+        def resume() -> None:
+            for t in tags:
+                self.memory.resume(t)
+            if not self.memory.addresses_stable:
+                self.runner.drop_graphs()  # captured over the old addresses; captured again on use
+
+        async with self.scheduler.step_lock:
+            await self._on_device(resume)
+        if not self.memory.released:
+            self._sleeping = False
+            self._set_gate()
+        return tags
 
     def _on_device(self, fn, *args) -> asyncio.Future:
         """Run ``fn`` on the engine's one device thread: every forward, slot copy and weight copy happens
@@ -329,6 +433,7 @@ class EmbeddedEngine:
             self.scheduler.flush_prefix_cache()
 
     async def _update(self, apply, abort_all: bool, weight_version: str | None, flush: bool = True) -> None:
+        self._check_weights_resident()
         if abort_all:
             self.abort(None)
         async with self._drain.write(), self.scheduler.step_lock:
@@ -337,6 +442,54 @@ class EmbeddedEngine:
                 self.scheduler.flush_prefix_cache()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
+
+    def _check_weights_resident(self) -> None:
+        if "weights" in self.memory.released:
+            raise EngineBadRequest(
+                "the weights are released (release_memory_occupation): resume_memory_occupation with "
+                "tags ['weights'] first, then update them"
+            )
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        weight_version: str | None,
+        abort_all: bool,
+        flush: bool = True,
+    ) -> None:
+        """SGLang's ``/update_weights_from_tensor``: the tensors arrive as views of the sender's memory
+        (CUDA IPC handles, or shared memory on the CPU: :mod:`agentrl.engine.named_tensors`); they are
+        checked, copied in place and let go of before this returns."""
+        from agentrl.engine.named_tensors import unpack_named_tensors
+
+        if not isinstance(serialized_named_tensors, list) or len(serialized_named_tensors) != 1:
+            raise EngineBadRequest(
+                "serialized_named_tensors must be a list with one entry per tensor-parallel rank (tp_size 1)"
+            )
+        self._check_weights_resident()  # before mapping anything
+        payload = serialized_named_tensors[0]
+
+        def unpack():
+            try:
+                return unpack_named_tensors(payload, load_format)
+            except ValueError as err:
+                raise EngineBadRequest(str(err)) from None
+
+        named, release = await self._on_device(unpack)
+        try:
+            tensors = dict(named)
+            check_weights(self.model, tensors)
+
+            def apply() -> None:
+                copy_weights(self.model, tensors)
+                if self.device.type == "cuda":  # done reading the sender's memory before it is freed
+                    torch.cuda.synchronize(self.device)
+
+            await self._update(apply, abort_all, weight_version, flush)
+        finally:
+            tensors = named = None
+            await self._on_device(release)
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None, abort_all: bool, flush: bool = True

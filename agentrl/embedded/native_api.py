@@ -26,6 +26,15 @@ Semantics worth knowing (all as SGLang, unless marked):
 * Not supported on ``/generate`` (400 with a clear message): ``n > 1``, penalties, regex /
   JSON constraints. ``pause_generation`` modes ``retract`` and ``in_place`` both keep the
   requests and recompute their KV on ``continue`` (SGLang's in_place keeps the old KV instead).
+* ``/release_memory_occupation`` and ``/resume_memory_occupation`` take ``tags`` (``weights``,
+  ``kv_cache``; none: both, or on resume every released one). A release takes requests in flight out
+  keeping their tokens and holds them, with new ones, until everything is resumed; they then continue.
+  Releasing what is released, or resuming what is not, answers 400. A weight update while the weights
+  are released answers 400 (resume ``weights`` first); with only the KV cache released it is applied.
+  See :mod:`agentrl.embedded.memory` for how the memory is freed (CUDA virtual memory or copies).
+* ``/update_weights_from_tensor`` takes SGLang's ``serialized_named_tensors`` (one entry: tp_size 1),
+  CUDA IPC handles or, with ``load_format: "shared_memory"``, a shared-memory block on the CPU
+  (:mod:`agentrl.engine.named_tensors`).
 * With an API key, every endpoint except ``/health`` and ``/health_generate`` requires
   ``Authorization: Bearer KEY``.
 """
@@ -299,6 +308,32 @@ class NativeAPI:
             return web.json_response({"success": False, "message": str(err)}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if "serialized_named_tensors" not in body:
+            raise EngineBadRequest("serialized_named_tensors is required")
+        try:
+            await self.engine.update_weights_from_tensor(
+                body["serialized_named_tensors"],
+                body.get("load_format"),
+                body.get("weight_version"),
+                bool(body.get("abort_all_requests", False)),
+                bool(body.get("flush_cache", True)),
+            )
+        except EngineBadRequest as err:
+            return web.json_response({"success": False, "message": str(err)}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        tags = await self.engine.release_memory_occupation(body.get("tags"))
+        return web.json_response({"success": True, "message": f"released {', '.join(tags)}"})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        tags = await self.engine.resume_memory_occupation(body.get("tags"))
+        return web.json_response({"success": True, "message": f"resumed {', '.join(tags)}"})
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if body.get("new_version") is None:
@@ -350,6 +385,7 @@ class NativeAPI:
                 else self.engine.prefix_cache.num_slots,
                 **self.engine.stats,
                 **self.engine.memory_info(),
+                **self.engine.memory_state(),
             }
         )
 
@@ -361,8 +397,8 @@ class NativeAPI:
     async def health_generate(self, request: web.Request) -> web.Response:
         if not self.engine.healthy:
             return _error(503, "generation loop is not running")
-        if self.engine.paused_mode is not None:
-            return web.Response(text="")  # paused on purpose: healthy, but a generate would wait
+        if self.engine.paused_mode is not None or self.engine.asleep:
+            return web.Response(text="")  # paused or asleep on purpose: healthy, but a generate would wait
         sampling = RequestSampling(temperature=0.0, max_new_tokens=1)
         await asyncio.wait_for(self.engine.generate([0], sampling, f"health-{uuid.uuid4().hex}"), timeout=60)
         return web.Response(text="")
@@ -379,6 +415,9 @@ class NativeAPI:
             web.post("/init_weights_update_group", self.init_weights_update_group),
             web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/update_weights_from_tensor", self.update_weights_from_tensor),
+            web.post("/release_memory_occupation", self.release_memory_occupation),
+            web.post("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/update_weight_version", self.update_weight_version),
             web.get("/get_weight_version", self.get_weight_version),
             web.get("/get_model_info", self.get_model_info),

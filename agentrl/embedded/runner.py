@@ -460,6 +460,12 @@ class ModelRunner:
         self._graphs[(b, length)] = graph
         return graph
 
+    def drop_graphs(self) -> None:
+        """Forget the captured decode graphs (their memory moved: see :mod:`agentrl.embedded.memory`);
+        each bucket is captured again when next used."""
+        self._graphs.clear()
+        self._pool = None
+
     def capture_all(self, max_length: int | None = None) -> int:
         """Capture every decode bucket up to ``max_length`` now (start-up), so none is captured mid-run."""
         if not self.cuda_graphs:

@@ -92,6 +92,10 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
+    def drop_slot_copies(self) -> None:
+        """Forget the slot copies queued for the next step (the KV cache they would copy was released)."""
+        self._copies.clear()
+
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -397,6 +397,37 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         await self._all("POST", "/update_weights_from_distributed", payload)
 
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Every endpoint copies in the named tensors of a payload from
+        :func:`agentrl.engine.named_tensors.pack_named_tensors` (one entry per tensor-parallel rank of
+        the engine; the same payload for each). The engines must share the sender's machine (and GPU)."""
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if load_format is not None:
+            payload["load_format"] = load_format
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._all("POST", "/update_weights_from_tensor", payload)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every endpoint frees the GPU memory of ``tags`` (``weights``, ``kv_cache``; None: both) and
+        holds requests until :meth:`resume_memory_occupation` (SGLang needs ``--enable-memory-saver``)."""
+        await self._all("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every endpoint takes back the memory of ``tags`` (None: everything released)."""
+        await self._all("POST", "/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
+
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
         """Set the version string the engines report (SGLang's own default would abort everything)."""
         await self._all(

@@ -69,6 +69,13 @@ class TrainerConfig(ConfigModel):
     optimizer: Literal["auto", "megatron", "torch"] = Field(
         "auto", description="auto: megatron DDP + distributed optimizer on GPU, torch AdamW on CPU"
     )
+    optimizer_cpu_offload: bool = Field(
+        False,
+        description="megatron path: keep the optimizer state (fp32 main weights, Adam moments) in host "
+        "memory and run the Adam step on the CPU (megatron-core's optimizer_cpu_offload, all of it); "
+        "frees GPU memory for a colocated engine at the cost of a slower step. On the CPU path it "
+        "changes nothing (everything is there already)",
+    )
 
     micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
     max_tokens_per_micro_batch: int | None = Field(

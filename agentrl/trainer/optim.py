@@ -239,6 +239,9 @@ class MegatronOptimizer:
             bf16=params_dtype == torch.bfloat16,
             params_dtype=params_dtype,
             use_distributed_optimizer=True,
+            # CPU Adam (slime's --optimizer-cpu-offload): states and step on the host, all of them
+            optimizer_cpu_offload=c.optimizer_cpu_offload,
+            optimizer_offload_fraction=1.0 if c.optimizer_cpu_offload else 0.0,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
         fuse_torch_adam(self.optimizer)

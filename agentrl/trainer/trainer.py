@@ -56,6 +56,7 @@ from agentrl.trainer.checkpoint import (
     load_local_state,
     save_checkpoint,
 )
+from agentrl.trainer.colocate import TrainerOffload, push_tensors
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.distributed import (
     all_reduce_scalar,
@@ -191,6 +192,7 @@ class MegatronTrainer:
         self.optimizer_steps = 0
         self.policy_version = 0  # weight syncs done; the engines' weights carry this version
         self.weight_sync = EngineWeightSync(self.rank, self.device, cfg.weight_sync_bucket_mb << 20)
+        self._offload: TrainerOffload | None = None  # the state while it is off the device
 
     # ---- construction ---------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -294,6 +296,7 @@ class MegatronTrainer:
     ) -> dict[str, float]:
         """One RL (or SFT) update on a batch; every rank must receive the same list. Returns metrics.
         ``max_staleness`` (η, the rollout's) is asserted on the batch (:func:`agentrl.buffer.check_staleness`)."""
+        self._check_onloaded()
         t_start = time.perf_counter()
         cfg, lcfg = self.cfg, self.cfg.loss
         usable, dropped = select_usable(trajectories, sft=lcfg.mode == "sft")
@@ -408,9 +411,28 @@ class MegatronTrainer:
 
         return loss
 
+    # ---- sharing the GPU with an engine (placement: colocated) -------------------------------------
+    def offload(self) -> dict[str, float]:
+        """Move this rank's weights, gradients and optimizer state to host memory and free the device
+        memory (:mod:`agentrl.trainer.colocate`); :meth:`onload` brings them back bit for bit. Until then
+        training, weight syncs and checkpoints refuse to run. Returns bytes, seconds and GPU memory."""
+        if self._offload is None or not self._offload.offloaded:  # collected now: Adam state appears late
+            extra = [self.ref_model] if self.ref_model is not None else []
+            self._offload = TrainerOffload(self.model, self.optim.optimizer, self.device, extra)
+        return self._offload.offload()
+
+    def onload(self) -> dict[str, float]:
+        """Bring the state :meth:`offload` moved back to the device (no-op when it is there)."""
+        return {} if self._offload is None else self._offload.onload()
+
+    def _check_onloaded(self) -> None:
+        if self._offload is not None and self._offload.offloaded:
+            raise RuntimeError("the trainer's state is offloaded: call onload() first")
+
     # ---- weights out ------------------------------------------------------------------------------
     def hf_state_dict(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The full HF-named state dict, assembled on every rank (collective over TP and PP)."""
+        self._check_onloaded()
         return gather_hf_state_dict(self.module, self.arch, self.ps, device)
 
     def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path | None:
@@ -429,6 +451,17 @@ class MegatronTrainer:
         await asyncio.to_thread(self.save_hf, out_dir)
         self.policy_version += 1
         await self.weight_sync.load_from_disk(client, out_dir, self.policy_version, abort_all_requests)
+        return self.policy_version
+
+    async def sync_weights_from_tensor(self, client: Any) -> int:
+        """Hand the HF weights to engines on this machine in memory (CUDA IPC handles or shared memory,
+        ``/update_weights_from_tensor``); version += 1. Collective; rank 0 talks to the engines."""
+        hf = await asyncio.to_thread(self.hf_state_dict, self.device)
+        self.policy_version += 1
+        if self.rank == 0 and client is not None:
+            self.last_sync_stats = await push_tensors(client, hf, self.policy_version)
+        del hf
+        await asyncio.to_thread(dist.barrier)
         return self.policy_version
 
     async def init_weight_sync_group(
@@ -463,6 +496,7 @@ class MegatronTrainer:
     def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
         """``ckpt_dir/step_{N}/rank_{R}.pt`` (model, optimizer, LR schedule, RNG, step, version); then
         ``ckpt_dir/latest`` names it (see :mod:`agentrl.trainer.checkpoint`). Collective."""
+        self._check_onloaded()
         progress = TrainerCounters(self.step, self.optimizer_steps, self.policy_version)
         config = self.cfg.model_dump(mode="json")
         return save_checkpoint(
