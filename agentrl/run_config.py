@@ -187,6 +187,8 @@ class RunConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        if self.trainer.moe.routing_replay:  # replay needs the engine's routing in every trajectory
+            self.rollout.return_routed_experts = True
         if self.engine.backend == "external" and not self.engine.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
         if self.engine.router and self.engine.backend != "external":

@@ -7,6 +7,7 @@ transformers', the load-balancing loss logged, a GSPO step, and routing replay i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import warnings
@@ -275,7 +276,9 @@ def _trainer(model_dir: Path, **kw):
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
-    return MegatronTrainer(TrainerConfig(model_path=str(model_dir), lr=1e-3, micro_batch_size=2, **kw))
+    return MegatronTrainer(
+        TrainerConfig(**{"model_path": str(model_dir), "lr": 1e-3, "micro_batch_size": 2, **kw})
+    )
 
 
 def _hf_logprobs(model_dir: Path, trajs) -> list[list[float]]:
@@ -324,3 +327,69 @@ def test_trainer_refuses_moe_options_on_a_dense_model(dist_env_one, tiny_model_d
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- routing replay
+async def _engine_rollouts(model_dir: Path, dtype: str, n: int, new_tokens: int) -> list:
+    from agentrl.embedded.engine import EmbeddedEngine
+    from agentrl.embedded.sampling import RequestSampling
+    from agentrl.types import Trajectory
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 600, (12,), generator=g).tolist() for _ in range(n)]
+    engine = EmbeddedEngine(model_dir, dtype=dtype, max_batch_size=n)
+    try:
+        sps = [
+            RequestSampling(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=i)
+            for i in range(n)
+        ]
+        recs = await asyncio.gather(
+            *(engine.generate(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(prompts, sps, strict=True)))
+        )
+    finally:
+        engine.shutdown()
+    out = []
+    for i, (p, rec) in enumerate(zip(prompts, recs, strict=True)):
+        t = Trajectory(task_id=f"t{i}", group_id=f"g{i // 2}", prompt_ids=p, reward=float(i % 2))
+        t.append_model_tokens(rec.output_ids, rec.logprobs, 0)
+        t.routed_experts = encode_routed_experts(rec.routed_experts)
+        out.append(t)
+    return out
+
+
+def _mismatch(trainer, trajs, replay: bool) -> tuple[float, float]:
+    """(mismatch KL k3 of KL(μ‖π_old) as the trainer logs it, share of (token, layer) routed alike)."""
+    from agentrl.trainer.moe import record_routing
+
+    trainer.replay_routing = replay
+    kl = n = same = total = 0.0
+    for t in trajs:
+        with record_routing(trainer.module) as chosen:
+            (lp,) = trainer.compute_logprobs([t])
+        d = torch.tensor(t.rollout_logprobs, dtype=torch.float64) - torch.tensor(lp, dtype=torch.float64)
+        kl += float((torch.exp(-d) - 1 + d).sum())
+        n += d.numel()
+        engine = torch.from_numpy(decode_routed_experts(t.routed_experts, 2, 2).copy())
+        ours = torch.stack(chosen, 1).to(engine.dtype)
+        same += float((engine.sort(-1).values == ours.sort(-1).values).all(-1).sum())
+        total += engine.shape[0] * engine.shape[1]
+    return kl / n, same / total
+
+
+async def test_routing_replay_removes_the_routing_mismatch(dist_env_one, moe_dir: Path) -> None:
+    # a bf16 engine routes some tokens to other experts than the fp32 trainer (near-tied router logits);
+    # replayed, the trainer's routers take the engine's experts and the mismatch KL drops
+    trajs = await _engine_rollouts(moe_dir, "bfloat16", 16, 24)
+    tr = _trainer(moe_dir, micro_batch_size=4, moe={"routing_replay": True})
+    try:
+        kl_own, agree_own = _mismatch(tr, trajs, replay=False)
+        kl_replay, agree_replay = _mismatch(tr, trajs, replay=True)
+        assert agree_replay == 1.0 and agree_own < 1.0
+        assert kl_replay < kl_own
+        # the train step replays too: its π_old (the update's own forward) gives the same mismatch
+        tr.replay_routing = True
+        metrics = tr.train_step(trajs)
+        # (equal up to fp32 sums over other micro-batches: far nearer the replayed figure than the other)
+        assert abs(metrics["mismatch_kl"] - kl_replay) < 0.1 * (kl_own - kl_replay)
+    finally:
+        tr.shutdown()

@@ -98,6 +98,12 @@ class RolloutConfig(ConfigModel):
         "(agentrl.rollout.lockstep); episodes still run concurrently",
     )
     record_outcomes: bool = Field(False, description="keep a per-draw outcome log (tests, audits)")
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE models: ask the engine for each token's routed experts (SGLang's return_routed_experts; "
+        "an SGLang server needs --enable-return-routed-experts) and keep them in the trajectory for routing "
+        "replay; on by itself when trainer.moe.routing_replay is",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:

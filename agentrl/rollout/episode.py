@@ -224,11 +224,15 @@ class EpisodeRunner:
             sent_version = self.controller.version
             m.request_started(len(traj.prompt_ids) + len(traj.response_ids) + len(ids))
             t = time.monotonic()
+            # MoE routing replay: the engine's experts of every input position (asked only when needed, so
+            # engines without the option are not sent it)
+            routed = {"return_routed_experts": True} if self.cfg.return_routed_experts else {}
             try:
                 res = await self.engine.generate(
                     traj.prompt_ids + traj.response_ids + ids,
                     sp,
                     rid=f"{draw.uid}/{traj.sample_index}/{next(self._rid)}",
+                    **routed,
                 )
             except EngineRequestError:
                 raise  # the engine rejected the request: re-sending the same one will not help
@@ -255,6 +259,8 @@ class EpisodeRunner:
             ids += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)
+            if routed and res.meta.get("routed_experts") is not None:
+                traj.routed_experts = res.meta["routed_experts"]  # the latest covers every earlier position
             if not res.aborted:
                 return ids, lps, vers
             aborts += 1
