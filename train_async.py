@@ -50,8 +50,8 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
         return list(e.urls)
     urls = []
     extra = ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
-    if cfg.deterministic:  # a request's logprobs must not depend on what else the engine batches or caches
-        extra += ["--prefix-cache-slots", "0"]
+    if cfg.deterministic or cfg.trainer.true_on_policy:  # batch-invariant kernels: a request's bits do not
+        extra += ["--batch-invariant"]  # depend on what else the engine batches or caches (nor do the trainer's)
     for i in range(e.num_engines):
         if e.backend == "embedded":
             from agentrl.embedded.server import start_embedded_server
@@ -62,7 +62,7 @@ def start_engines(cfg: RunConfig, model_dir: str, services: list[Any]) -> list[s
                 device=e.device,
                 dtype=e.dtype,
                 api_key=e.api_key,
-                max_batch_size=1 if cfg.deterministic else e.max_batch_size,
+                max_batch_size=e.max_batch_size,
                 extra_args=extra,
                 log_file=str(Path(cfg.output_dir) / f"engine_{i}.log"),
             )

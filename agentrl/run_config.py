@@ -132,7 +132,8 @@ class RunConfig(ConfigModel):
         False,
         description="two runs with the same seed give bit-identical weights and metrics (apart from timings) "
         "on one machine: seeded requests, batches and versions by the step (agentrl.rollout.lockstep), "
-        "embedded engines decoding one sequence at a time without prefix reuse; costs throughput",
+        "embedded engines with batch-invariant kernels (agentrl.batch_invariant: a request's bits do not "
+        "depend on the batch, prefix reuse or prefill chunking, so batching and reuse stay on)",
     )
     model_path: str = Field(description="HF model dir, or pretrained:NAME (agentrl.models.pretrained)")
     data: DataConfig = Field(description="tasks")

@@ -108,6 +108,13 @@ class TrainerConfig(ConfigModel):
         description="torch.compile each transformer layer (fuses norms, RoPE, residuals; cuts launches; "
         "the first step of each new shape compiles)",
     )
+    true_on_policy: bool = Field(
+        False,
+        description="exactly on-policy: π_old and the loss's logprobs come from a forward in the embedded "
+        "engine's batch-invariant kernels and reduction order (agentrl.batch_invariant), so for the same "
+        "weights and tokens they equal the engine's logprobs bit for bit (mismatch KL 0, TIS weights 1); "
+        "backward uses ordinary kernels. The run's engines then serve batch-invariant. tp = pp = 1",
+    )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")

@@ -165,6 +165,10 @@ class MegatronTrainer:
             cfg.logprob_chunk_tokens,
             self.compile_kernels,
         )
+        if cfg.true_on_policy:  # π_old and the loss's logprobs in the batch-invariant engine's kernels
+            from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
+
+            self.logprobs = TrueOnPolicyLogprobs(self.arch, cfg.tp, cfg.pp)  # type: ignore[assignment]
         model = self._build_model()
         self._load_initial_weights(model)
         model.to(self.device)

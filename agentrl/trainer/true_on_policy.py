@@ -1,0 +1,112 @@
+"""Exactly on-policy logprobs (``trainer.true_on_policy``): the trainer's forward in the engine's kernels.
+
+The embedded engine in batch-invariant mode computes a token's logprob with the ops of
+:mod:`agentrl.batch_invariant` in one order (embedding, RMSNorm, separate q/k/v projections, RoPE from
+element-wise tables, attention over keys ``0..pos`` in fixed chunks, SwiGLU, LM head, ``logits[target] -
+logsumexp``), and those ops give a row the same bits whatever else is in the call. A full-sequence
+forward is then the same computation as the engine's prefill, which equals its decode; so
+:class:`TrueOnPolicyLogprobs`, which runs exactly that order over the megatron model's own parameters,
+gives π_old and the loss's logprobs equal to the rollout's for the same weights and tokens: mismatch KL
+0, every TIS weight 1, PPO-KL 0 on the first step. Gradients flow to the parameters through the same
+graph (on a GPU each Triton op has a torch backward). Dense models, TP = PP = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agentrl import batch_invariant as bi
+from agentrl.trainer.model import ModelArch
+
+Tensor = torch.Tensor
+
+
+def rope_inv_freq(theta: float, head_dim: int) -> Tensor:
+    """Plain RoPE's inverse frequencies as Hugging Face's Llama/Qwen modules compute them (fp32, CPU)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _gpt(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module  # DDP / Float16Module wrappers
+    return model
+
+
+class TrueOnPolicyLogprobs:
+    """``(logprob, entropy)`` per token of a megatron GPT model, computed as the batch-invariant embedded
+    engine computes them; a drop-in for :class:`~agentrl.trainer.logprobs.ModelLogprobs` (``of``)."""
+
+    def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1) -> None:
+        if tp != 1 or pp != 1:
+            raise ValueError("trainer.true_on_policy: needs tp = 1 and pp = 1")
+        self.arch = arch
+        self.inv_freq = rope_inv_freq(arch.rope_theta, arch.head_dim)
+        self.scale = arch.head_dim**-0.5  # the HF attention's own scaling
+        self._tables: dict[tuple[str, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+    def _rope(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        key = (str(device), dtype)
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < n:  # element-wise tables: a longer one agrees on its prefix
+            have = bi.rope_tables(self.inv_freq, max(n, 2048), device, dtype)
+            self._tables[key] = have
+        return have[0][:n], have[1][:n]
+
+    def _layer(self, layer: torch.nn.Module) -> tuple:
+        """One layer's tensors in the engine runner's order; q/k/v and gate/up split out of megatron's
+        fused ``linear_qkv`` (per KV group: its query heads, its key head, its value head) and ``linear_fc1``."""
+        a, m, arch = layer.self_attention, layer.mlp, self.arch
+        ng, r, hd = arch.num_kv_heads, arch.num_attention_heads // arch.num_kv_heads, arch.head_dim
+
+        def split(t: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+            if t is None:
+                return None, None, None
+            g = t.view(ng, r + 2, hd, *t.shape[1:])
+            rest = t.shape[1:]
+            return g[:, :r].reshape(-1, *rest), g[:, r].reshape(-1, *rest), g[:, r + 1].reshape(-1, *rest)
+
+        wq, wk, wv = split(a.linear_qkv.weight)
+        bq, bk, bv = split(getattr(a.linear_qkv, "bias", None) if arch.qkv_bias else None)
+        qn = a.q_layernorm.weight if arch.qk_norm else None
+        kn = a.k_layernorm.weight if arch.qk_norm else None
+        fc1 = m.linear_fc1.weight
+        ffn = fc1.shape[0] // 2
+        return (
+            layer.input_layernorm.weight, wq, bq, wk, bk, wv, bv, qn, kn,
+            a.linear_proj.weight, None, layer.pre_mlp_layernorm.weight,
+            fc1[:ffn], None, fc1[ffn:], None, m.linear_fc2.weight, None,
+        )  # fmt: skip
+
+    def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """``tokens``/``targets`` [b, s], right-padded, positions ``0..s-1`` on every row."""
+        gpt, arch = _gpt(model), self.arch
+        if not hasattr(gpt.decoder, "layers") or any(hasattr(la.mlp, "experts") for la in gpt.decoder.layers):
+            raise ValueError("trainer.true_on_policy: dense models only")
+        b, s = tokens.shape
+        emb = gpt.embedding.word_embeddings.weight
+        x = F.embedding(tokens, emb)
+        cos, sin = self._rope(s, x.device, x.dtype)
+        qpos = torch.arange(s, device=x.device).expand(b, s)
+        eps, heads, kv, d = arch.rms_norm_eps, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+        for layer in gpt.decoder.layers:
+            w = self._layer(layer)
+            q, k, v = bi.pre_attention(x, w, cos, sin, eps, heads, kv, d)
+            o = bi.attention(q, k.transpose(1, 2), v.transpose(1, 2), qpos, self.scale)
+            x = bi.post_attention(x, o, w, eps)
+        head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
+        logits = bi.lm_head(x, gpt.decoder.final_layernorm.weight, eps, head[: arch.vocab_size])
+        flat = logits.view(b * s, -1)
+        lp = bi.token_logprobs(flat, targets.reshape(-1).clamp(min=0))
+        ent = torch.logsumexp(flat, -1) - (torch.softmax(flat, -1) * flat).sum(-1)
+        return lp.view(b, s), ent.view(b, s)
+
+    def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor]:
+        """Of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]`` layout (a packed one
+        runs padded: the same logprobs at every real token)."""
+        return self(model, mb.tokens, mb.targets)
+
+
+__all__ = ["TrueOnPolicyLogprobs", "rope_inv_freq"]

@@ -1,0 +1,107 @@
+"""True on-policy on CPU (fp32): with ``trainer.true_on_policy`` the trainer's logprobs equal the
+batch-invariant embedded engine's bit for bit, for multi-turn episodes generated concurrently with prefix
+reuse and chunked prefill: mismatch KL exactly 0, max |Δ log p| 0, first-step PPO-KL 0, every TIS
+weight 1; and again after the trainer's updated weights reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from _trainer_helpers import free_port
+
+from agentrl.embedded.engine import EmbeddedEngine
+from agentrl.embedded.sampling import RequestSampling
+from agentrl.types import Trajectory
+
+
+def _trainer(model_dir: Path, true_on_policy: bool):
+    warnings.filterwarnings("ignore")
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.losses import LossConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    return MegatronTrainer(
+        TrainerConfig(
+            model_path=str(model_dir),
+            lr=1e-2,
+            micro_batch_size=3,
+            true_on_policy=true_on_policy,
+            old_logprobs="recompute",  # π_old from its own forward, compared with the rollout's μ
+            loss=LossConfig(tis="token"),
+        )
+    )
+
+
+async def _episodes(engine: EmbeddedEngine, n: int, version: int, seed: int) -> list[Trajectory]:
+    """Two-turn episodes, all in flight at once (the second turn reuses the first's KV)."""
+    g = torch.Generator().manual_seed(seed)
+
+    async def one(i: int) -> Trajectory:
+        prompt = torch.randint(3, 500, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
+        t = Trajectory(task_id=f"t{i}", group_id=f"g{i // 3}", prompt_ids=prompt)
+        sp = RequestSampling(temperature=1.0, max_new_tokens=10, sampling_seed=seed + i, ignore_eos=True)
+        r = await engine.generate(prompt, sp, f"{seed}-{i}-a")
+        t.append_model_tokens(r.output_ids, r.logprobs, version)
+        t.append_observation_tokens([5, 6, 7, 8])
+        sp2 = RequestSampling(temperature=1.0, max_new_tokens=6, sampling_seed=seed + 100 + i, ignore_eos=True)
+        r2 = await engine.generate(t.input_ids, sp2, f"{seed}-{i}-b")
+        t.append_model_tokens(r2.output_ids, r2.logprobs, version)
+        t.reward = float(i % 3 == 0)
+        return t
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def _max_gap(trainer, trajs: list[Trajectory]) -> float:
+    """max |trainer - engine| logprob over the model's tokens (observation tokens have none)."""
+    return max(
+        abs(a - b)
+        for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True)
+        for a, b, m in zip(lp, t.rollout_logprobs, t.loss_mask, strict=True)
+        if m
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+async def test_trainer_logprobs_equal_the_engines_bit_for_bit(tiny_model_factory, arch: str, tmp_path: Path) -> None:
+    model = tiny_model_factory(arch)
+    engine = EmbeddedEngine(model, max_batch_size=8, batch_invariant=True, prefix_cache_slots=8, max_prefill_tokens=32)
+    tr = _trainer(model, true_on_policy=True)
+    try:
+        for step in range(2):
+            trajs = await _episodes(engine, 9, tr.policy_version, seed=10 * step)
+            assert any(t.num_turns == 2 for t in trajs)
+            assert _max_gap(tr, trajs) == 0.0
+            m = tr.train_step(trajs)
+            assert m["mismatch_kl"] == 0.0 and m["mismatch_k1"] == 0.0
+            assert m["mismatch_logprob_abs_diff_max"] == 0.0
+            assert m["ppo_kl"] == 0.0  # π_old recomputed: equal to the update's first forward
+            assert m["tis_weight_mean"] == 1.0 and m["tis_clip_frac"] == 0.0
+            # the updated weights go to the engine (fp32 on disk: the same bits)
+            out = tmp_path / f"w{step}"
+            tr.save_hf(out)
+            await engine.update_weights_from_disk(str(out), str(step + 1), abort_all=False)
+            tr.policy_version += 1
+    finally:
+        engine.shutdown()
+        tr.shutdown()
+
+
+async def test_default_trainer_is_not_bitwise(tiny_model_dir: Path) -> None:
+    """The contrast: the default forward (megatron layers, SDPA, fused log-softmax) is close, not equal."""
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=8, batch_invariant=True)
+    tr = _trainer(tiny_model_dir, true_on_policy=False)
+    try:
+        gap = _max_gap(tr, await _episodes(engine, 6, 0, seed=3))
+        assert 0.0 < gap < 1e-4
+    finally:
+        engine.shutdown()
+        tr.shutdown()
