@@ -31,6 +31,7 @@ from typing import Any
 
 from agentrl.cluster import start_ray, start_service, stop_all
 from agentrl.config import ConfigError, dump_config
+from agentrl.episodes import EpisodeDump, episode_table
 from agentrl.metrics import MetricsLogger, ProgressLine
 from agentrl.recipe import load_run_config, make_recipe, metric_label
 from agentrl.run_config import RunConfig
@@ -127,13 +128,19 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
 
 async def engine_memory(client: Any) -> dict[str, float]:
     """The engines' peak GPU memory (GiB, the largest over engines) as they report it in
-    ``/get_server_info``; empty when none does (CPU engines, SGLang)."""
+    ``/get_server_info``, and their cumulative counters summed over engines (the embedded engine's: device
+    busy seconds, decode steps and rows, prefill and cached tokens); empty when none reports them."""
     try:
         infos = await client.server_info()
     except Exception:  # a metric is not worth failing a step for
         return {}
     peaks = [float(i["peak_gpu_mem_gb"]) for i in infos if isinstance(i.get("peak_gpu_mem_gb"), int | float)]
-    return {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
+    out = {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
+    for key in ("busy_s", "decode_steps", "decode_rows", "prefill_tokens", "cached_tokens"):
+        vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]
+        if vals:
+            out[f"engine/{key}"] = sum(vals)
+    return out
 
 
 def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
@@ -150,6 +157,15 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
     wall = sum(r["time/step_s"] for r in timed)
     if wall > 0:
         out["engine_idle_frac"] = sum(r["rollout/engine_idle_frac"] * r["time/step_s"] for r in timed) / wall
+    busy = [r for r in steps if "engine/busy_s" in r]
+    if len(busy) > 1:  # the engines' own device time (summed over engines) against the loop's wall time
+        span = sum(r["time/step_s"] for r in busy[1:])
+        delta = {k: busy[-1][k] - busy[0].get(k, 0.0) for k in busy[-1] if k.startswith("engine/")}
+        out["engine_device_busy_frac"] = delta["engine/busy_s"] / span
+        if delta.get("engine/decode_steps"):
+            out["engine_decode_steps_per_step"] = delta["engine/decode_steps"] / (len(busy) - 1)
+            out["engine_rows_per_decode_step"] = delta.get("engine/decode_rows", 0.0) / delta["engine/decode_steps"]
+        out["engine_prefill_tokens_per_step"] = delta.get("engine/prefill_tokens", 0.0) / (len(busy) - 1)
     toks = [r for r in steps if "rollout/model_tokens" in r]
     if len(toks) > 1:  # cumulative counter: tokens generated between the first and the last step
         span = sum(r["time/step_s"] for r in toks[1:])
@@ -173,7 +189,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     ckpt_dir = out / "checkpoints"
-    logger = MetricsLogger(out)
+    logger = MetricsLogger(out, cfg.metrics.tensorboard, cfg.metrics.wandb, cfg.model_dump(mode="json"))
 
     # 1. model and tasks, from the recipe (the Search-R1 demo: synthetic world, tiny model, SFT; cached)
     model_dir, train_tasks, eval_tasks = recipe.prepare()
@@ -205,6 +221,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         trainer = TrainerGroup(
             trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0
         )
+        # episode dumps (rollout.dump): what agentrl.replay needs to train a step again goes with them
+        replay_info = {"trainer": trainer_cfg.model_dump(mode="json"), "max_staleness": cfg.rollout.max_staleness}
+        dump = EpisodeDump(out, cfg.rollout.dump, model_dir, replay_info)
         rollout = make_rollout_actor(  # the orchestrator is built inside the actor, from this spec
             OrchestratorSpec(
                 cfg.rollout.model_copy(  # run seed: task order (and request seeds when deterministic)
@@ -242,6 +261,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             figures = recipe.eval_metrics(trajs)
             evals.append((step, figures))
             logger.log({**figures, "eval/num_tasks": len(trajs)}, step)
+            logger.log_table("eval/episodes", *episode_table(trajs), step)
+            await asyncio.to_thread(dump.evaluation, step, trajs)
             return figures
 
         before = await evaluate(start_step) if cfg.eval.before else {}
@@ -264,8 +285,11 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 await rollout.pause_for_update.remote()
                 phases = await gpu_to_trainer(cfg, trainer, control)
             t_train = time.monotonic()
-            train_metrics = await asyncio.to_thread(trainer.train_step, batch, cfg.rollout.max_staleness)
+            train_metrics = await asyncio.to_thread(
+                trainer.train_step, batch, cfg.rollout.max_staleness, cfg.rollout.dump.wants(step + 1)
+            )
             t_train = time.monotonic() - t_train
+            await asyncio.to_thread(dump.train, step + 1, batch, trainer)  # when rollout.dump wants it
             if cfg.placement == "disaggregated":
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()

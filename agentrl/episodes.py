@@ -137,6 +137,17 @@ def episode_record(
     }
 
 
+def episode_table(trajs: Sequence[Trajectory], max_chars: int = 2000) -> tuple[list[str], list[list[Any]]]:
+    """Columns and rows of a table of episodes (what a wandb evaluation table shows): task, reward,
+    status, turns, response tokens, error and the model's text (cut to ``max_chars``)."""
+    columns = ["task_id", "reward", "status", "turns", "response_tokens", "error", "text"]
+    rows = [
+        [t.task_id, t.reward, t.status.value, t.num_turns, len(t.response_ids), t.error, "".join(u.text for u in t.turns)[:max_chars]]
+        for t in trajs
+    ]
+    return columns, rows
+
+
 class EpisodeDump:
     """Writes a run's dumps (see the module docstring). ``model_dir``: its tokenizer gives the prompt
     text and ``tokens.json``; ``run_info``: what :mod:`agentrl.replay` needs (trainer config, η)."""

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
 from agentrl.engine.launcher import SGLangConfig
+from agentrl.metrics import MetricsConfig
 from agentrl.rollout.config import RolloutConfig
 from agentrl.trainer.config import TrainerConfig
 
@@ -165,6 +166,9 @@ class RunConfig(ConfigModel):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="TensorBoard and wandb beside metrics.jsonl"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0 -e '.[test]'
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
     bash .ci/docker_setup.sh
+    # headless Chromium for the episode viewer's browser tests (they fail, not skip, when it is missing)
+    command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+    export AGENTRL_REQUIRE_CHROMIUM=1
 else
     echo "not root or no apt-get: Docker sandbox tests will be skipped (set AGENTRL_REQUIRE_DOCKER=1 to fail instead)"
 fi

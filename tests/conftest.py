@@ -27,6 +27,9 @@ _SYSTEM_TMP = tempfile.gettempdir()
 _PREFIX = "pytest-agentrl-"
 SESSION_TMP = Path(_SYSTEM_TMP)  # the session's own temp dir, made in pytest_configure
 _KEPT = (f"torchinductor_{getpass.getuser()}",)  # torch's compile cache, not a leak
+# wandb makes these scratch dirs when it is imported (megatron-core imports it when installed) and removes
+# them when the process exits
+_KEPT_SUFFIXES = ("wandb-media", "wandb-artifacts")
 _REPORTED: set[str] = set()  # leftovers a test already failed for
 
 
@@ -63,7 +66,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _temp_entries() -> set[str]:
-    return {p.name for p in SESSION_TMP.iterdir() if p.name not in _KEPT}
+    return {p.name for p in SESSION_TMP.iterdir() if p.name not in _KEPT and not p.name.endswith(_KEPT_SUFFIXES)}
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +115,19 @@ def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 def docker_required() -> bool:
     """CI sets AGENTRL_REQUIRE_DOCKER=1: then a missing Docker engine is a failure, not a skip."""
     return os.environ.get("AGENTRL_REQUIRE_DOCKER", "") not in ("", "0", "false")
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The Chromium executable of the browser tests. Missing, the tests skip, except under ``CI=true`` or
+    AGENTRL_REQUIRE_CHROMIUM=1 (scripts/test.sh sets it once it installed Debian's chromium): then they fail."""
+    from agentrl.testing.browser import chromium_path
+
+    path = chromium_path()
+    if path is None:
+        required = any(os.environ.get(k, "") not in ("", "0", "false") for k in ("AGENTRL_REQUIRE_CHROMIUM", "CI"))
+        msg = "no chromium executable (apt-get install chromium)"
+        if required:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path

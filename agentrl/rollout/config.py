@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
 from agentrl.engine.types import SamplingParams
+from agentrl.episodes import DumpConfig
 
 
 class RolloutConfig(ConfigModel):
@@ -103,6 +104,11 @@ class RolloutConfig(ConfigModel):
         description="MoE models: ask the engine for each token's routed experts (SGLang's return_routed_experts; "
         "an SGLang server needs --enable-return-routed-experts) and keep them in the trajectory for routing "
         "replay; on by itself when trainer.moe.routing_replay is",
+    )
+    dump: DumpConfig = Field(
+        default_factory=DumpConfig,
+        description="write trained and evaluated trajectories to <output_dir>/trajectories (agentrl.episodes): "
+        "all, off, every N steps, or {every: N, eval: bool}",
     )
 
     @model_validator(mode="after")

@@ -143,6 +143,8 @@ class EpisodeRunner:
                 m.tool(dt)
                 if res.info:
                     traj.info.update(res.info)
+                # per env step (after assistant turn i), for the tool calls of the episode dumps
+                traj.info.setdefault("env_step_s", []).append(round(dt, 6))
                 if res.reward is not None:
                     traj.reward = float(res.reward)
                 if res.terminated:

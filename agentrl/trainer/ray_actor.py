@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from typing import Any
 
 from agentrl.cluster import free_port
@@ -36,14 +37,22 @@ class TrainerWorker:
         # 80 GB GPU. Growable segments keep the reservation near the peak. (Read at the process's first
         # CUDA allocation, which comes after this.)
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # megatron-core imports wandb, when installed, for logging that agentrl does not use (the driver
+        # logs, agentrl.metrics); importing it costs a second and makes scratch dirs in the temp dir that
+        # an actor killed at shutdown leaves behind. An import of it here finds None and fails.
+        sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]
         from agentrl.trainer.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg))
 
     def train_step(
-        self, trajectories: list[dict[str, Any]], max_staleness: int | None = None
+        self, trajectories: list[dict[str, Any]], max_staleness: int | None = None, record_logprobs: bool = False
     ) -> dict[str, float]:
-        return self.trainer.train_step([Trajectory.from_dict(t) for t in trajectories], max_staleness)
+        trajs = [Trajectory.from_dict(t) for t in trajectories]
+        return self.trainer.train_step(trajs, max_staleness, record_logprobs)
+
+    def last_logprobs(self) -> dict[str, Any]:
+        return self.trainer.last_logprobs()
 
     def compute_logprobs(self, trajectories: list[dict[str, Any]]) -> list[list[float]]:
         return self.trainer.compute_logprobs([Trajectory.from_dict(t) for t in trajectories])
@@ -157,10 +166,15 @@ class TrainerGroup:
         return self._ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
 
     def train_step(
-        self, trajectories: list[Trajectory], max_staleness: int | None = None
+        self, trajectories: list[Trajectory], max_staleness: int | None = None, record_logprobs: bool = False
     ) -> dict[str, float]:
-        """One update on every rank; ``max_staleness`` (η) is asserted on the batch when given."""
-        return self._all("train_step", [t.to_dict() for t in trajectories], max_staleness)
+        """One update on every rank; ``max_staleness`` (η) is asserted on the batch when given;
+        ``record_logprobs``: keep the trainer's logprobs of the batch for :meth:`last_logprobs`."""
+        return self._all("train_step", [t.to_dict() for t in trajectories], max_staleness, record_logprobs)
+
+    def last_logprobs(self) -> dict[str, Any]:
+        """The trainer's logprobs of the last recorded step (``MegatronTrainer.last_logprobs``)."""
+        return self._ray.get(self.actors[0].last_logprobs.remote())
 
     def compute_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
         return self._all("compute_logprobs", [t.to_dict() for t in trajectories])

@@ -296,10 +296,11 @@ class MegatronTrainer:
 
     # ---- train step -----------------------------------------------------------------------------
     def train_step(
-        self, trajectories: list[Trajectory], max_staleness: int | None = None
+        self, trajectories: list[Trajectory], max_staleness: int | None = None, record_logprobs: bool = False
     ) -> dict[str, float]:
         """One RL (or SFT) update on a batch; every rank must receive the same list. Returns metrics.
-        ``max_staleness`` (η, the rollout's) is asserted on the batch (:func:`agentrl.buffer.check_staleness`)."""
+        ``max_staleness`` (η, the rollout's) is asserted on the batch (:func:`agentrl.buffer.check_staleness`).
+        ``record_logprobs``: keep the trainer's logprobs of the batch for :meth:`last_logprobs`."""
         self._check_onloaded()
         t_start = time.perf_counter()
         cfg, lcfg = self.cfg, self.cfg.loss
@@ -328,6 +329,9 @@ class MegatronTrainer:
         # π_old (and π_ref) with the weights of this step, before any update
         t_old = time.perf_counter()
         need_old = lcfg.mode != "sft" and lcfg.off_policy == "decoupled" and not self._old_from_update
+        # recorded logprobs are π_old where the step computes it (its own pass, or the update's forward,
+        # taken in _micro_loss); otherwise (bypass, SFT) a no-grad pass of the step's starting weights
+        recorded: list[tuple[MicroBatch, torch.Tensor]] | None = [] if record_logprobs else None
         with torch.no_grad():
             for mini in plan:
                 for mb in mini.micro_batches:
@@ -337,6 +341,9 @@ class MegatronTrainer:
                         mb.old_logprobs = mb.rollout_logprobs
                     if self.ref_model is not None:
                         mb.ref_logprobs = self._logprobs_no_grad(self.ref_model, mb)
+                    if recorded is not None and not self._old_from_update:
+                        lp = mb.old_logprobs if need_old else self._logprobs_no_grad(self.model, mb)
+                        recorded.append((mb, lp))
         old_seconds = time.perf_counter() - t_old
 
         metrics = MetricSums()
@@ -351,7 +358,7 @@ class MegatronTrainer:
                     dp_sum = 1 if self.use_megatron_optim else self.dp_size  # megatron's DDP averages over dp
                     set_aux_loss_scale(1.0 / (len(mini.micro_batches) * dp_sum), self.device)
                 loss, gnorm = self.optim.update(
-                    mini.micro_batches, self._micro_loss(mini.denom, metrics)
+                    mini.micro_batches, self._micro_loss(mini.denom, metrics, recorded)
                 )
                 if self.arch.moe is not None:
                     aux = pop_aux_loss(len(mini.micro_batches))
@@ -363,6 +370,7 @@ class MegatronTrainer:
                 tokens_processed += sum(int((mb.tokens != self.pad_id).sum()) for mb in mini.micro_batches)
         train_seconds = time.perf_counter() - t_train
         self.step += 1
+        self._last_logprobs = None if recorded is None else self._gather_logprobs(trajectories, usable, recorded)
 
         out = reduce_metrics(metrics, self.ps, cfg.pp, self.device)
         dp_group = self.ps.get_data_parallel_group()
@@ -394,12 +402,17 @@ class MegatronTrainer:
             out["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
-    def _micro_loss(self, denom: Denominators, metrics: MetricSums) -> MicroLoss:
-        """The policy loss of one micro-batch of a mini-batch with global counts ``denom``."""
+    def _micro_loss(
+        self, denom: Denominators, metrics: MetricSums, recorded: list[Any] | None = None
+    ) -> MicroLoss:
+        """The policy loss of one micro-batch of a mini-batch with global counts ``denom``; π_old taken
+        from the update's own forward is appended to ``recorded`` when given."""
 
         def loss(mb: MicroBatch, lp_ent: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             lp, ent = lp_ent
             old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs
+            if recorded is not None and mb.old_logprobs is None:
+                recorded.append((mb, old))
             return policy_loss(
                 lp,
                 old,
@@ -414,6 +427,37 @@ class MegatronTrainer:
             )
 
         return loss
+
+    def _gather_logprobs(
+        self,
+        trajectories: list[Trajectory],
+        usable: list[Trajectory],
+        recorded: list[tuple[MicroBatch, torch.Tensor]],
+    ) -> list[list[float] | None]:
+        """Per trajectory of the batch (None for the ones not trained), the recorded logprobs of its
+        response tokens; every rank's share, gathered (collective)."""
+        position = {id(t): i for i, t in enumerate(trajectories)}
+        mine: dict[int, list[float]] = {}
+        if self.tp_rank == 0:  # tensor-parallel ranks hold the same full logprobs
+            for mb, lp in recorded:
+                lp = lp.float().cpu()
+                for row, i in enumerate(mb.traj_index):
+                    t = usable[i]
+                    p, r = len(t.prompt_ids), len(t.response_ids)
+                    mine[position[id(t)]] = lp[row, p - 1 : p - 1 + r].tolist()
+        parts: list[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [mine]
+        merged = {k: v for part in parts for k, v in part.items()}
+        return [merged.get(i) for i in range(len(trajectories))]
+
+    def last_logprobs(self) -> dict[str, Any]:
+        """The trainer's logprobs of the last ``train_step(..., record_logprobs=True)``: ``logprobs`` per
+        trajectory of its batch (response tokens; None for the ones not trained) and the CPU ``threads``
+        it computed with (a replay needs the same count to match bit for bit)."""
+        return {"logprobs": getattr(self, "_last_logprobs", None), "threads": torch.get_num_threads()}
 
     # ---- sharing the GPU with an engine (placement: colocated) -------------------------------------
     def offload(self) -> dict[str, float]:
