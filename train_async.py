@@ -166,10 +166,10 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
             out["engine_decode_steps_per_step"] = delta["engine/decode_steps"] / (len(busy) - 1)
             out["engine_rows_per_decode_step"] = delta.get("engine/decode_rows", 0.0) / delta["engine/decode_steps"]
         out["engine_prefill_tokens_per_step"] = delta.get("engine/prefill_tokens", 0.0) / (len(busy) - 1)
-    toks = [r for r in steps if "rollout/model_tokens" in r]
-    if len(toks) > 1:  # cumulative counter: tokens generated between the first and the last step
-        span = sum(r["time/step_s"] for r in toks[1:])
-        out["generated_tokens_per_s"] = (toks[-1]["rollout/model_tokens"] - toks[0]["rollout/model_tokens"]) / span
+    rated = [r for r in steps if "rollout/model_tokens_per_s" in r]
+    wall = sum(r["time/step_s"] for r in rated)
+    if wall > 0:  # the rollout's window is the step: tokens generated over the loop's wall time
+        out["generated_tokens_per_s"] = sum(r["rollout/model_tokens_per_s"] * r["time/step_s"] for r in rated) / wall
     for key in ("trainer/peak_gpu_mem_gb", "engine/peak_gpu_mem_gb"):
         vals = [r[key] for r in history if key in r]
         if vals:

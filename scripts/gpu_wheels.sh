@@ -14,6 +14,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     -d "$out" megatron-core==0.19.2 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
     typing-extensions bm25s gguf jsonschema jsonschema-specifications referencing rpds-py click==8.2.1 \
     pytest-asyncio
+# CUDA virtual memory for the colocated engine's sleep and wake (abi3: one wheel for every Python 3)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$out" torch-memory-saver==0.0.10
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/site"

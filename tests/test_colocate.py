@@ -146,7 +146,7 @@ async def test_sleep_and_wake_state_machine_over_http(tiny_model_dir: Path) -> N
         with pytest.raises(EngineRequestError, match="weights not released"):
             await client.resume_memory_occupation(["weights"])
         await client.resume_memory_occupation(["kv_cache"])
-        rec = await asyncio.wait_for(waiting, 60)
+        rec = await asyncio.wait_for(waiting, 300)
         assert not engine.asleep
         # the weights came back bit for bit, the cache empty: the same greedy tokens and logprobs
         assert rec.output_ids == ref.output_ids and rec.logprobs == ref.logprobs
@@ -165,7 +165,7 @@ async def test_sleep_with_requests_in_flight_loses_nothing(tiny_model_dir: Path)
         made = [len(engine._requests[f"r{i}"].output_ids) for i in range(5)]
         assert any(made) and not any(t.done() for t in tasks)
         await client.resume_memory_occupation()
-        recs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        recs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert [r.finish_reason["type"] for r in recs] == ["length"] * 5
     assert all(len(r.output_ids) == 120 for r in recs)
     assert all(r.output_ids[:n] == list(r.output_ids[:n]) for r, n in zip(recs, made, strict=True))

@@ -45,8 +45,14 @@ class RetrievalClient:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None or self._client.is_closed:
-            # trust_env=False: never route loopback retrieval through a proxy from the environment.
-            self._client = httpx.AsyncClient(timeout=self.timeout, trust_env=False)
+            # trust_env=False: never route loopback retrieval through a proxy from the environment. No cap
+            # on connections: httpx's default of 100 queued the searches of a few hundred concurrent
+            # episodes behind each other (the server batches whatever arrives together anyway).
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout,
+                trust_env=False,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            )
         return self._client
 
     async def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict[str, Any]]]:

@@ -345,6 +345,18 @@ class NativeAPI:
             {"success": True, "message": "weight version updated", "new_version": self.engine.weight_version}
         )
 
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's debugging read of one parameter: its first ``truncate_size`` values, flattened, as
+        floats (exact for fp32 / bf16 weights)."""
+        body = await _json_body(request)
+        name = body.get("name")
+        params = dict(self.engine.model.named_parameters())
+        if name not in params:
+            raise EngineBadRequest(f"no parameter named {name!r}")
+        n = int(body.get("truncate_size", 100))
+        values = await self.engine._on_device(lambda: params[name].detach().flatten()[:n].float().cpu().tolist())
+        return web.json_response(values)
+
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
 
@@ -420,6 +432,8 @@ class NativeAPI:
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/update_weight_version", self.update_weight_version),
             web.get("/get_weight_version", self.get_weight_version),
+            web.post("/get_weights_by_name", self.get_weights_by_name),
+            web.get("/get_weights_by_name", self.get_weights_by_name),
             web.get("/get_model_info", self.get_model_info),
             web.get("/get_server_info", self.get_server_info),
             web.get("/health", self.health),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -135,7 +136,10 @@ class Scheduler:
                     continue
                 try:
                     async with self.step_lock:
+                        t_step = time.perf_counter()
                         result = await self.on_device(self._execute, *step)
+                        # device busy time: what an idle fraction of the engine itself is measured against
+                        self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + time.perf_counter() - t_step
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
                     self._fail(step[1], err)
@@ -251,6 +255,7 @@ class Scheduler:
                 self.stats["prefill_tokens"] += len(new)
         else:
             self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] = self.stats.get("decode_rows", 0) + len(rows)
             for r in rows:
                 r.cached += 1
         sampled = [rows[i] for i in done]

@@ -453,6 +453,10 @@ class EngineClient:
         """``/get_model_info`` of the first endpoint (all endpoints serve the same model)."""
         return await self._request("GET", "/get_model_info", endpoint=self.endpoints[0])
 
+    async def weights_by_name(self, name: str, truncate_size: int = 100) -> list[list[float]]:
+        """SGLang's ``/get_weights_by_name`` of every endpoint: the parameter's first values, flattened."""
+        return await self._all("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
     async def server_info(self) -> list[dict]:
         """``/get_server_info`` of every endpoint."""
         return await self._all("GET", "/get_server_info")

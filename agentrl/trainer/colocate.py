@@ -1,10 +1,10 @@
 """What a trainer rank does to share its GPU with an inference engine (``placement: colocated``).
 
-* :class:`TrainerOffload` moves the rank's weights, gradients (megatron's contiguous buffers included),
-  optimizer state (fp32 main weights, Adam moments) and a KV reference model's weights to pinned host
-  memory while the engine generates, and back before the next step (:mod:`agentrl.offload`, content
-  kept bit for bit). Storages shared by several tensors (megatron's parameters are views of one
-  buffer) move once.
+* :class:`TrainerOffload` moves the rank's weights, optimizer state (fp32 main weights, Adam moments)
+  and a KL reference model's weights to pinned host memory while the engine generates, and back before
+  the next step (:mod:`agentrl.offload`, content kept bit for bit); the gradients (megatron's contiguous
+  buffers included) are freed and come back as zeros, since every update zeroes them first. Storages
+  shared by several tensors (megatron's parameters are views of one buffer) move once.
 * :func:`push_tensors` hands the full HF-named weights to engines on the same machine in memory
   (SGLang's ``/update_weights_from_tensor``; CUDA IPC handles on a GPU, shared memory on the CPU; see
   :mod:`agentrl.engine.named_tensors`), instead of writing them to disk for
@@ -45,22 +45,29 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
         stack.append(getattr(o, "optimizer", None))
 
 
-def trainer_state_tensors(model: torch.nn.Module, optimizer: Any, extra: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """Every tensor of a rank's training state: the (DDP-wrapped) model's parameters, gradients and
-    buffers, megatron DDP's parameter and gradient buffers, the optimizer's parameters and state, and the
-    parameters of ``extra`` modules (a reference model)."""
-    out: list[torch.Tensor] = []
+def trainer_state_tensors(
+    model: torch.nn.Module, optimizer: Any, extra: list[torch.nn.Module]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A rank's training state as (kept, gradients): the (DDP-wrapped) model's parameters and buffers,
+    megatron DDP's parameter buffers, the optimizer's parameters and state and the parameters of
+    ``extra`` modules (a reference model); and the gradients (``.grad``, megatron's ``main_grad`` and
+    DDP gradient buffers), which every update zeroes before it accumulates, so their content need not
+    survive an offload."""
+    kept: list[torch.Tensor | None] = []
+    grads: list[torch.Tensor | None] = []
     for m in [model, *extra]:
         for p in m.parameters():
-            out += [p, p.grad, getattr(p, "main_grad", None)]
-        out += [b for _, b in m.named_buffers()]
+            kept.append(p)
+            grads += [p.grad, getattr(p, "main_grad", None)]
+        kept += [b for _, b in m.named_buffers()]
     for attr in ("buffers", "expert_parallel_buffers"):  # megatron DDP: lists of param-and-grad buffers
         bufs = getattr(model, attr, None)
         if isinstance(bufs, list):
             for b in bufs:
-                out += [getattr(b, "param_data", None), getattr(b, "grad_data", None)]
-    out += list(_optimizer_tensors(optimizer))
-    return [t for t in out if t is not None]
+                kept.append(getattr(b, "param_data", None))
+                grads.append(getattr(b, "grad_data", None))
+    kept += list(_optimizer_tensors(optimizer))
+    return [t for t in kept if t is not None], [t for t in grads if t is not None]
 
 
 class TrainerOffload:
@@ -69,24 +76,29 @@ class TrainerOffload:
     def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device,
                  extra: list[torch.nn.Module] | None = None) -> None:  # fmt: skip
         self.device = device
-        tensors = [t for t in trainer_state_tensors(model, optimizer, extra or []) if t.device == device]
-        self.state = StorageOffload(tensors, keep=True)
+        kept, grads = trainer_state_tensors(model, optimizer, extra or [])
+        self.state = StorageOffload([t for t in kept if t.device == device], keep=True)
+        held = {s.data_ptr() for s in self.state.storages}
+        grads = [t for t in grads if t.device == device and t.untyped_storage().data_ptr() not in held]
+        self.grads = StorageOffload(grads, keep=False)  # freed, and zeros when they come back
 
     @property
     def offloaded(self) -> bool:
         return self.state.offloaded
 
     def offload(self) -> dict[str, float]:
-        """Move the state to host memory and free the device memory (no-op if already offloaded)."""
+        """Move the state to host memory, free it and the gradients on the device (no-op if done)."""
         stats = self.state.offload()
+        grads = self.grads.offload()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the driver, where the engine's process can take it
-        return self._report("offload", stats.bytes, stats.seconds)
+        return self._report("offload", stats.bytes + grads.bytes, stats.seconds + grads.seconds)
 
     def onload(self) -> dict[str, float]:
-        """Bring the state back (no-op if it is on the device)."""
+        """Bring the state back and the gradient memory (zeroed) (no-op if it is on the device)."""
         stats = self.state.onload()
-        return self._report("onload", stats.bytes, stats.seconds)
+        grads = self.grads.onload()
+        return self._report("onload", stats.bytes + grads.bytes, stats.seconds + grads.seconds)
 
     def _report(self, what: str, nbytes: int, seconds: float) -> dict[str, float]:
         out = {f"{what}_gb": nbytes / 2**30, f"{what}_s": seconds}

@@ -1,0 +1,79 @@
+"""The main job colocated on one device (CPU): weights in memory (``weight_sync: tensor``), the engine asleep
+while the trainer steps, the trainer's state offloaded while the engine generates. It trains and reports
+each phase in ``summary.json``; Ctrl-C while the engine sleeps shuts everything down."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from test_train_async_e2e import CONFIG, ROOT, _left_after, _leftovers, _Lines
+
+COLOCATED = (
+    CONFIG.replace("weight_sync: distributed", "weight_sync: tensor")
+    + "placement: colocated\ncolocation: {{engine_sleep: true, trainer_offload: true}}\n"
+)
+
+
+def _config(tmp_path: Path, steps: int) -> Path:
+    cfg = tmp_path / "colocated.yaml"
+    text = COLOCATED.format(out=tmp_path / "run", cache=tmp_path / "cache").replace("steps: 3", f"steps: {steps}")
+    cfg.write_text(text.replace("checkpoint: {interval: 2}", "checkpoint: {interval: 0}"))
+    return cfg
+
+
+def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) -> None:
+    assert not _leftovers(), "processes from an earlier test are still running"
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", "--config", str(_config(tmp_path, 2))],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["policy_version"] == 2
+    for phase in ("engine_release", "trainer_onload", "engine_resume_weights", "weight_sync",
+                  "trainer_offload", "engine_resume_kv"):  # fmt: skip
+        assert summary[f"mean_{phase}_s"] > 0, phase
+    parts = summary["mean_wait_batch_s"] + summary["mean_train_s"] + summary["mean_sync_s"]
+    assert 0 < parts <= summary["mean_step_s"] * 1.01
+    assert 0 <= summary["engine_idle_frac"] <= 1
+    assert summary["generated_tokens_per_s"] > 0
+    assert 0 < summary["engine_device_busy_frac"] <= 1
+    assert not _left_after(), "the run left processes behind"
+
+
+def test_ctrl_c_while_the_engine_sleeps_shuts_everything_down(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, 500)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "train_async.py", "--config", str(cfg)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out = _Lines(proc)
+    try:
+        assert out.until("step 1/", timeout=600), "".join(out.seen[-40:])
+        log = (tmp_path / "run" / "engine_0.log").read_text()
+        url = re.findall(r"serving on (http://\S+)", log)[-1]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # wait for a step's train phase: the engine asleep
+            info = httpx.get(f"{url}/get_server_info", timeout=10, trust_env=False).json()
+            if info["asleep"]:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the engine never slept")
+        os.kill(proc.pid, signal.SIGINT)
+        assert out.until(None, timeout=180), "no clean exit 180 s after Ctrl-C:\n" + "".join(out.seen[-40:])
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert any("interrupted" in line for line in out.seen), "".join(out.seen[-30:])
+    assert not _left_after(), "Ctrl-C during the sleep left processes behind"
