@@ -248,3 +248,37 @@ def test_readme_env_verifier_and_run_work_as_shown() -> None:
         [sys.executable, "-m", "agentrl.examples.custom_env"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_readme_run_trains_one_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The README's run as shown, with a tiny model for SmolLM2 and one small step: it starts and trains."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train_async.py",
+            "--config",
+            "examples/custom_env.yaml",
+            f"model_path={tiny_model_dir}",
+            f"output_dir={out}",
+            "steps=1",
+            "rollout.group_size=2",
+            "rollout.batch_size=2",
+            "rollout.max_turns=2",
+            "env.kwargs.max_turns=2",
+            "rollout.sampling.max_new_tokens=8",
+            "rollout.eval_sampling.max_new_tokens=8",
+            "eval.num_tasks=2",
+            "ray.num_cpus=2",
+            "rollout.filter_zero_variance=false",  # a random model's groups are all 0: train on them anyway
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"train_async failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows if "policy_version" in r] == [1]
+    assert json.loads((out / "summary.json").read_text())["accounting"]["trained"] >= 1
