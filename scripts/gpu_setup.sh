@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install agentrl on a GPU machine that reaches no package index, from .whl/gpu (scripts/gpu_wheels.sh)
-# carried along: the wheels go into the running Python's environment, Ray is unpacked into its
-# site-packages, agentrl is installed editable without dependencies (torch, transformers, aiohttp,
-# httpx, pyarrow and matplotlib come with the image).
+# Install agentrl on a GPU machine that reaches no package index, from .whl/gpu (built by
+# scripts/gpu_wheels.sh and copied with the checkout): the wheels go into the running Python's
+# environment, Ray is unpacked into its site-packages, agentrl is installed editable without dependencies
+# (torch, transformers, aiohttp, httpx, pyarrow and matplotlib come with the GPU image).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/gpu/*.whl
