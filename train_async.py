@@ -216,7 +216,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
         # 3. the trainer (one actor per rank) and the rollout orchestrator (async actor)
         trainer_cfg = cfg.trainer.model_copy(
-            update={"model_path": model_dir, "seed": cfg.trainer.seed + cfg.seed}
+            update={"model_path": model_dir, "seed": cfg.trainer.seed + cfg.seed, "deterministic": cfg.deterministic}
         )
         trainer = TrainerGroup(
             trainer_cfg, cfg.trainer_world_size, num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0

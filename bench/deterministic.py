@@ -2,12 +2,11 @@
 through ``train_async.py`` with the switch off and on, one after the other in the same bench run.
 
 Deterministic mode runs each batch whole under one policy version, waits for it before a weight update
-instead of interrupting it, and has the embedded engine decode one sequence at a time without prefix
-reuse (so a request's logprobs do not depend on what else the engine batches). The figures: mean step
-time (wait for the batch + train + sync), trained trajectories per second over the RL steps and
-generated tokens per second; ratios are deterministic / default. A third run, the default schedule with
-an engine that decodes one sequence at a time (``engine.max_batch_size: 1``), tells how much of the cost
-is the engine's.
+instead of interrupting it, and serves with the embedded engine's batch-invariant kernels
+(``--batch-invariant``: a request's logprobs do not depend on what else the engine batches or caches, so
+batching and prefix reuse stay on). The figures: mean step time (wait for the batch + train + sync),
+trained trajectories per second over the RL steps and generated tokens per second; ratios are
+deterministic / default.
 
 Prints one JSON line.
 
@@ -96,7 +95,6 @@ def main() -> None:
         run("warmup", False, work, argparse.Namespace(**{**vars(a), "steps": 1}))  # bootstrap, caches
         default = run("default", False, work, a)
         det = run("deterministic", True, work, a)
-        engine_1 = run("default_engine_batch_1", False, work, a, engine_batch=1)
     print(
         json.dumps(
             {
@@ -105,13 +103,9 @@ def main() -> None:
                 "batch": f"{a.batch_size} groups x {a.group_size}",
                 "default": default,
                 "deterministic": det,
-                "default_engine_batch_1": engine_1,
                 "step_time_ratio": round(det["mean_step_s"] / default["mean_step_s"], 2),
                 "throughput_ratio": round(det["trajectories_per_s"] / default["trajectories_per_s"], 2),
                 "run_wall_ratio": round(det["run_wall_s"] / default["run_wall_s"], 2),
-                "engine_batch_1_throughput_ratio": round(
-                    engine_1["trajectories_per_s"] / default["trajectories_per_s"], 2
-                ),
             }
         )
     )

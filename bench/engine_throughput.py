@@ -11,6 +11,8 @@ prefix reuse saves). Prints ONE JSON line.
 CPU (default): the tiny test model. GPU: ``--device cuda --shape qwen2.5-0.5b --dtype bfloat16`` builds a
 randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896).
 ``--server-args "--no-cuda-graphs"`` (etc.) passes flags to the server, to measure one lever at a time.
+``--deterministic`` serves the same rounds a second time with ``--batch-invariant`` (what deterministic
+and true on-policy runs use) and reports its tokens/s beside the default's, and their ratio.
 """
 
 from __future__ import annotations
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--obs-len", type=int, default=200, help="multi-turn: new tokens per observation")
     p.add_argument("--server-args", default="", help="extra flags for the engine server (quoted)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument(
+        "--deterministic", action="store_true", help="also serve the rounds with --batch-invariant and compare"
+    )
     a = p.parse_args(argv)
     concs = [int(c) for c in a.concurrency.split(",")]
 
@@ -167,24 +172,29 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
 
-    engine: dict[int, tuple[int, float]] = {}
-    server = start_embedded_server(
-        model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
-        log_file=tmp / "server.log", extra_args=shlex.split(a.server_args),
-    )  # fmt: skip
-    multi: dict[str, float] | None = None
-    try:
-        for c in concs:
-            engine[c] = asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab))
-        if a.multi_turn:
-            multi = asyncio.run(
-                multi_turn_round(
-                    server.url, max(concs), a.multi_turn, a.prompt_len, a.obs_len, a.max_new_tokens, vocab
+    def serve(extra: list[str]) -> tuple[dict[int, tuple[int, float]], dict[str, float] | None, dict]:
+        engine: dict[int, tuple[int, float]] = {}
+        server = start_embedded_server(
+            model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
+            log_file=tmp / "server.log", extra_args=shlex.split(a.server_args) + extra,
+        )  # fmt: skip
+        multi: dict[str, float] | None = None
+        try:
+            for c in concs:
+                engine[c] = asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab))
+            if a.multi_turn:
+                multi = asyncio.run(
+                    multi_turn_round(
+                        server.url, max(concs), a.multi_turn, a.prompt_len, a.obs_len, a.max_new_tokens, vocab
+                    )
                 )
-            )
-        info = asyncio.run(_server_info(server.url))
-    finally:
-        server.stop()  # frees the device before the baseline runs
+            info = asyncio.run(_server_info(server.url))
+        finally:
+            server.stop()  # frees the device before the next server or the baseline runs
+        return engine, multi, info
+
+    engine, multi, info = serve([])
+    invariant, multi_invariant, _ = serve(["--batch-invariant"]) if a.deterministic else ({}, None, {})
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
     hf = (
@@ -197,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     for c in concs:
         e_tok, e_s = engine[c]
         results[str(c)] = {"engine_tok_s": round(e_tok / e_s, 1), "requests": 2 * c}
+        if c in invariant:
+            i_tok, i_s = invariant[c]
+            results[str(c)]["batch_invariant_tok_s"] = round(i_tok / i_s, 1)
+            results[str(c)]["ratio_batch_invariant_over_default"] = round((i_tok / i_s) / (e_tok / e_s), 3)
         if c in hf:
             h_tok, h_s = hf[c]
             results[str(c)]["hf_generate_tok_s"] = round(h_tok / h_s, 1)
@@ -214,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                 "max_new_tokens": a.max_new_tokens,
                 "results": results,
                 "multi_turn": multi,
+                "multi_turn_batch_invariant": multi_invariant,
                 "server_args": a.server_args,
                 "engine_info": {k: info.get(k) for k in ("engine", "context_len", "prefix_cache_slots")},
                 "note": "engine: HTTP + continuous batching, 2*C requests with C in flight; hf: generate on batches of C",

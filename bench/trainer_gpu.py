@@ -9,6 +9,10 @@ same GPU) and times a weight sync from disk (save HF safetensors + ``update_weig
 distributed broadcast (NCCL when the engine sits on another GPU, else gloo through host memory, since
 NCCL cannot join two processes on one GPU), and checks the engine's logprobs against the trainer's.
 
+``--true-on-policy`` then trains the same batches again with π_old and the loss's logprobs from
+``trainer.true_on_policy``'s forward (the engine's batch-invariant kernels, agentrl.trainer.true_on_policy)
+and reports its step tokens/s against the default's just measured.
+
 CPU: ``python bench/trainer_gpu.py`` runs the tiny test model as a smoke check. Prints ONE JSON line.
 """
 
@@ -259,6 +263,9 @@ def main() -> None:
         help="TrainerConfig.compile_kernels (default: on CUDA)",
     )
     p.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
+    p.add_argument(
+        "--true-on-policy", action="store_true", help="also time the steps with TrainerConfig.true_on_policy"
+    )
     p.add_argument("--skip-sync", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     a = p.parse_args()
@@ -343,6 +350,8 @@ def main() -> None:
         result["model_tflops_per_s"] = update_rate * fpt / 1e12
         if a.long_tail:
             result["long_tail"] = long_tail(trainer, a, batch, plen, rlen, vocab)
+        if a.true_on_policy:
+            result["true_on_policy"] = true_on_policy(trainer, a, batch, plen, rlen, vocab, result["step_s"])
         if not a.skip_baseline:
             try:
                 hf_rate = hf_baseline(
@@ -365,6 +374,36 @@ def main() -> None:
         print(json.dumps(result))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int, default_step_s: float) -> dict:
+    """The same batches with the trainer's logprobs (π_old and the loss's) from the true on-policy forward;
+    step tokens/s and the ratio to the default step time measured just before."""
+    from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
+
+    saved = trainer.logprobs
+    trainer.logprobs = trainer.optim.logprobs = TrueOnPolicyLogprobs(trainer.arch)
+    try:
+        trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=0))  # warm-up (Triton compiles)
+        sync(a.device)
+        times, metrics = [], {}
+        for s in range(a.steps):
+            step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1)
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(step_batch)
+            sync(a.device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        trainer.logprobs = trainer.optim.logprobs = saved
+    step_s = sum(times) / len(times)
+    return {
+        "step_s": step_s,
+        "step_tokens_per_s": batch * (plen + rlen - 1) / step_s,
+        "over_default_step": default_step_s / step_s,
+        "old_logprob_s": metrics.get("old_logprob_seconds"),
+        "grad_norm": metrics.get("grad_norm"),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None,
+    }
 
 
 def long_tail(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:

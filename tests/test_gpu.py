@@ -302,3 +302,183 @@ def test_fused_torch_adam_on_gpu(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert adam_steps(trainer) == {3.0}
     finally:
         trainer.shutdown()
+
+
+# ---------------------------------------------------------------- bitwise on a GPU (batch invariance, parity)
+DETERMINISTIC_GPU = """output_dir: {out}
+steps: 3
+deterministic: true
+placement: colocated
+weight_sync: disk
+engine: {{device: cuda, dtype: bfloat16}}
+rollout: {{group_size: 4, batch_size: 4, max_staleness: 1, max_concurrency: 32, max_turns: 3,
+          max_total_tokens: 600, sampling: {{temperature: 1.0, max_new_tokens: 24}},
+          eval_sampling: {{temperature: 0.0, max_new_tokens: 24}},
+          verifier: "agentrl.testing.verifiers:length_parity", filter_zero_variance: true}}
+trainer: {{device: cuda, dtype: bfloat16, lr: 1.0e-3, micro_batch_size: 8}}
+eval: {{num_tasks: 8}}
+"""
+
+
+def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) -> None:
+    """The deterministic config that crashed on a GPU (the compiled warmup prefilled a second row into a
+    one-slot KV cache: a device-side assert): two runs at once on one GPU end with the same bytes in every
+    weight and the same metrics, timings apart."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from agentrl.metrics import read_metrics
+    from agentrl.testing.configs import TINY_SEARCH_R1
+
+    root = Path(__file__).resolve().parent.parent
+    procs = {}
+    for name in ("a", "b"):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text((TINY_SEARCH_R1 + DETERMINISTIC_GPU).format(out=tmp_path / name, cache=tmp_path / f"cache_{name}"))
+        log = open(tmp_path / f"{name}.log", "w")
+        procs[name] = (subprocess.Popen([sys.executable, "train_async.py", "--config", str(cfg)], cwd=root,
+                                        stdout=log, stderr=subprocess.STDOUT), log)  # fmt: skip
+    for name, (proc, log) in procs.items():
+        rc = proc.wait(timeout=900)
+        log.close()
+        assert rc == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
+    timing = re.compile(r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|mem_gb")
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "rank_00000.pt"
+        weights = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
+        rows = [{k: v for k, v in r.items() if not timing.search(k)} for r in read_metrics(out / "metrics.jsonl")]
+        runs.append((weights, rows))
+    (wa, ma), (wb, mb) = runs
+    tensors = [k for k, v in wa.items() if isinstance(v, torch.Tensor)]
+    assert tensors and wa.keys() == wb.keys()
+    for k in tensors:
+        assert wa[k].contiguous().view(torch.uint8).numpy().tobytes() == wb[k].contiguous().view(torch.uint8).numpy().tobytes(), k
+    assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
+    assert [r["policy_version"] for r in ma if "policy_version" in r] == [1, 2, 3]
+
+
+async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:
+    """bf16 with CUDA graphs: a request's tokens and logprobs are the same bits alone or among 255 others
+    at any slot, with prefix reuse and 16-token prefill chunks (Triton kernels of agentrl.batch_invariant)."""
+    import random
+
+    from agentrl.embedded.engine import EmbeddedEngine
+    from agentrl.embedded.sampling import RequestSampling
+
+    model = tiny_model_factory("qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=512, dtype="bfloat16")  # fmt: skip
+    rng = random.Random(0)
+    mine = [rng.randrange(3, 900) for _ in range(70)]
+    others = [[rng.randrange(3, 900) for _ in range(rng.randrange(5, 150))] for _ in range(255)]
+
+    def sp(seed: int) -> RequestSampling:
+        return RequestSampling(temperature=1.0, max_new_tokens=16, sampling_seed=seed, ignore_eos=True)
+
+    def engine(**kw) -> EmbeddedEngine:
+        return EmbeddedEngine(model, device="cuda", dtype="bfloat16", max_batch_size=256, batch_invariant=True,
+                              context_len=1024, **kw)  # fmt: skip
+
+    e = engine(prefix_cache_slots=0)
+    alone = await e.generate(mine, sp(7), "alone")
+    for pos in (0, 100, 255):
+        batch = [*others[:pos], mine, *others[pos:]]
+        recs = await asyncio.gather(
+            *(e.generate(p, sp(7 if p is mine else 1000 + i), f"c{pos}-{i}") for i, p in enumerate(batch))
+        )
+        assert recs[pos].output_ids == alone.output_ids and recs[pos].logprobs == alone.logprobs, pos
+    e.shutdown()
+    e = engine(prefix_cache_slots=8, max_prefill_tokens=16)
+    await e.generate([*mine[:48], 5, 6, 7], sp(3), "prefix")
+    recs = await asyncio.gather(
+        *(e.generate(p, sp(7 if p is mine else 1000 + i), f"r{i}") for i, p in enumerate([*others[:40], mine]))
+    )
+    assert recs[-1].cached_tokens >= 48
+    assert recs[-1].output_ids == alone.output_ids and recs[-1].logprobs == alone.logprobs
+    e.shutdown()
+
+
+def _qwen05b_shape(out: Path) -> Path:
+    """A randomly initialised model of Qwen2.5-0.5B's shape (bf16), with the tiny model's tokenizer."""
+    import shutil
+
+    import transformers
+
+    from agentrl.models.tiny import QWEN25_05B, build_tiny_model
+
+    build_tiny_model(out / "tok", arch="qwen2")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (out / "tok" / f).exists():
+            shutil.copy(out / "tok" / f, out / f)
+    return out
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-0.5b-shape"])
+async def test_true_on_policy_on_gpu_bf16(model: str, tmp_path: Path) -> None:
+    """trainer.true_on_policy in bf16: the trainer's logprobs equal the batch-invariant engine's bit for bit
+    on two-turn episodes run concurrently (prefix reuse on), before and after a weight update: mismatch KL
+    0, max |Δ log p| 0, PPO-KL 0, TIS weights 1."""
+    import json
+
+    from _trainer_helpers import free_port
+
+    from agentrl.embedded.engine import EmbeddedEngine
+    from agentrl.embedded.sampling import RequestSampling
+    from agentrl.models.pretrained import convert
+
+    model_dir = convert("smollm2-135m-instruct") if model == "smollm2-135m" else _qwen05b_shape(tmp_path / "m")
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.losses import LossConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(TrainerConfig(
+        model_path=str(model_dir), device="cuda", dtype="bfloat16", lr=1e-5, micro_batch_size=4,
+        true_on_policy=True, old_logprobs="recompute", loss=LossConfig(tis="token"),
+    ))  # fmt: skip
+    engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", max_batch_size=16, batch_invariant=True,
+                            context_len=1024, mem_fraction=0.3)  # fmt: skip
+
+    async def episode(i: int, version: int, seed: int) -> Trajectory:
+        prompt = [(seed * 7919 + i * 104729 + j * 31) % 900 + 3 for j in range(40 + 3 * i)]
+        t = Trajectory(task_id=f"t{i}", group_id=f"g{i // 4}", prompt_ids=prompt)
+        s1 = RequestSampling(temperature=1.0, max_new_tokens=24, sampling_seed=seed + i, ignore_eos=True)
+        r = await engine.generate(prompt, s1, f"{seed}-{i}-a")
+        t.append_model_tokens(r.output_ids, r.logprobs, version)
+        t.append_observation_tokens([11, 12, 13, 14, 15])
+        s2 = RequestSampling(temperature=1.0, max_new_tokens=16, sampling_seed=seed + 50 + i, ignore_eos=True)
+        r2 = await engine.generate(t.input_ids, s2, f"{seed}-{i}-b")
+        t.append_model_tokens(r2.output_ids, r2.logprobs, version)
+        t.reward = float(i % 2)
+        return t
+
+    try:
+        for step in range(2):
+            trajs = list(await asyncio.gather(*(episode(i, step, 100 * step) for i in range(12))))
+            gaps = [
+                abs(a - b)
+                for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True)
+                for a, b, m in zip(lp, t.rollout_logprobs, t.loss_mask, strict=True)
+                if m
+            ]
+            m = trainer.train_step(trajs)
+            keys = ("mismatch_kl", "mismatch_logprob_abs_diff_max", "ppo_kl", "tis_weight_mean")
+            print(json.dumps({"model": model, "step": step, "tokens": len(gaps), "max_gap": max(gaps),
+                              **{k: m[k] for k in keys}}))  # fmt: skip
+            assert max(gaps) == 0.0
+            assert m["mismatch_kl"] == 0.0 and m["mismatch_logprob_abs_diff_max"] == 0.0
+            assert m["ppo_kl"] == 0.0 and m["tis_weight_mean"] == 1.0
+            trainer.save_hf(tmp_path / f"w{step}")
+            await engine.update_weights_from_disk(str(tmp_path / f"w{step}"), str(step + 1), abort_all=False)
+            trainer.policy_version += 1
+    finally:
+        engine.shutdown()
+        trainer.shutdown()

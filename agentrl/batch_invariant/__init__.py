@@ -97,18 +97,26 @@ def _ordered_sum(t: Tensor, dim: int) -> Tensor:
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    scale: float,
+    slots: Tensor | None = None,
+    deterministic_backward: bool = False,
 ) -> Tensor:
     """Causal attention of queries at known positions over keys ``0..pos``.
 
     ``q`` [B, W, H, d]: W queries of sequence ``b`` at positions ``q_pos`` [B, W] (a query sees the keys
     at positions ``<= q_pos``; clamp padding queries to 0). ``k``/``v`` [S, KV, L, d]: the keys of
     sequence ``b`` are ``k[slots[b]]`` (``k[b]`` without ``slots``), at positions ``0..L-1``; GQA by
-    grouping ``H // KV`` query heads per key head. Returns [B, W, H * d] in ``q``'s dtype."""
+    grouping ``H // KV`` query heads per key head. Returns [B, W, H * d] in ``q``'s dtype. On a GPU the
+    backward (training on a sequence's own keys) is torch SDPA, with ``deterministic_backward`` its math
+    kernel."""
     if q.is_cuda:
         from agentrl.batch_invariant.triton_ops import attention as tri
 
-        return tri(q, k, v, q_pos, scale, slots)
+        return tri(q, k, v, q_pos, scale, slots, deterministic_backward)
     if slots is not None:
         k, v = k.index_select(0, slots), v.index_select(0, slots)
     b, w, h, d = q.shape

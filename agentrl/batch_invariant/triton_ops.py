@@ -232,27 +232,36 @@ class _Attention(torch.autograd.Function):
     case, ``k``/``v`` [B, KV, W, d] with ``q_pos`` the positions 0..W-1)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None,
+                deterministic: bool) -> Tensor:  # type: ignore[override]  # fmt: skip
         ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
+        ctx.scale, ctx.deterministic = scale, deterministic
         return _attn_forward(q, k, v, q_pos, scale, slots)
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
         b, w, h, d = q.shape
-        with torch.enable_grad():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        # the flash / efficient backward accumulates dq over key blocks in a varying order; math does not
+        fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        backends = [SDPBackend.MATH] if ctx.deterministic else [*fast, SDPBackend.MATH]
+        with torch.enable_grad(), sdpa_kernel(backends):
             qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
             o = F.scaled_dot_product_attention(
                 qr.transpose(1, 2), kr, vr, is_causal=True, scale=ctx.scale, enable_gqa=h != k.shape[1]
             )
             gq, gk, gv = torch.autograd.grad(o.transpose(1, 2).reshape(b, w, h * d), (qr, kr, vr), g)
-        return gq, gk, gv, None, None, None
+        return gq, gk, gv, None, None, None, None
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None = None) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None = None,
+    deterministic_backward: bool = False,
+) -> Tensor:  # fmt: skip
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, q_pos, scale, slots)
+        return _Attention.apply(q, k, v, q_pos, scale, slots, deterministic_backward)
     return _attn_forward(q, k, v, q_pos, scale, slots)
 
 

@@ -115,6 +115,12 @@ class TrainerConfig(ConfigModel):
         "weights and tokens they equal the engine's logprobs bit for bit (mismatch KL 0, TIS weights 1); "
         "backward uses ordinary kernels. The run's engines then serve batch-invariant. tp = pp = 1",
     )
+    deterministic: bool = Field(
+        False,
+        description="set from the run's deterministic switch: on a GPU the logprobs come from the true "
+        "on-policy forward (batch-invariant kernels) and its attention backward runs torch's math kernel, "
+        "since the flash backward accumulates dq in a varying order; on CPU nothing changes",
+    )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")

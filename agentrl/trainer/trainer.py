@@ -30,6 +30,7 @@ Ray: :mod:`agentrl.trainer.ray_actor` wraps this class, one actor per rank.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -165,10 +166,15 @@ class MegatronTrainer:
             cfg.logprob_chunk_tokens,
             self.compile_kernels,
         )
-        if cfg.true_on_policy:  # π_old and the loss's logprobs in the batch-invariant engine's kernels
-            from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
+        gpu_deterministic = cfg.deterministic and self.device.type == "cuda"
+        if cfg.true_on_policy or gpu_deterministic:  # π_old and the loss's logprobs in the batch-invariant
+            from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs  # engine's kernels
 
-            self.logprobs = TrueOnPolicyLogprobs(self.arch, cfg.tp, cfg.pp)  # type: ignore[assignment]
+            self.logprobs = TrueOnPolicyLogprobs(  # type: ignore[assignment]
+                self.arch, cfg.tp, cfg.pp, deterministic_backward=gpu_deterministic
+            )
+        if gpu_deterministic:  # cuBLAS picks one workspace layout per stream: same sums every run
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         model = self._build_model()
         self._load_initial_weights(model)
         model.to(self.device)

@@ -8,7 +8,8 @@ forward is then the same computation as the engine's prefill, which equals its d
 :class:`TrueOnPolicyLogprobs`, which runs exactly that order over the megatron model's own parameters,
 gives π_old and the loss's logprobs equal to the rollout's for the same weights and tokens: mismatch KL
 0, every TIS weight 1, PPO-KL 0 on the first step. Gradients flow to the parameters through the same
-graph (on a GPU each Triton op has a torch backward). Dense models, TP = PP = 1.
+graph (on a GPU each Triton op has a torch backward; with ``deterministic_backward`` the attention's is
+torch's math kernel, which, unlike the flash backward, sums in one order). Dense models, TP = PP = 1.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ class TrueOnPolicyLogprobs:
     """``(logprob, entropy)`` per token of a megatron GPT model, computed as the batch-invariant embedded
     engine computes them; a drop-in for :class:`~agentrl.trainer.logprobs.ModelLogprobs` (``of``)."""
 
-    def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1) -> None:
+    def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1, deterministic_backward: bool = False) -> None:
         if tp != 1 or pp != 1:
             raise ValueError("trainer.true_on_policy: needs tp = 1 and pp = 1")
         self.arch = arch
+        self.deterministic_backward = deterministic_backward  # the attention backward by torch's math kernel
         self.inv_freq = rope_inv_freq(arch.rope_theta, arch.head_dim)
         self.scale = arch.head_dim**-0.5  # the HF attention's own scaling
         self._tables: dict[tuple[str, torch.dtype], tuple[Tensor, Tensor]] = {}
@@ -94,7 +96,9 @@ class TrueOnPolicyLogprobs:
         for layer in gpt.decoder.layers:
             w = self._layer(layer)
             q, k, v = bi.pre_attention(x, w, cos, sin, eps, heads, kv, d)
-            o = bi.attention(q, k.transpose(1, 2), v.transpose(1, 2), qpos, self.scale)
+            o = bi.attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), qpos, self.scale, deterministic_backward=self.deterministic_backward
+            )
             x = bi.post_attention(x, o, w, eps)
         head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
         logits = bi.lm_head(x, gpt.decoder.final_layernorm.weight, eps, head[: arch.vocab_size])
