@@ -8,13 +8,14 @@
   blocks, so the excerpt works copied on its own.
 * The README's env, verifier and run (examples/custom_env.py, custom_verifier.py, custom_env.yaml) are
   run here: the env through the checker, the verifier on a trajectory, the run config through the
-  start-up check that decides who scores the episodes.
+  start-up check that decides who scores the episodes, and the run itself for one step (a tiny model
+  standing in for the pretrained one).
 * The README's ```bash blocks are exactly its two commands, and CI runs the second (.ci/run).
 * ```yaml blocks are run configs: each is validated as ``--config`` would be (recipe, every field).
-* ```text and ```bash blocks: every ``python train_async.py ...`` line is parsed and validated as the job
-  would (config file, overrides); every ``python -m agentrl.X`` names a module that exists; every
-  ``python path/to/file.py`` names a file of the repository. Lines with placeholders in capitals
-  (``DIR``, ``FILE``) are checked for the module or file only.
+* ```text and ```bash blocks of the README and every page under docs/: each ``python train_async.py ...``
+  line is parsed and validated as the job would (config file, overrides); each ``python -m agentrl.X``
+  or ``python path/to/file.py`` names a module or file that exists, and the flags it shows appear in its
+  own ``--help``. Train commands with placeholders in capitals (``DIR``, ``S``) are not validated.
 * The config reference (docs/reference/config.md) is generated; the test fails when it is stale.
 """
 
@@ -141,55 +142,91 @@ def test_yaml_blocks_are_valid_run_configs(block: Block, tmp_path: Path) -> None
     load_run_config(cfg)  # raises ConfigError naming the bad field
 
 
-def _commands() -> list[tuple[Block, str]]:
+CMD_FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "reference" not in p.parts)]
+FLAG = re.compile(r"^--?[A-Za-z][\w-]*")
+
+
+def _argvs() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every ``python ...`` command in a text or bash block of the README and docs/."""
     out = []
-    for b in all_blocks():
-        if b.lang not in ("text", "bash"):
-            continue
-        for cmd in b.code.replace("\\\n", " ").splitlines():
-            cmd = cmd.split(" #", 1)[0].strip()
-            if cmd.startswith(("python ", "/usr/bin/time python ")):
-                out.append((b, cmd))
+    for f in CMD_FILES:
+        for b in blocks(f):
+            if b.lang not in ("text", "bash"):
+                continue
+            for line in b.code.replace("\\\n", " ").splitlines():
+                for part in line.split(" #", 1)[0].split("&&"):
+                    if not part.strip().startswith(("python ", "/usr/bin/time python ")):
+                        continue
+                    argv = shlex.split(part.strip().replace("[", "").replace("]", ""))
+                    if argv[:1] == ["/usr/bin/time"]:
+                        argv = argv[1:]
+                    if len(argv) >= 2 and argv[0] == "python":
+                        out.append((b.where, argv))
     return out
 
 
-def test_shell_commands_name_real_modules_files_and_configs() -> None:
-    train_argvs: list[list[str]] = []
-    wheres = []
-    for block, cmd in _commands():
-        for part in cmd.split("&&"):
-            argv = shlex.split(part.strip().replace("[", "").replace("]", ""))
-            if argv and argv[0] == "/usr/bin/time":
-                argv = argv[1:]
-            if not argv or argv[0] != "python":
-                continue
-            if argv[1] == "-m":
-                mod = argv[2]
-                if mod.startswith("agentrl") or mod == "pytest":
-                    assert importlib.util.find_spec(mod) is not None, f"{block.where}: no module {mod}"
-                continue
-            if argv[1].startswith("-"):
-                continue
-            script = ROOT / argv[1]
-            assert script.is_file(), f"{block.where}: {argv[1]} is not a file of the repository"
-            if argv[1] == "train_async.py" and not PLACEHOLDER.search(" ".join(argv[2:])):
-                train_argvs.append(argv[2:])
-                wheres.append(block.where)
-    assert train_argvs, "no python train_async.py command found in the docs"
-    # one interpreter validates every command as the job would (its own argument parser, recipe, config)
+def _target(argv: list[str]) -> tuple[str, ...] | None:
+    """``("-m", module)`` or ``(script,)`` for a command of this repository; None for other programs."""
+    if argv[1] == "-m":
+        return ("-m", argv[2]) if argv[2].startswith("agentrl") else None
+    return None if argv[1].startswith("-") else (argv[1],)
+
+
+def test_shell_commands_name_real_modules_and_files() -> None:
+    argvs = _argvs()
+    assert len(argvs) >= 20, argvs
+    for where, argv in argvs:
+        target = _target(argv)
+        if target is None:
+            continue
+        if target[0] == "-m":
+            assert importlib.util.find_spec(target[1]) is not None, f"{where}: no module {target[1]}"
+        else:
+            assert (ROOT / target[0]).is_file(), f"{where}: {target[0]} is not a file of the repository"
+
+
+def test_train_async_commands_are_valid_runs() -> None:
+    """Every ``python train_async.py ...`` without placeholders parses and validates as the job would."""
+    runs = [(w, a[2:]) for w, a in _argvs() if a[1] == "train_async.py" and not PLACEHOLDER.search(" ".join(a[2:]))]
+    assert runs, "no python train_async.py command found in the docs"
     code = (
         "import json, sys; sys.path.insert(0, '.'); import train_async\n"
-        "for argv in json.loads(sys.argv[1]):\n"
-        "    train_async.parse_args(argv)\n"
+        "for where, argv in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        train_async.parse_args(argv)\n"
+        "    except BaseException as err:\n"
+        "        sys.exit(f'{where}: python train_async.py {\" \".join(argv)}\\n{err}')\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(train_argvs)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", code, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 0, f"commands at {sorted(set(wheres))}:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_command_line_flags_in_docs_exist() -> None:
+    """Each command's ``--flags`` appear in its own ``--help`` (subcommands and positionals kept)."""
+    wanted: dict[tuple[str, ...], tuple[set[str], set[str]]] = {}
+    for where, argv in _argvs():
+        target = _target(argv)
+        if target is None or target == ("train_async.py",):
+            continue  # train_async.py commands are parsed whole by the test above
+        rest = argv[1 + len(target) :]
+        lead = []
+        while rest and not rest[0].startswith("-"):
+            lead.append(rest.pop(0))
+        flags = {m.group(0) for tok in rest if (m := FLAG.match(tok))}
+        key = (*target, *lead[:1])  # a subcommand (convert hf-to-mcore) or a positional
+        got = wanted.setdefault(key, (set(), set()))
+        got[0].update(flags)
+        got[1].add(where)
+    assert wanted
+    for key, (flags, wheres) in sorted(wanted.items()):
+        proc = subprocess.run(
+            [sys.executable, *key, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, f"{sorted(wheres)}: python {' '.join(key)} --help failed\n{proc.stderr[-2000:]}"
+        missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", proc.stdout))
+        assert not missing, f"{sorted(wheres)}: python {' '.join(key)} has no {missing}"
 
 
 def test_config_reference_is_current() -> None:
