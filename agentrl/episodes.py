@@ -177,7 +177,12 @@ class EpisodeDump:
         if self._tok is None and self.model_dir is not None:
             from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self._tok = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception as err:  # the dumps stay whole without it: only the texts are missing
+                warnings.warn(f"episode dumps: no tokenizer in {self.model_dir} ({err}); prompt and token texts left out", stacklevel=2)
+                self.model_dir = None
+                return None
             n = len(self._tok)
             # one string per id, decoded alone (a multi-byte character split over ids shows as U+FFFD)
             self._write_json("tokens.json", self._tok.batch_decode([[i] for i in range(n)]))

@@ -13,6 +13,7 @@ import asyncio
 import gzip
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -305,7 +306,8 @@ def test_viewer_shows_an_episode_of_the_run_in_chromium(run_dir: Path, chromium:
     assert not errors
     assert reward == "1.0000"
     first = rewarded["turns"][0]
-    assert turn == f"model (tokens {first['start']}-{first['end']})" + first["text"]  # the model's text, whole
+    shown = re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", lambda m: chr(0x2421 if m[0] == "\x7f" else 0x2400 + ord(m[0])), first["text"])
+    assert turn == f"model (tokens {first['start']}-{first['end']})" + shown  # the model's text, whole
     assert "Question:" in text and ("observation" in text) == any(t["role"] == "observation" for t in rewarded["turns"])
     assert tokens == len(rewarded["response_ids"])  # one coloured span per response token
     assert (tmp_path / "viewer.png").stat().st_size > 10_000
