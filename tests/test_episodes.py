@@ -86,6 +86,58 @@ def test_train_async_names_bad_dump_and_wandb_fields() -> None:
     assert "rollout.dump: Value error" in proc.stderr and "metrics.wandb.projekt: unknown field" in proc.stderr
 
 
+# ---------------------------------------------------------------- the trainer's logprobs
+def _trainer(model_dir: Path, **kw: Any) -> Any:
+    from _trainer_helpers import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    return MegatronTrainer(TrainerConfig(model_path=str(model_dir), lr=1e-3, micro_batch_size=2, **kw))
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {},  # π_old from the update's own forward (one optimizer step)
+        {"num_mini_batches": 2},  # π_old from a separate pass before the updates
+        {"loss": {"off_policy": "bypass"}},  # no π_old: a no-grad pass only because it is recorded
+    ],
+    ids=["from_update", "recompute", "bypass"],
+)
+def test_recorded_trainer_logprobs_are_the_step_weights_and_change_no_update(
+    tiny_model_dir: Path, mode: dict[str, Any]
+) -> None:
+    from _trainer_helpers import make_trajectories
+
+    from agentrl.types import Status
+
+    trajs = make_trajectories(600, seed=1, version=0)
+    trajs[3].status, trajs[3].error = Status.FAILED, "verifier: ValueError: boom"  # not trained: no logprobs
+    weights = []
+    for record in (True, False):
+        tr = _trainer(tiny_model_dir, **mode)
+        try:
+            before = tr.compute_logprobs(trajs)  # the step's starting weights, no grad
+            tr.train_step(trajs, record_logprobs=record)
+            got = tr.last_logprobs()
+            if record:
+                assert got["threads"] == torch.get_num_threads()
+                lps = got["logprobs"]
+                assert len(lps) == len(trajs) and lps[3] is None
+                for i, (lp, ref) in enumerate(zip(lps, before, strict=True)):
+                    if i != 3:
+                        assert lp == pytest.approx(ref, abs=1e-5)
+            else:
+                assert got["logprobs"] is None
+            weights.append({k: v.detach().clone() for k, v in tr.module.state_dict().items() if torch.is_tensor(v)})
+        finally:
+            tr.shutdown()
+    for k, v in weights[0].items():  # recording changes nothing in the update, bit for bit
+        assert v.numpy().tobytes() == weights[1][k].numpy().tobytes(), k
+
+
 # ---------------------------------------------------------------- bad files
 def _write(path: Path, lines: list[str]) -> Path:
     with gzip.open(path, "wb") as f:
