@@ -1,7 +1,8 @@
 """Trainer <-> embedded engine: with fresh weights the trainer's π_old matches the engine's μ per token
 (≤ 1e-4, fp32 CPU) and the first-step PPO-KL is exactly 0; weights then reach the engine by distributed
 broadcast (gloo, bucketed) and from disk, the version going up by one per sync, and the engine's
-logprobs follow the trainer's new weights."""
+logprobs follow the trainer's new weights. For a dense model and a mixture-of-experts model (its experts
+sent under the checkpoint's per-expert names; the trainer replays the engine's routing)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
 
+@pytest.fixture(params=["qwen2", "qwen3_moe"])
+def model_dir(request, tiny_model_factory) -> Path:
+    return tiny_model_factory(request.param)
+
+
 @pytest.fixture
-def trainer(tiny_model_dir: Path):
+def trainer(model_dir: Path):
     warnings.filterwarnings("ignore")
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
@@ -28,7 +34,10 @@ def trainer(tiny_model_dir: Path):
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
-    cfg = TrainerConfig(model_path=str(tiny_model_dir), lr=1e-2, micro_batch_size=3, weight_sync_bucket_mb=1)
+    moe = {"routing_replay": True} if "moe" in model_dir.name else {}
+    cfg = TrainerConfig(
+        model_path=str(model_dir), lr=1e-2, micro_batch_size=3, weight_sync_bucket_mb=1, moe=moe
+    )
     tr = MegatronTrainer(cfg)
     yield tr
     tr.shutdown()
@@ -41,14 +50,19 @@ async def _rollouts(client: EngineClient, n: int, version: int, seed: int) -> li
         prompt = torch.randint(3, 600, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
         t = Trajectory(task_id=f"t{i}", group_id=f"g{i // 2}", prompt_ids=prompt)
         res = await client.generate(
-            prompt, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed + i)
+            prompt,
+            SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed + i),
+            return_routed_experts=True,
         )
         t.append_model_tokens(res.output_ids, res.logprobs, version)
         t.append_observation_tokens([5, 6, 7])
         res2 = await client.generate(
-            t.input_ids, SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=seed + 100 + i)
+            t.input_ids,
+            SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=seed + 100 + i),
+            return_routed_experts=True,
         )
         t.append_model_tokens(res2.output_ids, res2.logprobs, version)
+        t.routed_experts = res2.meta.get("routed_experts")  # MoE only: every input position's experts
         t.reward = float(i % 2)
         t.info["weight_version"] = res2.weight_version
         out.append(t)
@@ -64,14 +78,13 @@ def _max_abs_diff(trainer, trajs: list[Trajectory]) -> float:
     return worst
 
 
-async def test_trainer_engine_consistency_and_weight_sync(
-    trainer, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    server = start_embedded_server(tiny_model_dir)
+async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Path, tmp_path: Path) -> None:
+    server = start_embedded_server(model_dir)
     client = EngineClient(server.url)
     try:
         trajs = await _rollouts(client, 6, version=0, seed=1)
         assert sum(t.num_model_tokens for t in trajs) > 20
+        assert all((t.routed_experts is not None) == (trainer.arch.moe is not None) for t in trajs)
         assert _max_abs_diff(trainer, trajs) <= 1e-4
 
         metrics = trainer.train_step(trajs)
@@ -89,7 +102,7 @@ async def test_trainer_engine_consistency_and_weight_sync(
         # ... and the weights really moved: the original checkpoint scores these tokens differently
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         t = fresh[0]
         with torch.no_grad():
             logits = base(torch.tensor([t.input_ids])).logits[0, len(t.prompt_ids) - 1 : -1]

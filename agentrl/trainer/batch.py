@@ -56,6 +56,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
     packed: PackedTokens | None = None  # the model input, when packed
     routed_experts: torch.Tensor | None = None  # MoE routing replay: [b, s, layers, k] int, -1 = none
+    padding_mask: torch.Tensor | None = None  # MoE: [b, s] True at padding (left out of the balancing loss)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +77,7 @@ class MicroBatch:
             mv(self.ref_logprobs),
             None if self.packed is None else self.packed.to(device),
             mv(self.routed_experts),
+            mv(self.padding_mask),
         )  # type: ignore[arg-type]
 
 
@@ -213,12 +215,16 @@ def plan_mini_batches(
     pad_id: int = 0,
     fixed_shape: bool = False,
     pack: bool = False,
+    same_shape_across_ranks: bool = False,
 ) -> list[MiniBatch]:
     """Split the batch, in order, into ``num_mini_batches`` contiguous mini-batches (fewer when the batch
     is smaller), take data-parallel rank ``dp_rank``'s strided share of each and pack it into
     micro-batches (:func:`split_micro_batches`). The denominators count the whole mini-batch, every rank's
     share. ``fixed_shape`` (pipeline parallelism's fixed p2p shapes): every micro-batch of a mini-batch
-    gets the same length and ``micro_batch_size`` rows. ``pack``: packed micro-batches (module docstring)."""
+    gets the same length and ``micro_batch_size`` rows. ``pack``: packed micro-batches (module docstring).
+    ``same_shape_across_ranks`` (MoE expert parallelism, whose token all-gather needs equal shapes on every
+    rank): every rank's micro-batches get the mini-batch's longest length and ``micro_batch_size`` rows, and
+    each rank as many micro-batches (a rank with fewer sequences gets empty ones, all loss mask 0)."""
     n = len(trajs)
     k = min(num_mini_batches, n)
     bounds = [round(j * n / k) for j in range(k + 1)]
@@ -230,7 +236,19 @@ def plan_mini_batches(
         local = mini[dp_rank::dp_size]
         lengths = [input_length(trajs[i]) for i in local]
         groups = split_micro_batches(lengths, micro_batch_size, max_tokens_per_micro_batch, pack)
-        if fixed_shape:
+        if same_shape_across_ranks:
+            seq = max(input_length(trajs[i]) for i in mini)
+            per_rank = -(-len(mini) // dp_size)  # the largest rank share
+            count = -(-per_rank // micro_batch_size)
+            mbs = [
+                make_micro_batch(trajs, [local[g] for g in grp], advantages, pad_id, seq, micro_batch_size)
+                for grp in groups
+            ]
+            mbs += [
+                make_micro_batch(trajs, [], advantages, pad_id, seq, micro_batch_size)
+                for _ in range(count - len(mbs))
+            ]
+        elif fixed_shape:
             seq = max(lengths) if lengths else 1
             mbs = [
                 make_micro_batch(trajs, [local[g] for g in grp], advantages, pad_id, seq, micro_batch_size)

@@ -285,6 +285,9 @@ class ModelLogprobs:
     def _of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor]:
         pk = mb.packed
         if pk is None:
+            pad = getattr(mb, "padding_mask", None)
+            if pad is not None:  # MoE: padding stays out of the load-balancing loss
+                return self._forward(model, mb.tokens, mb.targets, position_ids(mb.tokens), padding_mask=pad)
             return self(model, mb.tokens, mb.targets)
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -308,9 +311,17 @@ class ModelLogprobs:
         return unpack(lp), unpack(ent)
 
     def _forward(
-        self, model: torch.nn.Module, tokens: Tensor, targets: Tensor, positions: Tensor, packed: Any = None
+        self,
+        model: torch.nn.Module,
+        tokens: Tensor,
+        targets: Tensor,
+        positions: Tensor,
+        packed: Any = None,
+        padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        extra = {} if packed is None else {"packed_seq_params": packed}
+        extra: dict[str, Any] = {} if packed is None else {"packed_seq_params": packed}
+        if padding_mask is not None:
+            extra["padding_mask"] = padding_mask
         if not self.chunk_tokens:
             return self.from_logits(model(tokens, positions, None, **extra), targets)
         with _HiddenStates(_gpt(model).output_layer).active() as head:

@@ -150,6 +150,9 @@ class MegatronTrainer:
                 f"ep > 1 and moe.routing_replay need a mixture-of-experts model; {cfg.model_path} is a "
                 f"dense {self.arch.model_type} model"
             )
+        if cfg.ep > 1 and (cfg.max_tokens_per_micro_batch is not None or cfg.pack_sequences):
+            # the MoE token all-gather over expert-parallel ranks needs equal micro-batch shapes on each
+            raise ValueError("ep > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences)")
         if cfg.moe.routing_replay and (cfg.pp > 1 or cfg.recompute_activations):
             # recomputation would route the backward's forward again, outside the replayed micro-batch
             raise ValueError("moe.routing_replay needs pp = 1 and no recompute_activations")
@@ -231,7 +234,7 @@ class MegatronTrainer:
             return load_mcore_shard(self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp)
         hf = load_hf_state_dict(self.cfg.model_path)
         return hf_to_mcore_shards(
-            hf, self.arch, self.cfg.tp, self.cfg.pp, self.cfg.vocab_divisible_by, ranks=[key]
+            hf, self.arch, self.cfg.tp, self.cfg.pp, self.cfg.vocab_divisible_by, ranks=[key], ep=self.cfg.ep
         )[key]
 
     def _load_initial_weights(self, module: torch.nn.Module) -> None:
@@ -277,12 +280,18 @@ class MegatronTrainer:
         return out
 
     def _attach_routing(self, mb: MicroBatch, trajectories: list[Trajectory]) -> None:
-        """With routing replay, the engine's recorded experts of ``mb``'s rows (``[b, s, layers, k]``)."""
+        """MoE models: ``mb``'s padding mask (padding stays out of the load-balancing loss) and, with routing
+        replay, the engine's recorded experts of its rows (``[b, s, layers, k]``)."""
+        moe = self.arch.moe
+        if moe is None:
+            return
+        rows = [trajectories[i] for i in mb.traj_index]
+        if mb.packed is None:
+            lengths = torch.tensor([input_length(t) for t in rows] + [0] * (mb.tokens.shape[0] - len(rows)))
+            cols = torch.arange(mb.tokens.shape[1])
+            mb.padding_mask = (cols[None, :] >= lengths[:, None]).to(self.device)
         if not self.replay_routing:
             return
-        moe = self.arch.moe
-        assert moe is not None
-        rows = [trajectories[i] for i in mb.traj_index]
         mb.routed_experts = routed_tensor(
             [t.routed_experts for t in rows],
             [input_length(t) for t in rows],
@@ -326,6 +335,7 @@ class MegatronTrainer:
             self.pad_id,
             fixed_shape=cfg.pp > 1,
             pack=cfg.pack_sequences,
+            same_shape_across_ranks=cfg.ep > 1,
         )
         for mini in plan:
             mini.micro_batches = [mb.to(self.device) for mb in mini.micro_batches]
