@@ -77,10 +77,14 @@ def type_name(annotation: Any) -> str:
 
 
 def default_text(field: FieldInfo) -> str:
-    """The default as YAML would spell it; a nested model's default points at its own section."""
+    """The default as YAML would spell it; a nested model's default points at its own section. A default
+    taken from the machine (the running interpreter's path) is named, not spelled, so the file is the
+    same wherever it is generated."""
     if field.default is PydanticUndefined and field.default_factory is None:
         return "*required*"
     value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+    if isinstance(value, str) and value == sys.executable:
+        return "the running python (sys.executable)"
     return _yaml_value(value)
 
 
