@@ -43,7 +43,9 @@ def unique_storages(tensors: Iterable[torch.Tensor | None]) -> list[torch.Untype
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over all of ``storage``'s bytes."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
 
 
 @dataclass

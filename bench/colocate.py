@@ -136,7 +136,7 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
 
     server = start_embedded_server(
         model_dir, device="cuda", dtype="bfloat16", max_batch_size=a.engine_batch, timeout=900,
-        extra_args=["--mem-fraction", str(a.mem_fraction), "--warmup-len", str(a.warmup_len)],
+        extra_args=["--mem-fraction", str(a.mem_fraction), "--warmup-len", str(a.warmup_len), "--no-compile"],
         log_file=work / f"engine_{name}.log",
     )  # fmt: skip
     client = EngineClient(server.url, timeout=900)

@@ -96,9 +96,8 @@ def pack_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> PackedTenso
             (name, flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
             for (name, t), off in zip(named, offsets, strict=True)
         ]
-        buf = io.BytesIO()
-        ForkingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(views)
-        return PackedTensors(base64.b64encode(buf.getvalue()).decode(), None, total, [flat, views])
+        data = bytes(ForkingPickler.dumps(views, pickle.HIGHEST_PROTOCOL))
+        return PackedTensors(base64.b64encode(data).decode(), None, total, [flat, views])
     if device.type != "cpu":
         raise ValueError(f"named tensors on {device}: only CUDA (IPC handles) and CPU (shared memory)")
     shm = shared_memory.SharedMemory(create=True, size=total)
@@ -114,7 +113,8 @@ def pack_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> PackedTenso
         "shm": shm.name,
         "size": total,
         "tensors": [
-            [name, _dtype_name(t.dtype), list(t.shape), off] for (name, t), off in zip(named, offsets, strict=True)
+            [name, _dtype_name(t.dtype), list(t.shape), off]
+            for (name, t), off in zip(named, offsets, strict=True)
         ],
     }
     return PackedTensors(json.dumps(meta), SHARED_MEMORY, total, [shm])
