@@ -159,16 +159,10 @@ class EmbeddedEngine:
             cuda_graphs=cuda_graphs,
             compile=compile,
             batch_invariant=self.batch_invariant,
+            # virtual memory: the cache lives in its releasable region from the start (allocating it
+            # elsewhere first left those blocks in the caching allocator)
+            kv_region=(lambda: self.memory.region("kv_cache")) if self.memory.mode == "virtual" else None,
         )
-        if self.memory.mode == "virtual":  # the KV cache again, inside its releasable region
-            for name in ("k", "v"):
-                old = getattr(self.runner, name)
-                shape, dtype = old.shape, old.dtype
-                setattr(self.runner, name, None)
-                del old
-                torch.cuda.empty_cache()  # one cache at a time: no second full-size peak
-                with self.memory.region("kv_cache"):
-                    setattr(self.runner, name, torch.zeros(shape, dtype=dtype, device=self.device))
         for p in self.model.parameters():  # CPU weights may map the checkpoint file: own memory can be freed
             if not p.untyped_storage().resizable():
                 p.data = p.data.clone()

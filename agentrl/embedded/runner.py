@@ -20,7 +20,10 @@ sequence as two batched matmuls over the cached keys and values.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +201,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         compile: bool = False,
         batch_invariant: bool = False,
+        kv_region: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         cfg = model.config
         from agentrl.trainer.moe import MoESpec, refuse_unsupported_moe
@@ -233,8 +237,10 @@ class ModelRunner:
         self.num_slots = num_slots
         shape = (len(self.layers), num_slots, self.n_kv, context_len + 1, self.head_dim)
         # Zeros, not empty: masked keys still enter SDPA's sums, and garbage bits could be NaN.
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # kv_region: where the cache is allocated (a releasable memory region: agentrl.embedded.memory)
+        with kv_region() if kv_region is not None else contextlib.nullcontext():
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         pos = torch.arange(context_len + 1, device=self.device)[None]
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
         cos, sin = self.inner.rotary_emb(dummy, pos)  # the model's own RoPE (scaling variants included)
