@@ -33,19 +33,23 @@ import torch
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
-from agentrl.models.tiny import QWEN25_05B, build_tiny_model
+from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B, build_tiny_model
 
 
 def build_model(shape: str, dtype: str, out: Path) -> Path:
-    """A model directory: the tiny test model, or a random model of Qwen2.5-0.5B's shape."""
+    """A model directory: the tiny test model, or a random model of Qwen2.5-0.5B's shape or of a 1B
+    Qwen3-MoE shape (16 experts, top-2)."""
     if shape == "tiny":
         return build_tiny_model(out, arch="qwen2", dtype=dtype)
-    if shape != "qwen2.5-0.5b":
+    if shape not in ("qwen2.5-0.5b", "qwen3-moe-1b"):
         raise SystemExit(f"unknown --shape {shape!r}")
     import transformers
 
     build_tiny_model(out / "tok", arch="qwen2")  # only for its tokenizer files
-    cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    if shape == "qwen3-moe-1b":
+        cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE_1B, eos_token_id=2, pad_token_id=0)
+    else:
+        cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"])
+    p.add_argument("--shape", default="tiny", choices=["tiny", "qwen2.5-0.5b", "qwen3-moe-1b"])
     p.add_argument("--model", default=None, help="use this HF model directory instead of building one")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=32)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from agentrl.models.tiny import QWEN25_05B
+from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 
@@ -44,7 +44,10 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
     import transformers
 
     build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
-    cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    if shape == "qwen3-moe-1b":
+        cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE_1B, eos_token_id=2, pad_token_id=0)
+    else:
+        cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -92,10 +95,12 @@ def make_batch(
 
 
 def flops_per_token(arch, seq: int) -> float:
-    """Training FLOPs per token: 6 x (matmul params incl. the LM head) + causal attention (6 L s d_q)."""
+    """Training FLOPs per token: 6 x (matmul params incl. the LM head) + causal attention (6 L s d_q). An MoE
+    model counts the parameters a token uses: its k experts and the router (active-parameter FLOPs)."""
     h, hd = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * hd, arch.num_kv_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
+    mlp = 3 * h * arch.ffn_hidden_size if arch.moe is None else arch.moe.active_ffn_params(h)
+    per_layer = h * (q + 2 * kv) + q * h + mlp
     matmul = arch.num_layers * per_layer + arch.vocab_size * h
     return 6.0 * matmul + 6.0 * arch.num_layers * seq * q
 
@@ -219,8 +224,8 @@ def main() -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=["tiny", "qwen2.5-0.5b"],
-        help="default: tiny on cpu, qwen2.5-0.5b on cuda",
+        choices=["tiny", "qwen2.5-0.5b", "qwen3-moe-1b"],
+        help="default: tiny on cpu, qwen2.5-0.5b on cuda; qwen3-moe-1b: 16 experts top-2, 0.96B (0.30B active)",
     )
     p.add_argument("--batch", type=int, default=None, help="trajectories per train step")
     p.add_argument("--prompt-len", type=int, default=None)

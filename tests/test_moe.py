@@ -211,6 +211,20 @@ def test_engine_moe_forward_matches_transformers_and_reports_routing(moe_dir: Pa
     assert torch.equal(r.routed_experts(3, 40), r.routed_experts(0, 40))
 
 
+def test_engine_sorted_experts_equal_grouped() -> None:
+    # the CUDA-graph path (torch._grouped_mm over expert-sorted rows, no host sync) computes what the
+    # eager path does
+    from agentrl.embedded.moe import experts_grouped, experts_sorted, route
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 32, generator=g)
+    gate_up, down = torch.randn(8, 48, 32, generator=g) / 6, torch.randn(8, 32, 24, generator=g) / 5
+    gates, ids = route(h, torch.randn(8, 32, generator=g), 2, True)
+    a = experts_grouped(h, gates, ids, gate_up, down)
+    b = experts_sorted(h, gates, ids, gate_up, down)
+    assert a.abs().max() > 0.1 and (a - b).abs().max() <= 1e-5
+
+
 def arch_layers(hf) -> int:
     return int(hf.config.num_hidden_layers)
 

@@ -83,6 +83,25 @@ QWEN25_05B = dict(
     tie_word_embeddings=True,
 )
 
+# A Qwen3-MoE shape of about 1B parameters (0.96B; 0.30B active per token: 2 of 16 experts per layer)
+QWEN3_MOE_1B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 _BUILTIN_TEXT = """
 Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get
 new information. After reasoning, if you find you lack some knowledge, you can call a search engine by

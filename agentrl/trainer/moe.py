@@ -275,7 +275,7 @@ class RouterReplay:
         group_topk: int | None = None,
         default_compute_topk: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        values, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        values, idx = default_compute_topk(scores, topk, num_groups, group_topk)
         if self.target is not None:
             target = self.target.to(device=scores.device, dtype=idx.dtype)
             if target.shape != idx.shape:

@@ -54,9 +54,9 @@ from .world import WORLD_FORMAT_VERSION, World, WorldConfig, generate_world, gol
 
 
 class TinyModelConfig(ConfigModel):
-    """Shape of the demo model (any transformers Qwen2/Qwen3/Llama shape works)."""
+    """Shape of the demo model (any transformers Qwen2/Qwen3/Llama shape works, or a Qwen3-MoE one)."""
 
-    arch: str = Field("qwen2", description="qwen2, qwen3 or llama")
+    arch: str = Field("qwen2", description="qwen2, qwen3, llama or qwen3_moe (mixture of experts)")
     vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size")
     hidden_size: int = Field(128, ge=16, description="model width")
     num_hidden_layers: int = Field(4, ge=1, description="transformer layers")
@@ -64,6 +64,16 @@ class TinyModelConfig(ConfigModel):
     num_key_value_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
     intermediate_size: int = Field(384, ge=16, description="SwiGLU width")
     seed: int = Field(0, description="init seed")
+    num_experts: int | None = Field(None, ge=1, description="qwen3_moe: experts per layer (default 8)")
+    num_experts_per_tok: int | None = Field(None, ge=1, description="qwen3_moe: experts per token, top-k (default 2)")
+    moe_intermediate_size: int | None = Field(
+        None, ge=16, description="qwen3_moe: SwiGLU width of each expert (default hidden_size)"
+    )
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        # unset MoE fields are left out: a dense shape's dump (the cache keys, the model build) is as before
+        kwargs.setdefault("exclude_none", True)
+        return super().model_dump(**kwargs)
 
 
 class SFTConfig(ConfigModel):
