@@ -80,7 +80,8 @@ class EngineSetupConfig(ConfigModel):
 
 class ColocationConfig(ConfigModel):
     """``placement: colocated``: what gives up its GPU memory while the other side works (slime's
-    ``--offload``). Both off: engine and trainer keep everything on the GPU all the time."""
+    ``--offload``). Both off: engine and trainer keep everything on the GPU all the time. Ignored (both
+    off) with ``placement: disaggregated``."""
 
     engine_sleep: bool = Field(
         False,
@@ -230,13 +231,8 @@ class RunConfig(ConfigModel):
                 "weight_sync: NCCL cannot broadcast between two processes on one GPU; "
                 "use weight_sync: tensor (or disk) when colocated"
             )
-        if self.placement != "colocated" and (
-            self.colocation.engine_sleep or self.colocation.trainer_offload
-        ):
-            raise ValueError(
-                "colocation: engine_sleep and trainer_offload take turns on a shared GPU; they need "
-                "placement: colocated"
-            )
+        if self.placement != "colocated":  # nothing to take turns on: the colocation switches do not apply
+            self.colocation.engine_sleep = self.colocation.trainer_offload = False
         if self.weight_sync == "tensor" and trainer_on_gpu and self.placement != "colocated":
             raise ValueError(
                 "weight_sync: tensor passes CUDA IPC handles, which open only on the trainer's own GPU; "
