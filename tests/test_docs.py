@@ -319,3 +319,16 @@ def test_readme_run_trains_one_step(tiny_model_dir: Path, tmp_path: Path) -> Non
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows if "policy_version" in r] == [1]
     assert json.loads((out / "summary.json").read_text())["accounting"]["trained"] >= 1
+
+
+def test_relative_links_resolve() -> None:
+    """Every relative link of the README and docs/ points at a file of the repository."""
+    broken = []
+    for f in CMD_FILES + [p for p in (ROOT / "docs").rglob("*.md") if "reference" in p.parts]:
+        for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", f.read_text()):
+            target = m.group(1)
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (f.parent / target).exists():
+                broken.append(f"{f.relative_to(ROOT)}: {target}")
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
