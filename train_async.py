@@ -423,7 +423,8 @@ async def gpu_to_trainer(cfg: RunConfig, trainer: TrainerGroup, control: Any) ->
     (colocation.engine_sleep), the trainer takes its state back (colocation.trainer_offload)."""
     phases: dict[str, float] = {}
     if cfg.colocation.engine_sleep:
-        await _timed(phases, "engine_release", control.release_memory_occupation())
+        tags = ["kv_cache"] if cfg.colocation.engine_keep_weights else None  # None: weights and KV cache
+        await _timed(phases, "engine_release", control.release_memory_occupation(tags))
     if cfg.colocation.trainer_offload:
         await _timed(phases, "trainer_onload", asyncio.to_thread(trainer.onload))
     return phases
@@ -435,7 +436,7 @@ async def gpu_to_engines(
 ) -> int:  # fmt: skip
     """Colocated, after a step, in slime's order: the engines take their weights back, get the new ones
     (version + 1), the trainer lets go of its state, the engines take their KV cache back."""
-    if cfg.colocation.engine_sleep:
+    if cfg.colocation.engine_sleep and not cfg.colocation.engine_keep_weights:
         await _timed(phases, "engine_resume_weights", control.resume_memory_occupation(["weights"]))
     version = await _timed(phases, "weight_sync", sync(cfg, trainer, engine_urls, out))
     if cfg.colocation.trainer_offload:

@@ -89,6 +89,12 @@ class ColocationConfig(ConfigModel):
         "while the trainer steps, and take them back for the weight sync and the next generation; lets "
         "engine.mem_fraction go to 0.7+. SGLang engines get --enable-memory-saver",
     )
+    engine_keep_weights: bool = Field(
+        False,
+        description="with engine_sleep: release only the KV cache and keep the weights on the GPU, which "
+        "saves copying them to host memory and back each step (the weights of a small model are a "
+        "sliver of the memory its cache takes)",
+    )
     trainer_offload: bool = Field(
         False,
         description="the trainer moves its weights, gradients and optimizer state to host memory while "
