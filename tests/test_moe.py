@@ -94,6 +94,23 @@ def test_moe_hf_mcore_hf_round_trip_bit_exact(moe_dir: Path, tp: int, pp: int, e
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
 
 
+def test_convert_cli_expert_parallel_round_trip(moe_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    mc, out = tmp_path / "mcore", tmp_path / "hf"
+    for args in (
+        ["hf-to-mcore", "--hf", str(moe_dir), "--out", str(mc), "--tp", "2", "--ep", "2"],
+        ["mcore-to-hf", "--mcore", str(mc), "--hf-template", str(moe_dir), "--out", str(out)],
+    ):
+        subprocess.run([sys.executable, "-m", "agentrl.convert", *args], check=True, capture_output=True)
+    assert sorted(p.name for p in mc.iterdir() if p.is_dir()) == [
+        "mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_01_000_000", "mp_rank_01_000_001",
+    ]  # fmt: skip
+    a, b = load_hf_state_dict(moe_dir), load_hf_state_dict(out)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_moe_conversion_names_the_tensor_that_does_not_fit(moe_dir: Path) -> None:
     arch = ModelArch.from_hf_dir(moe_dir)
     hf = load_hf_state_dict(moe_dir)

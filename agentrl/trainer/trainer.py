@@ -225,13 +225,13 @@ class MegatronTrainer:
 
     def _local_shard(self) -> dict[str, torch.Tensor]:
         key: tuple[int, ...] = (self.pp_rank, self.tp_rank)
+        ep_rank = self.ps.get_expert_model_parallel_rank() if self.cfg.ep > 1 else 0
         if self.cfg.ep > 1:
-            if self.cfg.mcore_path is not None:
-                raise ValueError("mcore_path with ep > 1: load the HF weights (model_path) instead")
-            key = (*key, self.ps.get_expert_model_parallel_rank())
+            key = (*key, ep_rank)
         if self.cfg.mcore_path is not None:
-
-            return load_mcore_shard(self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp)
+            return load_mcore_shard(
+                self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp, ep_rank, self.cfg.ep
+            )
         hf = load_hf_state_dict(self.cfg.model_path)
         return hf_to_mcore_shards(
             hf, self.arch, self.cfg.tp, self.cfg.pp, self.cfg.vocab_divisible_by, ranks=[key], ep=self.cfg.ep
