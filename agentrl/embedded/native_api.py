@@ -17,6 +17,9 @@ Semantics worth knowing (all as SGLang, unless marked):
   ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, which :mod:`agentrl.engine.launcher` sets (SGLang's own default
   is the logprob of the temperature-scaled distribution).
 * ``weight_version`` starts at ``"default"`` and changes only when an update names one.
+* Mixture-of-experts models: ``return_routed_experts: true`` adds ``meta_info.routed_experts``, base64 of
+  int32 ``[tokens, layers, k]``, the experts every input position (all tokens but the last) was routed
+  to, prefix-cache hits included (SGLang needs ``--enable-return-routed-experts`` for it; not on streams).
 * A weight update waits for in-flight requests (or aborts them with ``abort_all_requests``), holds new
   ones, then swaps weights and flushes the prefix cache.
 * ``/generate`` with ``stream: true`` (one request, not a batch) answers server-sent events as SGLang
