@@ -168,7 +168,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr, W,
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t // W).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     heads = h * G + g
