@@ -99,3 +99,16 @@ async def test_engine_request_bits_alone_among_255_at_any_position_with_reuse_an
     assert recs[-1].cached_tokens >= 48
     check(recs[-1])
     reuse.shutdown()
+
+
+def test_compiled_warmup_writes_only_running_slots(tiny_model_dir: Path) -> None:
+    """The warm-up of a compiled engine (a GPU's path, run here on CPU) prefilled two rows: with one
+    running slot and no prefix cache the second was past the KV cache, an IndexError on CPU and the
+    device-side assert that ended deterministic runs on a GPU."""
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=1, prefix_cache_slots=0)
+    try:
+        assert engine.runner.num_slots == 1
+        engine.runner.compiled = True  # warm up as a compiled engine does
+        engine.warmup(64)
+    finally:
+        engine.shutdown()
