@@ -126,19 +126,19 @@ def attention(
     pad = chunks * KEY_CHUNK - length
     k = F.pad(k, (0, 0, 0, pad)).contiguous()
     v = F.pad(v, (0, 0, 0, pad)).contiguous()
-    # query rows of a key head: (query, head of the group), padded to a multiple of ROW_TILE
+    # query rows of a key head: (query, head of the group), padded to a multiple of ROW_TILE for the two
+    # matmuls; the element-wise work between them runs on the real rows only
     qg, rows = _pad_rows(q.view(b, w, kv, g, d).permute(0, 2, 1, 3, 4).reshape(b, kv, w * g, d), 2)
-    pos = q_pos[:, :, None].expand(b, w, g).reshape(b, w * g)
-    pos = F.pad(pos, (0, qg.shape[2] - rows))
-    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [b, kv, rows', keys]
-    masked = torch.arange(k.shape[2], device=q.device)[None, None, None, :] > pos[:, None, :, None]
-    s = s.masked_fill(masked, float("-inf"))
+    padded = qg.shape[2]
+    pos = q_pos[:, :, None].expand(b, w, g).reshape(b, 1, rows, 1)
+    s = torch.matmul(qg, k.transpose(-1, -2))[:, :, :rows].float() * scale  # [b, kv, rows, keys]
+    s = s.masked_fill(torch.arange(k.shape[2], device=q.device) > pos, float("-inf"))
     p = torch.exp(s - s.amax(-1, keepdim=True))  # the max is exact in any order
-    shape = (*p.shape[:3], chunks, KEY_CHUNK)
-    denom = _ordered_sum(p.view(shape).sum(-1), -1)  # per chunk, then chunk by chunk
-    pc = p.to(v.dtype).view(shape).transpose(2, 3).contiguous()  # [b, kv, chunks, rows', chunk]
-    part = torch.matmul(pc, v.view(b, kv, chunks, KEY_CHUNK, d))  # [b, kv, chunks, rows', d]
-    o = (_ordered_sum(part, 2).float() / denom[..., None]).to(q.dtype)[:, :, :rows]
+    denom = _ordered_sum(p.view(b, kv, rows, chunks, KEY_CHUNK).sum(-1), -1)  # per chunk, then in order
+    pc = p.new_zeros(b, kv, chunks, padded, KEY_CHUNK, dtype=v.dtype)  # [b, kv, chunks, rows', chunk]
+    pc[:, :, :, :rows] = p.view(b, kv, rows, chunks, KEY_CHUNK).transpose(2, 3)
+    part = torch.matmul(pc, v.view(b, kv, chunks, KEY_CHUNK, d))[:, :, :, :rows]  # [b, kv, chunks, rows, d]
+    o = (_ordered_sum(part, 2).float() / denom[..., None]).to(q.dtype)
     return o.view(b, kv, w, g, d).permute(0, 2, 1, 3, 4).reshape(b, w, h * d)
 
 
