@@ -467,3 +467,32 @@ def test_expert_parallel_two_ranks_match_one(moe_dir: Path, tmp_path: Path) -> N
     assert set(one["weights"]) == set(two["weights"])
     for k, w in one["weights"].items():
         assert (w - two["weights"][k]).abs().max() <= 1e-4, k
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+async def test_moe_engine_cuda_graphs_on_gpu(tiny_model_factory) -> None:
+    # bf16 on a GPU with CUDA graphs (the experts through torch._grouped_mm, no host sync): logprobs of
+    # the sampled tokens within the bf16 gap of a teacher-forced transformers forward, routing reported
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.embedded.engine import EmbeddedEngine
+    from agentrl.embedded.sampling import RequestSampling
+
+    model_dir = tiny_model_factory("qwen3_moe", dtype="bfloat16", **MOE)
+    engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", max_batch_size=8)
+    try:
+        assert engine.runner.cuda_graphs
+        prompts = [list(range(30 + i, 50 + i)) for i in range(6)]
+        sp = RequestSampling(temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=3)
+        recs = await asyncio.gather(*(engine.generate(p, sp, f"g{i}") for i, p in enumerate(prompts)))
+    finally:
+        engine.shutdown()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    for p, rec in zip(prompts, recs, strict=True):
+        ids = torch.tensor([p + rec.output_ids], device="cuda")
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(p) - 1 : -1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p) :, None]).squeeze(-1).cpu()
+        assert (lp - torch.tensor(rec.logprobs)).abs().max() < 5e-2
+        assert rec.routed_experts.shape == (len(p) + 16 - 1, 2, 2)
