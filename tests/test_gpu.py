@@ -7,6 +7,9 @@
   tokens is within the bf16 gap.
 * One GPU: the embedded engine with CUDA graphs and torch.compile: bf16 logprobs within 2e-2 of a
   teacher-forced HF forward, seeded sampling reproducible, a next turn reusing its prefix's KV.
+* One GPU, bitwise: the deterministic config that once crashed, two runs at once, the same weight bytes
+  and metrics; the batch-invariant engine in bf16 (a request alone or among 255 others, any slot, prefix
+  reuse, chunked prefill); true on-policy parity (SmolLM2-135M, the Qwen2.5-0.5B shape).
 """
 
 from __future__ import annotations
