@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from agentrl import batch_invariant as bi
 from agentrl.trainer.model import ModelArch
@@ -36,9 +37,18 @@ def _gpt(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _head_logprobs(hidden: Tensor, targets: Tensor, norm: Tensor, head: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(logprob of the target, entropy) of rows of final hidden states, as the engine computes the logprob."""
+    logits = bi.lm_head(hidden, norm, eps, head)
+    ent = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    return bi.token_logprobs(logits, targets), ent
+
+
 class TrueOnPolicyLogprobs:
     """``(logprob, entropy)`` per token of a megatron GPT model, computed as the batch-invariant embedded
     engine computes them; a drop-in for :class:`~agentrl.trainer.logprobs.ModelLogprobs` (``of``)."""
+
+    HEAD_CHUNK = 4096  # token rows per LM-head chunk
 
     def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1, deterministic_backward: bool = False) -> None:
         if tp != 1 or pp != 1:
@@ -101,11 +111,21 @@ class TrueOnPolicyLogprobs:
             )
             x = bi.post_attention(x, o, w, eps)
         head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
-        logits = bi.lm_head(x, gpt.decoder.final_layernorm.weight, eps, head[: arch.vocab_size])
-        flat = logits.view(b * s, -1)
-        lp = bi.token_logprobs(flat, targets.reshape(-1).clamp(min=0))
-        ent = torch.logsumexp(flat, -1) - (torch.softmax(flat, -1) * flat).sum(-1)
-        return lp.view(b, s), ent.view(b, s)
+        norm, head = gpt.decoder.final_layernorm.weight, head[: arch.vocab_size]
+        hidden, tgt = x.reshape(b * s, -1), targets.reshape(-1).clamp(min=0)
+        # past HEAD_CHUNK rows the head runs in chunks of rows (row-invariant ops: the same bits as all at
+        # once), each recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
+        lp, ent = [], []
+        chunked = b * s > self.HEAD_CHUNK and torch.is_grad_enabled() and hidden.requires_grad
+        for i in range(0, b * s, self.HEAD_CHUNK):
+            args = (hidden[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)
+            if chunked:
+                out = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
+            else:
+                out = _head_logprobs(*args)
+            lp.append(out[0])
+            ent.append(out[1])
+        return torch.cat(lp).view(b, s), torch.cat(ent).view(b, s)
 
     def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor]:
         """Of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]`` layout (a packed one
