@@ -68,8 +68,13 @@ def build_trainer(run_dir: Path, device: str | None = None) -> tuple[Any, dict[s
         raise SystemExit(f"replay runs one trainer rank; the run's trainer has tp={cfg.tp}, pp={cfg.pp}")
     if info.get("trainer_threads"):
         torch.set_num_threads(int(info["trainer_threads"]))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    # a world of its own, one rank: a torch.distributed world inherited from the caller's environment
+    # (a launcher's RANK / WORLD_SIZE, or a MASTER_PORT another process already listens on) is not ours
+    from agentrl.cluster import free_port
+
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     return MegatronTrainer(cfg), info
 
 
