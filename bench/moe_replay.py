@@ -37,7 +37,7 @@ def _free_port() -> int:
 async def _sample(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int, seed: int) -> list:
     from agentrl.embedded.engine import EmbeddedEngine
     from agentrl.embedded.sampling import RequestSampling
-    from agentrl.trainer.moe import encode_routed_experts
+    from agentrl.models.moe import encode_routed_experts
     from agentrl.types import Trajectory
 
     engine = EmbeddedEngine(model_dir, dtype=dtype, max_batch_size=16)
@@ -65,7 +65,8 @@ async def _sample(model_dir: Path, dtype: str, prompts: list[list[int]], new_tok
 
 def measure(trainer, trajs: list, replay: bool) -> dict[str, float]:
     """The mismatch between the trajectories' μ and the trainer's π_old, and the routing agreement."""
-    from agentrl.trainer.moe import decode_routed_experts, record_routing
+    from agentrl.models.moe import decode_routed_experts
+    from agentrl.trainer.moe import record_routing
 
     trainer.replay_routing = replay
     kl_sum = k1_sum = n = 0.0

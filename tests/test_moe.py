@@ -17,6 +17,7 @@ import pytest
 import torch
 from _trainer_helpers import free_port, make_trajectories
 
+from agentrl.models.moe import decode_routed_experts, encode_routed_experts
 from agentrl.trainer.model import (
     ModelArch,
     build_gpt_model,
@@ -25,7 +26,6 @@ from agentrl.trainer.model import (
     load_hf_state_dict,
     mcore_to_hf,
 )
-from agentrl.trainer.moe import decode_routed_experts, encode_routed_experts
 
 MOE = {"num_experts": 8, "num_experts_per_tok": 2}
 

@@ -140,7 +140,7 @@ class NativeAPI:
         rec = await self.engine.generate(ids, sampling, rid)
         out = self._answer(rec, return_logprob, sampling.skip_special_tokens, not sampling.no_stop_trim)
         if return_routed and rec.routed_experts is not None:  # SGLang's R3 field: base64 int32 [t, layers, k]
-            from agentrl.trainer.moe import encode_routed_experts
+            from agentrl.models.moe import encode_routed_experts
 
             out["meta_info"]["routed_experts"] = encode_routed_experts(rec.routed_experts)
         return out

@@ -204,7 +204,7 @@ class ModelRunner:
         kv_region: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         cfg = model.config
-        from agentrl.trainer.moe import MoESpec, refuse_unsupported_moe
+        from agentrl.models.moe import MoESpec, refuse_unsupported_moe
 
         refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:

@@ -31,16 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentrl.models.moe import MOE_MODEL_TYPES, MoESpec, refuse_unsupported_moe
 from agentrl.trainer.attention import SDPACoreAttention
-from agentrl.trainer.moe import (
-    MOE_MODEL_TYPES,
-    MoESpec,
-    hf_moe_shapes,
-    install_router_replay,
-    moe_layer_to_hf,
-    moe_layer_to_mcore,
-    refuse_unsupported_moe,
-)
+from agentrl.trainer.moe import hf_moe_shapes, install_router_replay, moe_layer_to_hf, moe_layer_to_mcore
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 
