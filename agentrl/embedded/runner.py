@@ -159,23 +159,18 @@ def _layer_weights(layer: torch.nn.Module) -> tuple:
     own parameters: in-place weight updates reach them)."""
     a, m = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    if hasattr(m, "experts"):  # a mixture-of-experts MLP: router, fused experts (see agentrl.embedded.moe)
-        return (
-            layer.input_layernorm.weight,
-            a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            a.o_proj.weight, a.o_proj.bias,
-            layer.post_attention_layernorm.weight,
-            m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj,
-        )  # fmt: skip
-    return (
+    attention = (
         layer.input_layernorm.weight,
         a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
         None if q_norm is None else q_norm.weight,
         None if k_norm is None else k_norm.weight,
         a.o_proj.weight, a.o_proj.bias,
         layer.post_attention_layernorm.weight,
+    )  # fmt: skip
+    if hasattr(m, "experts"):  # a mixture-of-experts MLP: router, fused experts (see agentrl.embedded.moe)
+        return (*attention, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj)
+    return (
+        *attention,
         m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
     )  # fmt: skip
 
