@@ -131,3 +131,26 @@ def chromium() -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+@pytest.fixture(scope="module")
+def megatron_single_rank() -> Iterator[None]:
+    """A one-rank gloo world with megatron's parallel_state, for a module's tests that build megatron models
+    in process (torn down after the module, unless a trainer in the module has ended it already)."""
+    import warnings
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from agentrl.cluster import free_port
+    from agentrl.trainer.mcore_compat import apply_cpu_patches
+
+    warnings.filterwarnings("ignore")
+    apply_cpu_patches()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

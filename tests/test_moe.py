@@ -35,26 +35,6 @@ def moe_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("qwen3_moe", **MOE)
 
 
-@pytest.fixture(scope="module")
-def megatron_single_rank():
-    """A one-rank gloo world with megatron's parallel_state (torn down after the module, when the trainer
-    tests, which come after the tests using it, have not ended it already)."""
-    warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from agentrl.trainer.mcore_compat import apply_cpu_patches
-
-    apply_cpu_patches()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------------- model and weights
 def test_tiny_moe_model_is_a_standard_hf_checkpoint(moe_dir: Path) -> None:
     cfg = json.loads((moe_dir / "config.json").read_text())

@@ -3,15 +3,12 @@ Llama, and HF -> Megatron -> HF weights bit-exact for every TP / PP split (also 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port
 
 from agentrl.trainer.model import (
     ModelArch,
@@ -23,24 +20,6 @@ from agentrl.trainer.model import (
 )
 
 ARCHS = ["qwen2", "qwen3", "llama"]
-
-
-@pytest.fixture(scope="module")
-def megatron_single_rank():
-    """A one-rank gloo world with megatron's parallel_state (torn down after the module)."""
-    warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from agentrl.trainer.mcore_compat import apply_cpu_patches
-
-    apply_cpu_patches()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
