@@ -277,3 +277,41 @@ async def test_context_limit_is_a_clear_error(tiny_model_dir: Path) -> None:
         await engine.generate(list(range(60)), _greedy(10), "x")
     rec = await engine.generate(list(range(50)), _greedy(14), "y")
     assert len(rec.output_ids) == 14
+
+
+async def test_stop_screening_never_hides_a_stop_string(tiny_model_dir: Path) -> None:
+    """A sampled token is checked against the stop strings only if its text holds a stop's last character;
+    on random token streams, every step the full check matches is also one the screen lets through,
+    and most steps are screened out."""
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2)
+    sched, tok = engine.scheduler, engine.tokenizer
+    g = torch.Generator().manual_seed(0)
+    checked = steps = matched = 0
+    for trial in range(40):
+        ids = torch.randint(3, engine.vocab_size, (40,), generator=g).tolist()
+        text = tok.decode(ids, skip_special_tokens=False)
+        start = int(torch.randint(0, max(1, len(text) - 4), (1,), generator=g))
+        stops = [text[start : start + 3], "</answer>"]
+        if not stops[0].strip():
+            continue
+        for k in range(1, len(ids) + 1):
+            steps += 1
+            may = sched._may_stop(ids[k - 1], stops)
+            checked += may
+            if sched._match_stop(ids[:k], stops) is not None:
+                assert may, (trial, k, stops)
+                matched += 1
+                break
+    assert matched >= 20
+    assert checked < steps / 2  # the screen does skip work
+
+
+def test_admission_waits_as_long_as_a_prefill_step_costs(tiny_model_dir: Path) -> None:
+    sched = EmbeddedEngine(tiny_model_dir, max_batch_size=2).scheduler
+    assert sched._admit_every() == sched.ADMIT_EVERY  # nothing measured yet
+    sched._step_s.update(prefill=0.070, decode=0.007)
+    assert sched._admit_every() == 10
+    sched._step_s.update(prefill=0.010, decode=0.007)
+    assert sched._admit_every() == sched.ADMIT_EVERY  # never below the floor
+    sched._step_s.update(prefill=5.0, decode=0.001)
+    assert sched._admit_every() == 64  # nor above the cap

@@ -251,6 +251,30 @@ def test_engine_weight_updates_reach_the_fused_experts(moe_dir: Path) -> None:
         check_weights(hf, {"model.layers.0.mlp.experts.2.down_proj.weight": torch.zeros(3)})
 
 
+async def test_moe_engine_sleep_releases_the_routed_experts_with_the_kv_cache(moe_dir: Path) -> None:
+    """The per-position experts buffer is part of the KV cache: released and given back with it, and a
+    request after the wake reports the same experts as before the sleep."""
+    from agentrl.embedded.engine import EmbeddedEngine
+    from agentrl.embedded.sampling import RequestSampling
+
+    engine = EmbeddedEngine(moe_dir, max_batch_size=2, prefix_cache_slots=2)
+    try:
+        routed = engine.runner.routed
+        kv = 2 * engine.runner.k.numel() * engine.runner.k.element_size()
+        assert engine.memory.sizes["kv_cache"] == kv + routed.numel() * routed.element_size()
+        prompt, sp = list(range(30, 47)), RequestSampling(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+        before = await engine.generate(prompt, sp, "a")
+        await engine.release_memory_occupation()
+        assert routed.untyped_storage().size() == 0  # copy mode: the storage itself was given up
+        await engine.resume_memory_occupation()
+        assert routed.untyped_storage().size() > 0 and int(routed.max()) == -1  # nothing computed yet
+        after = await engine.generate(prompt, sp, "b")
+        assert after.output_ids == before.output_ids
+        assert torch.equal(after.routed_experts, before.routed_experts)
+    finally:
+        engine.shutdown()
+
+
 async def test_engine_returns_routed_experts_in_sglang_format(moe_dir: Path) -> None:
     from agentrl.embedded.engine import EmbeddedEngine
     from agentrl.embedded.native_api import NativeAPI  # noqa: F401  (the HTTP answer is covered below)

@@ -77,7 +77,7 @@ class EmbeddedEngine:
         # a request's tokens and logprobs do not depend on what else runs (agentrl.batch_invariant)
         self.batch_invariant = batch_invariant
         on_gpu = self.device.type == "cuda"
-        self.max_prefill_tokens = max_prefill_tokens or (8192 if on_gpu else 2048)
+        self.max_prefill_tokens = max_prefill_tokens or (16384 if on_gpu else 2048)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         # All torch work runs on one device thread, from loading on: on CPU a second thread running torch
         # ops gets its own OpenMP team, and the two teams made each decode step 2-3x slower on 2 cores.
@@ -167,7 +167,8 @@ class EmbeddedEngine:
             if not p.untyped_storage().resizable():
                 p.data = p.data.clone()
         self.memory.register("weights", self.model.parameters())
-        self.memory.register("kv_cache", [self.runner.k, self.runner.v])
+        routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
+        self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
         return slots
 
     def _eos_ids(self) -> set[int]:

@@ -113,11 +113,11 @@ class EngineMemory:
         t0 = time.perf_counter()
         if self.saver is not None:
             self.saver.resume(tag)
-            if tag == "kv_cache":
-                for t in self._tensors.get(tag, ()):
-                    t.zero_()
         else:
             self._copies[tag].onload()
+        if tag == "kv_cache":  # keys and values zeroed; integer entries (MoE experts) -1: not computed
+            for t in self._tensors.get(tag, ()):
+                t.zero_() if t.is_floating_point() else t.fill_(-1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.released.discard(tag)

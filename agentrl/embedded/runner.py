@@ -256,10 +256,12 @@ class ModelRunner:
         if self.moe is not None and batch_invariant:
             raise ValueError("batch-invariant mode serves dense models only, not mixture-of-experts models")
         # MoE: the experts of every (layer, slot, position), written where the KV goes; -1 = not computed
+        # (part of the KV cache: released and resumed with it)
         self.routed = None
         if self.moe is not None:
             shape = (len(self.layers), num_slots, context_len + 1, self.moe.topk)
-            self.routed = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+            with kv_region() if kv_region is not None else contextlib.nullcontext():
+                self.routed = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         self._route_at: tuple = ()  # (slot index, position index) of the tokens in the running forward
 
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"

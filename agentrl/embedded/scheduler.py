@@ -34,7 +34,11 @@ Step = tuple[str, list[EngineRequest], ExtendBatch | None, list[int]]
 class Scheduler:
     """Waiting and running requests, the slot copies between steps, and the loop that runs the steps."""
 
-    ADMIT_EVERY = 4  # decode steps between admissions while sequences are decoding
+    ADMIT_EVERY = 4  # decode steps between admissions while sequences are decoding, at least
+    # A prefill step has a fixed cost (a forward's launches over every layer) that does not shrink with
+    # its rows; admissions wait for as many decode steps as one prefill step costs, so that the prefills
+    # take at most about half of the time while requests keep arriving one by one (agent turns).
+    ADAPTIVE_ADMISSION = True
 
     def __init__(
         self,
@@ -61,6 +65,8 @@ class Scheduler:
         self.step_lock = asyncio.Lock()  # held by a step; taken by weight updates and cache flushes
         self._retract = False
         self._since_prefill = 0
+        self._step_s = {"prefill": 0.0, "decode": 0.0}  # running means of each step kind's duration
+        self._pieces: dict[int, str] = {}  # token id -> its text alone (stop-string screening)
         # slot copies (src, dst, n, start) decided since the last step, run before the next one
         self._copies: list[tuple[int, int, int, int]] = []
         self._work = asyncio.Event()
@@ -138,8 +144,13 @@ class Scheduler:
                     async with self.step_lock:
                         t_step = time.perf_counter()
                         result = await self.on_device(self._execute, *step)
-                        # device busy time: what an idle fraction of the engine itself is measured against
-                        self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + time.perf_counter() - t_step
+                        # device busy time: what an idle fraction of the engine itself is measured against,
+                        # in all and per step kind (prefill / decode), to show where an engine's time goes
+                        took = time.perf_counter() - t_step
+                        mean = self._step_s[step[0]]
+                        self._step_s[step[0]] = took if mean == 0.0 else 0.9 * mean + 0.1 * took
+                        self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + took
+                        self.stats[f"{step[0]}_busy_s"] = self.stats.get(f"{step[0]}_busy_s", 0.0) + took
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
                     self._fail(step[1], err)
@@ -197,7 +208,7 @@ class Scheduler:
         (``ADMIT_EVERY``) and prefilled together: every prefill step stalls all decoding rows once."""
         if self.waiting and (
             not any(not r.prefilling for r in self.active)
-            or self._since_prefill >= self.ADMIT_EVERY
+            or self._since_prefill >= self._admit_every()
             or len(self.waiting) >= self.max_batch_size - len(self.active)
             or sum(len(r.seq) for r in self.waiting) >= self.max_prefill_tokens // 2
         ):
@@ -222,11 +233,20 @@ class Scheduler:
             return "decode", list(self.active), None, list(range(len(self.active)))
         return None
 
+    def _admit_every(self) -> int:
+        """Decode steps to gather arriving requests for before a prefill step stalls the decoding rows:
+        ``ADMIT_EVERY``, or as many decode steps as one prefill step takes (measured), if more."""
+        prefill, decode = self._step_s["prefill"], self._step_s["decode"]
+        if not self.ADAPTIVE_ADMISSION or prefill == 0.0 or decode == 0.0:
+            return self.ADMIT_EVERY
+        return max(self.ADMIT_EVERY, min(64, round(prefill / decode)))
+
     def _execute(self, kind: str, rows: list[EngineRequest], batch: ExtendBatch | None, done: list[int]):
         """Device thread: the slot copies queued since the last step (prefix hits, cache inserts,
         compaction, in the order they were decided), then one forward + sampling. Returns (ids,
         logprobs) of the rows that sample."""
         copies, self._copies = self._copies, []
+        self.stats["slot_copies"] = self.stats.get("slot_copies", 0) + len(copies)
         for src, dst, n, start in copies:
             self.runner.copy_slot(src, dst, n, start=start)
         if kind == "prefill":
@@ -250,6 +270,8 @@ class Scheduler:
         kind, rows, batch, done = step
         ids, lps = result
         if kind == "prefill":
+            self.stats["prefill_steps"] = self.stats.get("prefill_steps", 0) + 1
+            self.stats["prefill_rows"] = self.stats.get("prefill_rows", 0) + len(rows)
             for r, new in zip(rows, batch.tokens, strict=True):
                 r.cached += len(new)
                 self.stats["prefill_tokens"] += len(new)
@@ -275,11 +297,27 @@ class Scheduler:
         s = r.sampling
         if token in r.stop_ids:
             r.finish = {"type": "stop", "matched": token}
-        elif s.stop and (matched := self._match_stop(r.output_ids, s.stop)) is not None:
+        elif (
+            s.stop
+            and self._may_stop(token, s.stop)
+            and (matched := self._match_stop(r.output_ids, s.stop)) is not None
+        ):
             r.finish = {"type": "stop", "matched": matched}
         elif len(r.output_ids) >= s.max_new_tokens or len(r.seq) >= self.max_context:
             r.finish = {"type": "length", "length": s.max_new_tokens}
         return r.finish is not None
+
+    def _may_stop(self, token: int, stops: list[str]) -> bool:
+        """False when ``token`` cannot have completed a stop string: the text it adds holds no stop string's
+        last character. Checked per sampled token, so the tail is decoded only for the few tokens that
+        can end a stop (a decode step of 100+ rows with stop strings otherwise spends milliseconds in the
+        tokenizer). Tokens whose text alone is empty or a partial character are always checked."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        if not piece or "\ufffd" in piece:
+            return True
+        return any(x[-1] in piece for x in stops if x)
 
     def _match_stop(self, ids: list[int], stops: list[str]) -> str | None:
         # Only the tail can hold a stop string that the newest token completed; a generous token window

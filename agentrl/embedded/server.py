@@ -59,7 +59,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-prefill-tokens",
         type=int,
         default=None,
-        help="tokens per prefill step (default 8192 GPU, 2048 CPU)",
+        help="tokens per prefill step (default 16384 GPU, 2048 CPU)",
     )
     p.add_argument(
         "--context-len",
