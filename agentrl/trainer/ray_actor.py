@@ -71,8 +71,25 @@ class TrainerWorker:
         return asyncio.run(_with_client(engine_urls if self.trainer.rank == 0 else [], fn))
 
     def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
-        fn = self.trainer.sync_weights_from_tensor
-        return asyncio.run(_with_client(engine_urls if self.trainer.rank == 0 else [], fn))
+        # Every step of a colocated run: one event loop and one client (its connections kept) for all the
+        # syncs to the same engines; a fresh client per sync paid for a new loop and connection each time.
+        from agentrl.engine.client import EngineClient
+
+        urls = engine_urls if self.trainer.rank == 0 else []
+        if getattr(self, "_tensor_sync", None) is None or self._tensor_sync[0] != urls:
+            self._close_tensor_sync()
+            self._tensor_sync = (urls, asyncio.new_event_loop(), EngineClient(urls) if urls else None)
+        _, loop, client = self._tensor_sync
+        return loop.run_until_complete(self.trainer.sync_weights_from_tensor(client))
+
+    def _close_tensor_sync(self) -> None:
+        if getattr(self, "_tensor_sync", None) is None:
+            return
+        _, loop, client = self._tensor_sync
+        if client is not None:
+            loop.run_until_complete(client.close())
+        loop.close()
+        self._tensor_sync = None
 
     def offload(self) -> dict[str, float]:
         return self.trainer.offload()
@@ -118,6 +135,7 @@ class TrainerWorker:
 
     def shutdown(self) -> None:
         self.close_weight_sync_group()
+        self._close_tensor_sync()
         if getattr(self, "_client", None) is not None:
             self._loop.run_until_complete(self._client.close())
         self.trainer.shutdown()
