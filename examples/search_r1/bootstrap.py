@@ -34,6 +34,7 @@ users who warm-start with Megatron).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import random
@@ -332,7 +333,10 @@ def sft(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.cpu().save_pretrained(out_dir, safe_serialization=True)
     if str(cfg.device).startswith("cuda"):  # hand the GPU memory back: the engine and trainer start next
+        # the last micro-batch's tensors (its logits alone are GiBs) are still bound to the loop's names
         del opt
+        ids = mask = attn = logits = nll = loss = None
+        gc.collect()
         torch.cuda.empty_cache()
     tok.save_pretrained(out_dir)
     # keep the exact tokenizer files of the base model (save_pretrained may re-serialize them)
