@@ -315,3 +315,17 @@ def test_admission_waits_as_long_as_a_prefill_step_costs(tiny_model_dir: Path) -
     assert sched._admit_every() == sched.ADMIT_EVERY  # never below the floor
     sched._step_s.update(prefill=5.0, decode=0.001)
     assert sched._admit_every() == 64  # nor above the cap
+
+
+async def test_a_long_row_does_not_keep_a_prefill_step_to_itself(tiny_model_dir: Path) -> None:
+    """The prefill budget counts the rows' own tokens: a 40-token row and three 8-token rows (64 tokens)
+    go in one step of a 64-token budget, although their padded rectangle is 4 x 40 cells."""
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=4, max_prefill_tokens=64, prefix_cache_slots=0)
+    prompts = [list(range(10, 50))] + [list(range(60 + 8 * i, 68 + 8 * i)) for i in range(3)]
+    alone = [await engine.generate(p, _greedy(1), f"a{i}") for i, p in enumerate(prompts)]
+    before = engine.stats["prefill_steps"]
+    together = await _run_all(engine, prompts, _greedy(1), "b")
+    assert engine.stats["prefill_steps"] - before == 1
+    for x, y in zip(alone, together, strict=True):
+        assert x.output_ids == y.output_ids
+        assert abs(x.logprobs[0] - y.logprobs[0]) < 1e-4

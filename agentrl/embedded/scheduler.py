@@ -39,6 +39,7 @@ class Scheduler:
     # its rows; admissions wait for as many decode steps as one prefill step costs, so that the prefills
     # take at most about half of the time while requests keep arriving one by one (agent turns).
     ADAPTIVE_ADMISSION = True
+    PADDED_CELLS = 4  # a prefill step's rows x width, at most, in units of max_prefill_tokens
 
     def __init__(
         self,
@@ -215,13 +216,20 @@ class Scheduler:
             self._admit()
         rows = [r for r in self.active if r.prefilling]
         if rows:
-            picked, tokens, start, width = [], [], [], 0
+            # The budget counts the rows' own tokens; the padded rectangle the step computes (rows x the
+            # widest row) may reach PADDED_CELLS times it. Counting the rectangle against the budget
+            # itself let one long row (an agent's whole history after a cache flush) keep a step to a few
+            # rows, and a wave of such rows took one prefill step, with its fixed cost, per few rows.
+            picked, tokens, start, width, real = [], [], [], 0, 0
             for r in rows:
                 todo = len(r.seq) - r.cached
                 take = min(todo, self.max_prefill_tokens)
-                if picked and (len(picked) + 1) * max(width, take) > self.max_prefill_tokens:
+                if picked and (
+                    real + take > self.max_prefill_tokens
+                    or (len(picked) + 1) * max(width, take) > self.PADDED_CELLS * self.max_prefill_tokens
+                ):
                     break
-                width = max(width, take)
+                width, real = max(width, take), real + take
                 picked.append(r)
                 tokens.append(r.seq[r.cached : r.cached + take])
                 start.append(r.cached)
