@@ -141,8 +141,14 @@ class EmbeddedEngine:
         per_token = ModelRunner.kv_bytes_per_token(self.model)
         if on_gpu:
             free = torch.cuda.mem_get_info(self.device)[0]
-            # logits, sampling and prefill activations
-            reserve = 6 * max_batch_size * self.vocab_size * 4 + 2**30
+            # logits and sampling, and a prefill step's activations (its padded rectangle may reach
+            # Scheduler.PADDED_CELLS x max_prefill_tokens tokens: hidden states, q/k/v and the MLP's widths)
+            cfg = self.model.config
+            hidden = int(cfg.hidden_size)
+            inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+            cells = Scheduler.PADDED_CELLS * self.max_prefill_tokens
+            act = cells * (3 * inter + 6 * hidden) * self.dtype.itemsize
+            reserve = 6 * max_batch_size * self.vocab_size * 4 + act + 2**29
             budget = int((mem_fraction or 0.8) * free) - reserve
         else:
             budget = 2 * 2**30
