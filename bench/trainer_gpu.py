@@ -13,6 +13,9 @@ NCCL cannot join two processes on one GPU), and checks the engine's logprobs aga
 ``trainer.true_on_policy``'s forward (the engine's batch-invariant kernels, agentrl.trainer.true_on_policy)
 and reports its step tokens/s against the default's just measured.
 
+``--shape qwen3-moe-1b`` (16 experts, top-2) runs the experts grouped (``trainer.moe.grouped_gemm``, auto:
+on CUDA); ``--moe-grouped-gemm false`` times megatron-core's ``SequentialMLP`` experts instead.
+
 CPU: ``python bench/trainer_gpu.py`` runs the tiny test model as a smoke check. Prints ONE JSON line.
 """
 
@@ -41,6 +44,8 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
 
     if shape == "tiny":
         return build_tiny_model(out, arch="qwen2", dtype=dtype)
+    if shape == "tiny-moe":
+        return build_tiny_model(out, arch="qwen3_moe", dtype=dtype, num_experts=8, num_experts_per_tok=2)
     import transformers
 
     build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
@@ -224,8 +229,9 @@ def main() -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=["tiny", "qwen2.5-0.5b", "qwen3-moe-1b"],
-        help="default: tiny on cpu, qwen2.5-0.5b on cuda; qwen3-moe-1b: 16 experts top-2, 0.96B (0.30B active)",
+        choices=["tiny", "tiny-moe", "qwen2.5-0.5b", "qwen3-moe-1b"],
+        help="default: tiny on cpu, qwen2.5-0.5b on cuda; qwen3-moe-1b: 16 experts top-2, 0.96B (0.30B active); "
+        "tiny-moe: the MoE test model (8 experts top-2), a CPU smoke check of the MoE path",
     )
     p.add_argument("--batch", type=int, default=None, help="trajectories per train step")
     p.add_argument("--prompt-len", type=int, default=None)
@@ -269,6 +275,12 @@ def main() -> None:
     )
     p.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
     p.add_argument(
+        "--moe-grouped-gemm",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="TrainerConfig.moe.grouped_gemm (MoE shapes; auto: grouped-GEMM experts on CUDA)",
+    )
+    p.add_argument(
         "--true-on-policy", action="store_true", help="also time the steps with TrainerConfig.true_on_policy"
     )
     p.add_argument("--skip-sync", action="store_true")
@@ -304,6 +316,7 @@ def main() -> None:
             old_logprobs=a.old_logprobs,
             compile_layers=a.compile_layers,
             compile_kernels=None if a.compile_kernels is None else a.compile_kernels == "on",
+            moe={"grouped_gemm": a.moe_grouped_gemm},
         )
         trainer = MegatronTrainer(cfg)
         vocab = min(trainer.arch.vocab_size, 150000)
@@ -344,6 +357,7 @@ def main() -> None:
             "old_logprobs": a.old_logprobs,
             "compile_layers": a.compile_layers,
             "compile_kernels": a.compile_kernels or ("on" if cuda else "off"),
+            "grouped_experts": trainer.grouped_experts,  # MoE: GroupedExperts, else SequentialMLP
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         }
         peak = a.peak_tflops or next(

@@ -28,6 +28,7 @@ from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "reference" / "config.md"
+sys.path.insert(0, str(ROOT))  # this checkout's agentrl, not another one installed in the environment
 COMMAND = "python scripts/gen_config_reference.py"
 
 HEADER = f"""# Config reference

@@ -26,6 +26,14 @@ class MoEConfig(ConfigModel):
         description="load-balancing auxiliary loss coefficient (None: the model config's "
         "router_aux_loss_coef; 0: off). Logged as moe_aux_loss",
     )
+    grouped_gemm: bool | Literal["auto"] = Field(
+        "auto",
+        description="run the experts with grouped GEMMs (agentrl.trainer.experts.GroupedExperts: each layer's "
+        "local experts stacked in two weights, torch._grouped_mm on a CUDA sm90+ GPU in bf16, an exact "
+        "per-expert loop elsewhere) instead of megatron-core's SequentialMLP (one matmul pair per expert). "
+        "auto: grouped on CUDA. Same math and HF conversion either way; a trainer checkpoint resumes only "
+        "under the layout it was saved with",
+    )
 
 
 class TrainerConfig(ConfigModel):

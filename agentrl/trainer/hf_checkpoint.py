@@ -5,8 +5,9 @@ A Megatron dir holds ``agentrl_mcore.json`` (tp, pp, vocab padding, the HF confi
 ``mp_rank_{TT}_{PPP}/model.safetensors`` per (tensor, pipeline) rank with megatron-core ``GPTModel``
 local state-dict names (megatron-LM's ``mp_rank_TT_PPP`` layout, safetensors instead of pickles); an MoE
 model sharded over expert-parallel ranks has one ``mp_rank_{TT}_{PPP}_{EEE}`` per (tensor, pipeline,
-expert) rank, as megatron-LM names them. Every tensor is kept in its dtype, so HF -> Megatron -> HF is
-bit-exact.
+expert) rank, as megatron-LM names them. Experts are stored one tensor per expert (``SequentialMLP``'s
+names); a trainer running grouped-GEMM experts stacks them on load. Every tensor is kept in its dtype, so
+HF -> Megatron -> HF is bit-exact.
 """
 
 from __future__ import annotations

@@ -33,7 +33,14 @@ import torch.nn.functional as F
 
 from agentrl.models.moe import MOE_MODEL_TYPES, MoESpec, refuse_unsupported_moe
 from agentrl.trainer.attention import SDPACoreAttention
-from agentrl.trainer.moe import hf_moe_shapes, install_router_replay, moe_layer_to_hf, moe_layer_to_mcore
+from agentrl.trainer.moe import (
+    expert_layout,
+    hf_moe_shapes,
+    install_router_replay,
+    moe_layer_to_hf,
+    moe_layer_to_mcore,
+    unstack_experts,
+)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 
@@ -203,16 +210,24 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: ModelArch) -> Any:
-    """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` as core attention."""
+def layer_spec(arch: ModelArch, grouped_experts: bool = False) -> Any:
+    """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` as core attention. An MoE
+    model's experts: megatron's ``SequentialMLP``, or with ``grouped_experts`` agentrl's
+    :class:`~agentrl.trainer.experts.GroupedExperts` (megatron's own grouped modules need Transformer Engine
+    or the grouped_gemm package)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    # grouped-GEMM experts need Transformer Engine or the grouped_gemm package: SequentialMLP experts
     num_experts = arch.moe.num_experts if arch.moe is not None else None
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if num_experts is not None and grouped_experts:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from agentrl.trainer.experts import GroupedExperts
+
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     return spec
 
 
@@ -228,9 +243,11 @@ def build_gpt_model(
     compile_layers: bool = False,
     ep: int = 1,
     moe_aux_loss_coef: float | None = None,
+    grouped_experts: bool = False,
 ) -> Any:
     """A megatron ``GPTModel`` for this rank (megatron's ``parallel_state`` must be initialized). An MoE
-    model's routers carry an idle :class:`~agentrl.trainer.moe.RouterReplay` (routing replay)."""
+    model's routers carry an idle :class:`~agentrl.trainer.moe.RouterReplay` (routing replay);
+    ``grouped_experts``: its experts stacked and run grouped (see :func:`layer_spec`)."""
     from megatron.core.models.gpt import GPTModel
 
     cfg = transformer_config(arch, tp, pp, params_dtype, recompute, fused_swiglu, ep, moe_aux_loss_coef)
@@ -240,7 +257,7 @@ def build_gpt_model(
         apply_moe_patches()
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, grouped_experts),
         vocab_size=arch.padded_vocab_size(tp, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -360,10 +377,13 @@ def hf_to_mcore_shards(
     vocab_divisible_by: int = 1,
     ranks: list[tuple[int, ...]] | None = None,
     ep: int = 1,
+    grouped_experts: bool = False,
 ) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
     """HF state dict -> ``{(pp_rank, tp_rank): megatron local state dict}`` (only ``ranks`` if given); with
     expert parallelism (``ep > 1``, MoE models) the keys are ``(pp_rank, tp_rank, ep_rank)``. A tensor
-    whose expert count or shape does not fit the config raises ``ValueError`` naming it."""
+    whose expert count or shape does not fit the config raises ``ValueError`` naming it.
+    ``grouped_experts``: MoE expert weights in the stacked layout of
+    :class:`~agentrl.trainer.experts.GroupedExperts` (else ``SequentialMLP``'s, one tensor per expert)."""
     if ep > 1 and arch.moe is None:
         raise ValueError("expert parallelism (ep > 1) needs a mixture-of-experts model")
     all_ranks = [(p, t, e) for p in range(pp) for t in range(tp) for e in range(ep)]
@@ -428,6 +448,8 @@ def hf_to_mcore_shards(
                 [torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)],
             )
             put(p, m + "mlp.linear_fc2.weight", _split_cols(hf[h + "mlp.down_proj.weight"], tp))
+    if grouped_experts:
+        out = {key: expert_layout(d, grouped=True) for key, d in out.items()}
     if ep == 1:
         return {(p, t): d for (p, t, _), d in out.items()}
     return out  # type: ignore[return-value]
@@ -437,8 +459,8 @@ def mcore_to_hf(
     shards: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch
 ) -> dict[str, torch.Tensor]:
     """``{(pp_rank, tp_rank): local state dict}`` (all ranks; ``(pp_rank, tp_rank, ep_rank)`` keys for an
-    expert-parallel MoE layout) -> HF state dict with HF names."""
-    by_ep = {k if len(k) == 3 else (*k, 0): d for k, d in shards.items()}
+    expert-parallel MoE layout; expert weights per expert or stacked) -> HF state dict with HF names."""
+    by_ep = {k if len(k) == 3 else (*k, 0): unstack_experts(d) for k, d in shards.items()}
     shards = {(p, t): d for (p, t, e), d in by_ep.items() if e == 0}  # type: ignore[assignment]
     pp = 1 + max(p for p, _ in shards)
     tp = 1 + max(t for _, t in shards)

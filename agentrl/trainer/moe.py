@@ -14,8 +14,13 @@ families (Mixtral, DeepSeek-V2/V3, Qwen2-MoE with its shared expert, GLM-4.5, ..
 ``router.weight`` is the HF gate, replicated over TP), the ``allgather`` token dispatcher (the one that
 runs on gloo as well as NCCL; ``alltoall`` allocates CUDA streams) and ``SequentialMLP`` experts (one
 ``ColumnParallelLinear``/``RowParallelLinear`` pair per local expert, the expert's ``linear_fc1`` is
-``[gate_t; up_t]`` per TP rank like the dense MLP). The grouped-GEMM expert modules need Transformer
-Engine or the ``grouped_gemm`` package, neither of which agentrl requires.
+``[gate_t; up_t]`` per TP rank like the dense MLP), or agentrl's grouped-GEMM experts
+(:class:`~agentrl.trainer.experts.GroupedExperts`: the same weights stacked per layer as
+``experts.fc1_weight`` ``[E_local, 2*ffn/tp, hidden]`` and ``experts.fc2_weight`` ``[E_local, hidden,
+ffn/tp]``, run with ``torch._grouped_mm``; megatron-core's own grouped modules need Transformer Engine or
+the ``grouped_gemm`` package, neither of which agentrl requires). The HF mapping below writes the
+per-expert layout; :func:`expert_layout` stacks or unstacks a local state dict bit-exactly, so
+converted shards and Megatron dirs load into either.
 
 **Expert parallelism** (``ep``): rank ``e`` of the expert-parallel group holds experts
 ``[e*E/ep, (e+1)*E/ep)`` under local names ``local_experts.0..``; everything else is replicated over
@@ -31,6 +36,7 @@ router still gets gradients). Rows with no record (``-1``) keep their own top-k.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,6 +153,58 @@ def moe_layer_to_hf(
                 [shards[(t, e)][local + "linear_fc2.weight"] for t in range(tp)], dim=1
             ).contiguous()
     return hf
+
+
+_PER_EXPERT = re.compile(
+    r"^(?P<head>.*\.mlp\.experts\.)local_experts\.(?P<j>\d+)\.linear_fc(?P<fc>[12])\.weight$"
+)
+_STACKED = re.compile(r"^(?P<head>.*\.mlp\.experts\.)fc(?P<fc>[12])_weight$")
+
+
+def stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A local state dict in ``SequentialMLP``'s layout (``...experts.local_experts.{j}.linear_fc{1,2}.weight``)
+    -> the grouped layout (``...experts.fc{1,2}_weight``, experts stacked in local order); other names and
+    an already grouped dict pass through. Raises ``ValueError`` naming a tensor that does not stack."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, str]] = {}
+    for name, t in sd.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        groups.setdefault(f"{m['head']}fc{m['fc']}_weight", {})[int(m["j"])] = name
+    for stacked, by_expert in groups.items():
+        names = [by_expert.get(j) for j in range(len(by_expert))]
+        if None in names:
+            raise ValueError(f"{stacked}: local experts {sorted(by_expert)} are not 0..{len(by_expert) - 1}")
+        first = sd[names[0]]
+        for name in names:
+            if sd[name].shape != first.shape or sd[name].dtype != first.dtype:
+                raise ValueError(
+                    f"{name}: shape {tuple(sd[name].shape)} {sd[name].dtype} differs from {names[0]}'s "
+                    f"{tuple(first.shape)} {first.dtype}"
+                )
+        out[stacked] = torch.stack([sd[name] for name in names])
+    return out
+
+
+def unstack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_experts`: grouped expert weights -> one tensor per local expert."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        m = _STACKED.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        for j, w in enumerate(t.unbind(0)):
+            out[f"{m['head']}local_experts.{j}.linear_fc{m['fc']}.weight"] = w.contiguous()
+    return out
+
+
+def expert_layout(sd: dict[str, torch.Tensor], grouped: bool) -> dict[str, torch.Tensor]:
+    """``sd`` with its expert weights in the grouped (``grouped``) or the per-expert layout, whichever it
+    was in (bit-exact: a stack or an unbind)."""
+    return stack_experts(sd) if grouped else unstack_experts(sd)
 
 
 def is_expert_param(name: str) -> bool:
@@ -300,6 +358,7 @@ def pop_aux_loss(num_forwards: int) -> float | None:
 __all__ = [
     "RouterReplay",
     "check_moe_tensors",
+    "expert_layout",
     "hf_moe_names",
     "hf_moe_shapes",
     "install_router_replay",
@@ -313,5 +372,7 @@ __all__ = [
     "router_order",
     "routers",
     "set_aux_loss_scale",
+    "stack_experts",
     "transformer_kwargs",
+    "unstack_experts",
 ]

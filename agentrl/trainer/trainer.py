@@ -79,7 +79,7 @@ from agentrl.trainer.model import (
     load_hf_state_dict,
     save_hf_dir,
 )
-from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
+from agentrl.trainer.moe import expert_layout, pop_aux_loss, routed_tensor, set_aux_loss_scale
 from agentrl.trainer.optim import MicroLoss, build_optimizer
 from agentrl.trainer.weight_sync import EngineWeightSync, gather_hf_state_dict
 from agentrl.types import Trajectory
@@ -158,6 +158,11 @@ class MegatronTrainer:
             raise ValueError("moe.routing_replay needs pp = 1 and no recompute_activations")
         # routing replay: each micro-batch carries the engine's recorded experts (see agentrl.trainer.moe)
         self.replay_routing = self.arch.moe is not None and cfg.moe.routing_replay
+        grouped = cfg.moe.grouped_gemm
+        # the experts' layout (agentrl.trainer.experts); both load the same shards, converted on load
+        self.grouped_experts = self.arch.moe is not None and (
+            self.device.type == "cuda" if grouped == "auto" else grouped
+        )
 
         self.compile_kernels = (
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
@@ -221,6 +226,7 @@ class MegatronTrainer:
             compile_layers=self.cfg.compile_layers,
             ep=self.cfg.ep,
             moe_aux_loss_coef=self.cfg.moe.aux_loss_coef,
+            grouped_experts=self.grouped_experts,
         )
 
     def _local_shard(self) -> dict[str, torch.Tensor]:
@@ -228,13 +234,20 @@ class MegatronTrainer:
         ep_rank = self.ps.get_expert_model_parallel_rank() if self.cfg.ep > 1 else 0
         if self.cfg.ep > 1:
             key = (*key, ep_rank)
-        if self.cfg.mcore_path is not None:
-            return load_mcore_shard(
-                self.cfg.mcore_path, self.pp_rank, self.tp_rank, self.cfg.tp, self.cfg.pp, ep_rank, self.cfg.ep
-            )
+        if self.cfg.mcore_path is not None:  # a Megatron dir holds one tensor per expert
+            c = self.cfg
+            shard = load_mcore_shard(c.mcore_path, self.pp_rank, self.tp_rank, c.tp, c.pp, ep_rank, c.ep)
+            return expert_layout(shard, self.grouped_experts)
         hf = load_hf_state_dict(self.cfg.model_path)
         return hf_to_mcore_shards(
-            hf, self.arch, self.cfg.tp, self.cfg.pp, self.cfg.vocab_divisible_by, ranks=[key], ep=self.cfg.ep
+            hf,
+            self.arch,
+            self.cfg.tp,
+            self.cfg.pp,
+            self.cfg.vocab_divisible_by,
+            ranks=[key],
+            ep=self.cfg.ep,
+            grouped_experts=self.grouped_experts,
         )[key]
 
     def _load_initial_weights(self, module: torch.nn.Module) -> None:
