@@ -262,6 +262,32 @@ def test_trainer_with_grouped_experts_matches_transformers_and_replays_routing(m
         tr.shutdown()
 
 
+def test_layer_spec_places_grouped_experts_in_builder_style_specs(
+    moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Newer megatron-core builds a layer's MoE as ``partial(MoELayer, submodules=MoESubmodules(...))``
+    with builders instead of ModuleSpecs; the grouped experts go into that partial's submodules."""
+    import functools
+    from types import SimpleNamespace
+
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    from agentrl.trainer.experts import GroupedExperts
+    from agentrl.trainer.model import layer_spec
+
+    moe_subs = SimpleNamespace(experts="SequentialMLP builder", router="TopKRouter")
+    built = SimpleNamespace(
+        submodules=SimpleNamespace(
+            self_attention=SimpleNamespace(submodules=SimpleNamespace(core_attention=None)),
+            mlp=functools.partial(lambda **kw: kw, submodules=moe_subs),
+        )
+    )
+    monkeypatch.setattr(specs, "get_gpt_layer_local_spec", lambda **kw: built)
+    spec = layer_spec(ModelArch.from_hf_dir(moe_dir), grouped_experts=True)
+    assert spec.submodules.mlp.keywords["submodules"].experts is GroupedExperts
+    assert moe_subs.router == "TopKRouter"
+
+
 def test_grouped_gemm_auto_is_sequential_on_cpu(moe_dir: Path) -> None:
     from agentrl.trainer.config import TrainerConfig
 

@@ -22,6 +22,7 @@ Layouts (why the conversion is more than renaming):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -227,7 +228,11 @@ def layer_spec(arch: ModelArch, grouped_experts: bool = False) -> Any:
 
         from agentrl.trainer.experts import GroupedExperts
 
-        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+        mlp = spec.submodules.mlp
+        if isinstance(mlp, functools.partial):  # newer megatron-core: builders, MoELayer's in a partial
+            mlp.keywords["submodules"].experts = GroupedExperts
+        else:  # older: ModuleSpecs
+            mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     return spec
 
 
