@@ -103,8 +103,11 @@ class EngineMemory:
             self.saver.pause(tag)
         else:
             self._copies[tag].offload()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # back to the driver, for the trainer's process
+        if self.device.type == "cuda":
+            # back to the driver, for the trainer's process: in copy mode the tensors' own blocks, in both
+            # modes the blocks the allocator cached for prefill activations (GiBs after large steps;
+            # CUDA graphs keep their private pool)
+            torch.cuda.empty_cache()
         self.released.add(tag)
         self.last_seconds[f"release_{tag}"] = time.perf_counter() - t0
 
