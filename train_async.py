@@ -129,14 +129,17 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
 async def engine_memory(client: Any) -> dict[str, float]:
     """The engines' peak GPU memory (GiB, the largest over engines) as they report it in
     ``/get_server_info``, and their cumulative counters summed over engines (the embedded engine's: device
-    busy seconds, decode steps and rows, prefill and cached tokens); empty when none reports them."""
+    busy seconds in all and by step kind, decode steps and rows, prefill steps, rows and tokens, cached
+    tokens, slot copies); empty when none reports them."""
     try:
         infos = await client.server_info()
     except Exception:  # a metric is not worth failing a step for
         return {}
     peaks = [float(i["peak_gpu_mem_gb"]) for i in infos if isinstance(i.get("peak_gpu_mem_gb"), int | float)]
     out = {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
-    for key in ("busy_s", "decode_steps", "decode_rows", "prefill_tokens", "cached_tokens"):
+    counters = ("busy_s", "prefill_busy_s", "decode_busy_s", "decode_steps", "decode_rows", "prefill_steps",
+                "prefill_rows", "prefill_tokens", "cached_tokens", "slot_copies")  # fmt: skip
+    for key in counters:
         vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]
         if vals:
             out[f"engine/{key}"] = sum(vals)
@@ -166,6 +169,11 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
             out["engine_decode_steps_per_step"] = delta["engine/decode_steps"] / (len(busy) - 1)
             out["engine_rows_per_decode_step"] = delta.get("engine/decode_rows", 0.0) / delta["engine/decode_steps"]
         out["engine_prefill_tokens_per_step"] = delta.get("engine/prefill_tokens", 0.0) / (len(busy) - 1)
+        for kind in ("prefill", "decode"):  # where the engines' device time goes, per RL step
+            if f"engine/{kind}_busy_s" in delta:
+                out[f"engine_{kind}_busy_s_per_step"] = delta[f"engine/{kind}_busy_s"] / (len(busy) - 1)
+        if delta.get("engine/prefill_steps"):
+            out["engine_prefill_steps_per_step"] = delta["engine/prefill_steps"] / (len(busy) - 1)
     rated = [r for r in steps if "rollout/model_tokens_per_s" in r]
     wall = sum(r["time/step_s"] for r in rated)
     if wall > 0:  # the rollout's window is the step: tokens generated over the loop's wall time
