@@ -44,6 +44,13 @@ class TrainerWorker:
         from agentrl.trainer.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg))
+        # Every call that talks to the engines (the syncs of each step, the broadcast group) runs on one
+        # event loop with one EngineClient per engine list, kept for the actor's life: a new loop and
+        # connection per sync cost time on every step. Plain methods that run the loop, not async methods:
+        # an async method would turn the actor into an async actor whose methods run in Ray's own loop.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._clients: dict[tuple[str, ...], Any] = {}
+        self._group_urls: list[str] | None = None  # the engines of the open broadcast group
 
     def train_step(
         self, trajectories: list[dict[str, Any]], max_staleness: int | None = None, record_logprobs: bool = False
@@ -64,32 +71,28 @@ class TrainerWorker:
         out = self.trainer.save_hf(out_dir)
         return None if out is None else str(out)
 
+    def _with_engines(self, engine_urls: list[str], call: Any) -> Any:
+        """Run ``call(client)`` to completion on this actor's loop, ``client`` its EngineClient for
+        ``engine_urls`` (None on other ranks than 0, and for no engines)."""
+        from agentrl.engine.client import EngineClient
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        client = None
+        if self.trainer.rank == 0 and engine_urls:
+            client = self._clients.get(tuple(engine_urls))
+            if client is None:
+                client = self._clients[tuple(engine_urls)] = EngineClient(engine_urls)
+        return self._loop.run_until_complete(call(client))
+
     def sync_weights_from_disk(
         self, engine_urls: list[str], out_dir: str, abort_all_requests: bool = False
     ) -> int:
-        fn = lambda c: self.trainer.sync_weights_from_disk(c, out_dir, abort_all_requests)  # noqa: E731
-        return asyncio.run(_with_client(engine_urls if self.trainer.rank == 0 else [], fn))
+        call = lambda c: self.trainer.sync_weights_from_disk(c, out_dir, abort_all_requests)  # noqa: E731
+        return self._with_engines(engine_urls, call)
 
     def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
-        # Every step of a colocated run: one event loop and one client (its connections kept) for all the
-        # syncs to the same engines; a fresh client per sync paid for a new loop and connection each time.
-        from agentrl.engine.client import EngineClient
-
-        urls = engine_urls if self.trainer.rank == 0 else []
-        if getattr(self, "_tensor_sync", None) is None or self._tensor_sync[0] != urls:
-            self._close_tensor_sync()
-            self._tensor_sync = (urls, asyncio.new_event_loop(), EngineClient(urls) if urls else None)
-        _, loop, client = self._tensor_sync
-        return loop.run_until_complete(self.trainer.sync_weights_from_tensor(client))
-
-    def _close_tensor_sync(self) -> None:
-        if getattr(self, "_tensor_sync", None) is None:
-            return
-        _, loop, client = self._tensor_sync
-        if client is not None:
-            loop.run_until_complete(client.close())
-        loop.close()
-        self._tensor_sync = None
+        return self._with_engines(engine_urls, self.trainer.sync_weights_from_tensor)
 
     def offload(self) -> dict[str, float]:
         return self.trainer.offload()
@@ -105,20 +108,14 @@ class TrainerWorker:
         master_port: int | None = None,
         backend: str | None = None,
     ) -> None:
-        # the group outlives this call, so its client must too: keep one per actor
-        from agentrl.engine.client import EngineClient
-
-        self._sync_urls = engine_urls
-        self._loop = asyncio.new_event_loop()
-        self._client = EngineClient(engine_urls) if self.trainer.rank == 0 else None
-        self._loop.run_until_complete(
-            self.trainer.init_weight_sync_group(
-                self._client, num_engine_ranks, master_address, master_port, backend
-            )
-        )
+        self._group_urls = engine_urls  # the group keeps its client: later calls use the same one
+        group = self.trainer.init_weight_sync_group
+        self._with_engines(engine_urls, lambda c: group(c, num_engine_ranks, master_address, master_port, backend))
 
     def sync_weights_distributed(self) -> int:
-        return self._loop.run_until_complete(self.trainer.sync_weights_distributed(self._client))
+        if self._group_urls is None:
+            raise RuntimeError("sync_weights_distributed before init_weight_sync_group")
+        return self._with_engines(self._group_urls, self.trainer.sync_weights_distributed)
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
         return str(self.trainer.save_checkpoint(ckpt_dir))
@@ -129,33 +126,19 @@ class TrainerWorker:
 
     def close_weight_sync_group(self, timeout: float = 30.0) -> bool:
         """Leave the broadcast group with the engines (they are told to leave concurrently), bounded."""
-        if getattr(self, "_loop", None) is None:
+        if self._group_urls is None:
             return True
-        return self._loop.run_until_complete(self.trainer.close_weight_sync_group(timeout))
+        return self._with_engines(self._group_urls, lambda _: self.trainer.close_weight_sync_group(timeout))
 
     def shutdown(self) -> None:
         self.close_weight_sync_group()
-        self._close_tensor_sync()
-        if getattr(self, "_client", None) is not None:
-            self._loop.run_until_complete(self._client.close())
+        if self._loop is not None:
+            for client in self._clients.values():
+                self._loop.run_until_complete(client.close())
+            self._clients.clear()
+            self._loop.close()
+            self._loop = None
         self.trainer.shutdown()
-
-
-async def _with_client(urls: list[str], fn: Any) -> Any:
-    """Run ``fn(client)`` with a short-lived EngineClient (None when there is nothing to call).
-
-    A module function, not a method: an ``async def`` method would turn the actor into an async actor
-    whose methods run inside Ray's event loop (and then ``asyncio.run`` fails).
-    """
-    from agentrl.engine.client import EngineClient
-
-    if not urls:
-        return await fn(None)
-    client = EngineClient(urls)
-    try:
-        return await fn(client)
-    finally:
-        await client.close()
 
 
 class TrainerGroup:
