@@ -28,6 +28,46 @@ def make_trajectories(
     return out
 
 
+def offset_rollout_logprobs(trajs: list[Trajectory], logprobs: list[list[float]]) -> None:
+    """Rollout logprobs slightly off ``logprobs`` (the trainer's), so that TIS weights and the mismatch
+    metrics are non-trivial."""
+    for t, lp in zip(trajs, logprobs, strict=True):
+        t.rollout_logprobs = [
+            (x + 0.05 * ((i % 3) - 1)) * m for i, (x, m) in enumerate(zip(lp, t.loss_mask, strict=True))
+        ]
+
+
+def moe_expert_parallel_worker(rank: int, world: int, port: int, model_dir: str, out: str, grouped: bool) -> None:
+    """One rank of an MoE trainer with expert parallelism ``world`` (SequentialMLP or grouped experts): one
+    train step; rank 0 saves the metrics, the HF weights gathered over the ranks, the count of its
+    SequentialMLP experts and the shapes of its stacked expert weights."""
+    import warnings
+
+    import torch
+
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    warnings.filterwarnings("ignore")
+    dist_env(rank, world, port)
+    # no balancing loss: it is a per-micro-batch statistic, and the runs split the batch differently
+    cfg = TrainerConfig(
+        model_path=model_dir, lr=1e-3, micro_batch_size=2, ep=world,
+        moe={"aux_loss_coef": 0.0, "grouped_gemm": grouped},
+    )  # fmt: skip
+    tr = MegatronTrainer(cfg)
+    trajs = make_trajectories(tr.arch.vocab_size, num_groups=4, seed=3)
+    offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))
+    names = [n for n, _ in tr.module.named_parameters()]
+    experts = sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in names)
+    stacked = [tuple(p.shape) for n, p in tr.module.named_parameters() if n.endswith("experts.fc1_weight")]
+    metrics = tr.train_step(trajs)
+    weights = tr.hf_state_dict()  # gathered over the expert-parallel ranks
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights, "local_experts": experts, "stacked": stacked}, out)
+    tr.shutdown()
+
+
 def dist_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
         RANK=str(rank),

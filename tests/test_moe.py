@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port, make_trajectories
+from _trainer_helpers import free_port, make_trajectories, moe_expert_parallel_worker
 
 from agentrl.models.moe import decode_routed_experts, encode_routed_experts
 from agentrl.trainer.model import (
@@ -431,27 +431,6 @@ async def test_routing_replay_removes_the_routing_mismatch(dist_env_one, moe_dir
 
 
 # ---------------------------------------------------------------------------------- expert parallelism
-def _ep_worker(rank: int, world: int, port: int, model_dir: str, out: str, ep: int) -> None:
-    from _trainer_helpers import dist_env
-
-    warnings.filterwarnings("ignore")
-    dist_env(rank, world, port)
-    # no balancing loss: it is a per-micro-batch statistic, and the two runs split the batch differently
-    tr = _trainer(Path(model_dir), ep=ep, moe={"aux_loss_coef": 0.0})
-    trajs = make_trajectories(tr.arch.vocab_size, num_groups=4, seed=3)
-    for t, lp in zip(trajs, tr.compute_logprobs(trajs), strict=True):
-        t.rollout_logprobs = [
-            (x + 0.05 * ((i % 3) - 1)) * m for i, (x, m) in enumerate(zip(lp, t.loss_mask, strict=True))
-        ]
-    local = {n: p for n, p in tr.module.named_parameters()}
-    experts = sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in local)
-    metrics = tr.train_step(trajs)
-    weights = tr.hf_state_dict()  # gathered over the expert-parallel ranks
-    if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "local_experts": experts}, out)
-    tr.shutdown()
-
-
 def test_expert_parallel_two_ranks_match_one(moe_dir: Path, tmp_path: Path) -> None:
     # two gloo ranks, each holding 4 of the 8 experts (and half the batch: data parallel for the rest),
     # give one rank's loss, gradient norm and update (micro-batches padded to one shape on both ranks)
@@ -461,7 +440,10 @@ def test_expert_parallel_two_ranks_match_one(moe_dir: Path, tmp_path: Path) -> N
     for world in (1, 2):
         out = tmp_path / f"ep{world}.pt"
         mp.spawn(
-            _ep_worker, args=(world, free_port(), str(moe_dir), str(out), world), nprocs=world, join=True
+            moe_expert_parallel_worker,
+            args=(world, free_port(), str(moe_dir), str(out), False),
+            nprocs=world,
+            join=True,
         )
         runs[world] = torch.load(out, weights_only=False)
     one, two = runs[1], runs[2]

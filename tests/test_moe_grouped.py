@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port, make_trajectories
+from _trainer_helpers import free_port, make_trajectories, moe_expert_parallel_worker
 
 from agentrl.trainer.model import (
     ModelArch,
@@ -171,32 +171,6 @@ def test_grouped_layout_names_the_expert_tensor_that_does_not_fit(
 
 
 # ---------------------------------------------------------------------------------- trainer, expert parallel
-def _ep_worker(rank: int, world: int, port: int, model_dir: str, out: str, grouped: bool) -> None:
-    from _trainer_helpers import dist_env
-
-    from agentrl.trainer.config import TrainerConfig
-    from agentrl.trainer.trainer import MegatronTrainer
-
-    warnings.filterwarnings("ignore")
-    dist_env(rank, world, port)
-    cfg = TrainerConfig(
-        model_path=model_dir, lr=1e-3, micro_batch_size=2, ep=world,
-        moe={"aux_loss_coef": 0.0, "grouped_gemm": grouped},
-    )  # fmt: skip
-    tr = MegatronTrainer(cfg)
-    trajs = make_trajectories(tr.arch.vocab_size, num_groups=4, seed=3)
-    for t, lp in zip(trajs, tr.compute_logprobs(trajs), strict=True):
-        t.rollout_logprobs = [
-            (x + 0.05 * ((i % 3) - 1)) * m for i, (x, m) in enumerate(zip(lp, t.loss_mask, strict=True))
-        ]
-    stacked = [tuple(p.shape) for n, p in tr.module.named_parameters() if n.endswith("experts.fc1_weight")]
-    metrics = tr.train_step(trajs)
-    weights = tr.hf_state_dict()  # gathered over the expert-parallel ranks
-    if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "stacked": stacked}, out)
-    tr.shutdown()
-
-
 def test_grouped_expert_parallel_two_ranks_match_sequential_one(moe_dir: Path, tmp_path: Path) -> None:
     # two gloo ranks with grouped experts, 4 of the 8 each, give one rank's SequentialMLP step
     import torch.multiprocessing as mp
@@ -205,7 +179,10 @@ def test_grouped_expert_parallel_two_ranks_match_sequential_one(moe_dir: Path, t
     for world, grouped in ((1, False), (2, True)):
         out = tmp_path / f"ep{world}.pt"
         mp.spawn(
-            _ep_worker, args=(world, free_port(), str(moe_dir), str(out), grouped), nprocs=world, join=True
+            moe_expert_parallel_worker,
+            args=(world, free_port(), str(moe_dir), str(out), grouped),
+            nprocs=world,
+            join=True,
         )
         runs[world] = torch.load(out, weights_only=False)
     one, two = runs[1], runs[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from _trainer_helpers import dist_env, free_port, make_trajectories
+from _trainer_helpers import dist_env, free_port, make_trajectories, offset_rollout_logprobs
 
 
 def _worker(rank: int, world: int, port: int, model_dirs: list[str], out: str, extra: dict) -> None:
@@ -38,11 +38,7 @@ def _train_once(rank: int, world: int, model_dir: str, extra: dict) -> dict:
     )
     tr = MegatronTrainer(cfg)
     trajs = make_trajectories(tr.arch.vocab_size, seed=3)
-    # rollout logprobs slightly off the trainer's, so TIS weights and mismatch metrics are non-trivial
-    for t, lp in zip(trajs, tr.compute_logprobs(trajs), strict=True):
-        t.rollout_logprobs = [
-            (x + 0.05 * ((i % 3) - 1)) * m for i, (x, m) in enumerate(zip(lp, t.loss_mask, strict=True))
-        ]
+    offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))
     metrics = tr.train_step(trajs)
     # gradients of the (last) mini-batch, gathered over TP and renamed to HF names
     grads = {k: p.grad.detach().clone() for k, p in tr.module.named_parameters()}
