@@ -329,3 +329,26 @@ async def test_a_long_row_does_not_keep_a_prefill_step_to_itself(tiny_model_dir:
     for x, y in zip(alone, together, strict=True):
         assert x.output_ids == y.output_ids
         assert abs(x.logprobs[0] - y.logprobs[0]) < 1e-4
+
+
+def test_packed_prefill_layout_equals_padded_prefill_on_cpu(tiny_hf) -> None:
+    """The packed prefill's layout (tokens end to end, per-token slots and positions, the attention
+    blocks, each row's last token) through the kernel's torch reference: the same logits and KV cache as
+    the padded SDPA prefill, for fresh rows, rows after a cached prefix and rows longer than a block."""
+    packed = ModelRunner(tiny_hf, num_slots=6, context_len=512, max_batch=4)
+    padded = ModelRunner(tiny_hf, num_slots=6, context_len=512, max_batch=4)
+    packed.packed_prefill = True  # on a GPU by default; here through the reference
+    g = torch.Generator().manual_seed(0)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(3, packed.vocab_size, (n,), generator=g).tolist()
+
+    steps = [
+        ExtendBatch([0, 1, 4], [toks(150), toks(7), toks(65)], [0, 0, 0]),
+        ExtendBatch([0, 1, 4, 2], [toks(40), toks(1), toks(3), toks(70)], [150, 7, 65, 0]),
+    ]
+    for batch in steps:
+        torch.testing.assert_close(packed.extend(batch), padded.extend(batch), atol=1e-5, rtol=1e-5)
+    for slot, n in ((0, 190), (1, 8), (2, 70), (4, 68)):
+        torch.testing.assert_close(packed.k[:, slot, :, :n], padded.k[:, slot, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.v[:, slot, :, :n], padded.v[:, slot, :, :n], atol=1e-5, rtol=1e-5)

@@ -21,6 +21,7 @@ sequence as two batched matmuls over the cached keys and values.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -34,6 +35,9 @@ from agentrl import batch_invariant as bi
 log = logging.getLogger("agentrl.engine")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Packed prefill steps of up to this many tokens replay a captured graph; larger ones run eagerly (their
+# GPU work covers the launches, and a graph's activations stay in the graph pool while the engine sleeps)
+PREFILL_GRAPH_TOKENS = 8192
 
 
 def _bucket(x: int, buckets: list[int]) -> int:
@@ -265,6 +269,14 @@ class ModelRunner:
         self._route_at: tuple = ()  # (slot index, position index) of the tokens in the running forward
 
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        # Prefill on a GPU: the step's tokens packed end to end and attention read straight from the slot
+        # cache (agentrl.embedded.attention); otherwise (CPU, batch-invariant mode, head sizes the kernel
+        # does not take) a padded rectangle through torch SDPA.
+        from agentrl.embedded import attention as packed_attention
+
+        self.packed_prefill = (
+            self.device.type == "cuda" and not batch_invariant and packed_attention.available(self.head_dim)
+        )
         # Decode attention: torch SDPA on CPU (fused there), two batched matmuls over the cached keys and
         # values on a GPU (graph-captured and compiled with the rest of the step).
         self.decode_attention = "sdpa" if self.device.type == "cpu" else "matmul"
@@ -309,6 +321,18 @@ class ModelRunner:
         )
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        # packed prefill graphs, one per token bucket (powers of two up to PREFILL_GRAPH_TOKENS), reading
+        # one static buffer laid out per bucket as _extend_forward reads it
+        self.prefill_buckets: list[int] = []
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.packed_prefill and self.cuda_graphs and self.moe is None:  # MoE: grouped GEMMs sync on sizes
+            b = 64
+            while b <= PREFILL_GRAPH_TOKENS:
+                self.prefill_buckets.append(b)
+                b *= 2
+            top = self.prefill_buckets[-1]
+            size = 3 * top + max_batch + 4 * self._prefill_blocks(top)
+            self._p_flat = torch.zeros(size, dtype=torch.long, device=self.device)
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module) -> int:
@@ -345,6 +369,8 @@ class ModelRunner:
     def extend(self, batch: ExtendBatch) -> torch.Tensor:
         """Run the new tokens of every row through the model, writing their KV into the rows' slots.
         Returns fp32 logits [rows, vocab] at each row's last new token."""
+        if self.packed_prefill:
+            return self._extend_packed(batch)
         dev = self.device
         rows = len(batch.slots)
         width = max(len(t) for t in batch.tokens)
@@ -391,6 +417,90 @@ class ModelRunner:
             x = self._post(x, o.transpose(1, 2).reshape(rows, width, -1), w, self.norm_eps)
         last = x[torch.arange(rows, device=dev), lens - 1]
         return self._logits_of(last)
+
+    def _extend_packed(self, batch: ExtendBatch) -> torch.Tensor:
+        """:meth:`extend` over the rows' tokens laid end to end: every op runs on real tokens only, and
+        attention reads each row's keys from its slot (see :mod:`agentrl.embedded.attention`). Up to
+        :data:`PREFILL_GRAPH_TOKENS` tokens a step replays the CUDA graph of its token bucket (a step of a
+        few short turns is otherwise ~20 ms of kernel launches for ~3 ms of GPU work)."""
+        from agentrl.embedded.attention import block_table
+
+        lens = [len(t) for t in batch.tokens]
+        rows, t = len(lens), sum(lens)
+        ids, slot_t, pos_t = [], [], []
+        for slot, toks, s in zip(batch.slots, batch.tokens, batch.start, strict=True):
+            ids.extend(toks)
+            slot_t.extend([slot] * len(toks))
+            pos_t.extend(range(s, s + len(toks)))
+        last = list(itertools.accumulate(lens, initial=-1))[1:]  # each row's last token in the packing
+        blocks = block_table(batch.slots, lens, batch.start)
+        bucket = next((b for b in self.prefill_buckets if b >= t), None) if self.cuda_graphs else None
+        if bucket is None:  # eager, exact sizes
+            flat = torch.tensor([*ids, *slot_t, *pos_t, *last, *itertools.chain(*blocks)], dtype=torch.long)
+            if self.device.type == "cuda":
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
+            return self._extend_forward(flat, t, rows, len(blocks[0]))
+        # the bucket's layout, padded: tokens at the scratch column of slot 0, empty blocks, last token 0
+        pad, nb = bucket - t, self._prefill_blocks(bucket)
+        fill = nb - len(blocks[0])
+        host = torch.tensor(
+            [*ids, *[0] * pad, *slot_t, *[0] * pad, *pos_t, *[self.context_len] * pad,
+             *last, *[0] * (self.max_batch - rows), *itertools.chain(*(b + [0] * fill for b in blocks))],
+            dtype=torch.long,
+        )  # fmt: skip
+        graph = self._prefill_graphs.get(bucket)
+        if graph is None:  # before the copy: the capture runs on padding in the same buffer
+            graph = self._capture_prefill(bucket)
+        self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        graph.replay()
+        return self._logits[:rows]
+
+    def _prefill_blocks(self, tokens: int) -> int:
+        """Kernel blocks a packed step of ``tokens`` tokens may need: one per full block of tokens and
+        one partial block per row."""
+        from agentrl.embedded.attention import BLOCK_M
+
+        return tokens // BLOCK_M + min(self.max_batch, tokens)
+
+    def _extend_forward(self, flat: torch.Tensor, t: int, rows: int, nb: int) -> torch.Tensor:
+        """The packed prefill forward from one flat buffer laid out as ``[ids | slots | positions]`` of
+        ``t`` tokens, ``rows`` last-token indices and the kernel's ``[4, nb]`` blocks. Returns fp32 logits
+        [rows, vocab]. Graph-capturable: no host syncs."""
+        from agentrl.embedded.attention import extend_attention
+
+        ids_d, slot_d, pos_d = flat[:t], flat[t : 2 * t], flat[2 * t : 3 * t]
+        last_d, meta = flat[3 * t : 3 * t + rows], flat[3 * t + rows : 3 * t + rows + 4 * nb].view(4, nb)
+        cos, sin = self.cos[pos_d], self.sin[pos_d]
+        self._route_at = (slot_d, pos_d)  # MoE routing goes where the KV goes
+        x = self.inner.embed_tokens(ids_d)  # [tokens, hidden]
+        for i, w in enumerate(self.weights):
+            q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
+            self.k[i][slot_d, :, pos_d] = k
+            self.v[i][slot_d, :, pos_d] = v
+            o = extend_attention(q, self.k[i], self.v[i], meta, self.scale)
+            x = self._post(x, o, w, self.norm_eps)
+        return self._logits_of(x.index_select(0, last_d))
+
+    def _capture_prefill(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """Capture the packed prefill of ``bucket`` tokens (all rows' last tokens, up to max_batch, and
+        the bucket's blocks). The warm-up runs are all padding: they write only the scratch column."""
+        t, rows, nb = bucket, self.max_batch, self._prefill_blocks(bucket)
+        flat = self._p_flat
+        flat[: 3 * t + rows + 4 * nb].zero_()
+        flat[2 * t : 3 * t].fill_(self.context_len)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self._logits.copy_(self._extend_forward(flat, t, rows, nb))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            self._logits.copy_(self._extend_forward(flat, t, rows, nb))
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._prefill_graphs[bucket] = graph
+        return graph
 
     # ------------------------------------------------------------------ decode
     def _decode_forward(self, b: int, length: int) -> torch.Tensor:
@@ -464,9 +574,10 @@ class ModelRunner:
         return graph
 
     def drop_graphs(self) -> None:
-        """Forget the captured decode graphs (their memory moved: see :mod:`agentrl.embedded.memory`);
-        each bucket is captured again when next used."""
+        """Forget the captured decode and prefill graphs (their memory moved: see
+        :mod:`agentrl.embedded.memory`); each bucket is captured again when next used."""
         self._graphs.clear()
+        self._prefill_graphs.clear()
         self._pool = None
 
     def capture_all(self, max_length: int | None = None) -> int:
@@ -479,7 +590,10 @@ class ModelRunner:
             for b in self.batch_buckets:
                 if (b, length) not in self._graphs:
                     self._capture(b, length)
-        return len(self._graphs)
+        for bucket in self.prefill_buckets:
+            if bucket not in self._prefill_graphs:
+                self._capture_prefill(bucket)
+        return len(self._graphs) + len(self._prefill_graphs)
 
 
 __all__ = [

@@ -226,7 +226,10 @@ class Scheduler:
                 take = min(todo, self.max_prefill_tokens)
                 if picked and (
                     real + take > self.max_prefill_tokens
-                    or (len(picked) + 1) * max(width, take) > self.PADDED_CELLS * self.max_prefill_tokens
+                    or (
+                        not self.runner.packed_prefill  # packed steps compute no padding
+                        and (len(picked) + 1) * max(width, take) > self.PADDED_CELLS * self.max_prefill_tokens
+                    )
                 ):
                     break
                 width, real = max(width, take), real + take

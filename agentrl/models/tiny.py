@@ -83,6 +83,20 @@ QWEN25_05B = dict(
     tie_word_embeddings=True,
 )
 
+# SmolLM2-135M's shape (Llama family: 30 layers, hidden 576, 9 query / 3 key-value heads)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
 # A Qwen3-MoE shape of about 1B parameters (0.96B; 0.30B active per token: 2 of 16 experts per layer)
 QWEN3_MOE_1B = dict(
     vocab_size=151936,
