@@ -94,3 +94,24 @@ def test_trainer_loads_a_converted_megatron_dir(tiny_model_factory, tmp_path: Pa
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     finally:
         tr.shutdown()
+
+
+def test_compile_warmup_leaves_the_training_state_alone(tiny_model_dir: Path) -> None:
+    """The warm-up pass that compiles the layers before the first step (compiled layers on a GPU) runs
+    forward and backward on made-up batches and drops the gradients: the next train step gives the same
+    weights as without it. Here on CPU, uncompiled, the pass itself."""
+    results = []
+    for warm in (False, True):
+        tr = _trainer(tiny_model_dir, lr=1e-3, pack_sequences=True, max_tokens_per_micro_batch=400)
+        try:
+            before = tr.hf_state_dict()
+            if warm:
+                assert tr._compile_warmup() > 0
+                assert all(p.grad is None for p in tr.model.parameters())
+                after = tr.hf_state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+            tr.train_step(make_trajectories(600, seed=4))
+            results.append(tr.hf_state_dict())
+        finally:
+            tr.shutdown()
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

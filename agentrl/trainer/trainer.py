@@ -211,8 +211,43 @@ class MegatronTrainer:
         self.policy_version = 0  # weight syncs done; the engines' weights carry this version
         self.weight_sync = EngineWeightSync(self.rank, self.device, cfg.weight_sync_bucket_mb << 20)
         self._offload: TrainerOffload | None = None  # the state while it is off the device
+        # compiled layers: compile now, not in the first train step (not with pipelines or experts,
+        # whose forward runs through other paths)
+        warm = cfg.compile_layers and self.device.type == "cuda" and cfg.pp == 1 and self.arch.moe is None
+        self.warmup_seconds = self._compile_warmup() if warm else 0.0
 
     # ---- construction ---------------------------------------------------------------------------
+    def _compile_warmup(self, lengths: tuple[int, ...] = (384, 640)) -> float:
+        """A forward and backward over made-up micro-batches of two sizes, so that compiled layers are
+        compiled before the first train step: the first size with static shapes, the second making the
+        token dimension dynamic (as the first steps' changing sizes would). Gradients are dropped;
+        weights, optimizer state and RNGs are not touched. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(0)
+        vocab = min(self.arch.vocab_size, 1000)
+        for n in lengths:
+            trajs = []
+            for i in range(2):
+                t = Trajectory(task_id="warmup", group_id="warmup", prompt_ids=torch.randint(vocab, (n // 2,), generator=g).tolist(), sample_index=i)  # fmt: skip
+                t.append_model_tokens(torch.randint(vocab, (n // 2,), generator=g).tolist(), [0.0] * (n // 2), 0)
+                t.reward = float(i)
+                trajs.append(t)
+            mask = response_mask(trajs)
+            plan = plan_mini_batches(
+                trajs, batch_advantages(trajs, mask, self.cfg.loss), mask, 1, self.cfg.micro_batch_size,
+                self.cfg.max_tokens_per_micro_batch, self.dp_rank, self.dp_size, self.pad_id,
+                pack=self.cfg.pack_sequences,
+            )  # fmt: skip
+            self.model.train()
+            for mb in plan[0].micro_batches:
+                lp, ent = self.logprobs.of(self.model, mb.to(self.device))
+                (lp.float().sum() + (0.0 if ent is None else ent.float().sum())).backward()
+        if self.use_megatron_optim:
+            self.model.zero_grad_buffer()
+        self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
     def _build_model(self) -> torch.nn.Module:
         return build_gpt_model(
             self.arch,
