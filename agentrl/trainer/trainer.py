@@ -217,20 +217,21 @@ class MegatronTrainer:
         self.warmup_seconds = self._compile_warmup() if warm else 0.0
 
     # ---- construction ---------------------------------------------------------------------------
-    def _compile_warmup(self, lengths: tuple[int, ...] = (384, 640)) -> float:
-        """A forward and backward over made-up micro-batches of two sizes, so that compiled layers are
-        compiled before the first train step: the first size with static shapes, the second making the
-        token dimension dynamic (as the first steps' changing sizes would). Gradients are dropped;
-        weights, optimizer state and RNGs are not touched. Returns the seconds it took."""
+    def _compile_warmup(self, shapes: tuple[tuple[int, ...], ...] = ((384, 384), (200, 330, 460, 590, 720))) -> float:
+        """A forward and backward over made-up micro-batches of two shapes, so that compiled layers are
+        compiled before the first train step: the first with static shapes, the second (other lengths,
+        more sequences) making the token dimension and the sequence count dynamic, as the first steps'
+        changing batches would. Gradients are dropped; weights, optimizer state and RNGs are not touched.
+        Returns the seconds it took."""
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
         vocab = min(self.arch.vocab_size, 1000)
-        for n in lengths:
+        for lengths in shapes:
             trajs = []
-            for i in range(2):
+            for i, n in enumerate(lengths):
                 t = Trajectory(task_id="warmup", group_id="warmup", prompt_ids=torch.randint(vocab, (n // 2,), generator=g).tolist(), sample_index=i)  # fmt: skip
-                t.append_model_tokens(torch.randint(vocab, (n // 2,), generator=g).tolist(), [0.0] * (n // 2), 0)
-                t.reward = float(i)
+                t.append_model_tokens(torch.randint(vocab, (n - n // 2,), generator=g).tolist(), [0.0] * (n - n // 2), 0)
+                t.reward = float(i % 2)
                 trajs.append(t)
             mask = response_mask(trajs)
             plan = plan_mini_batches(
