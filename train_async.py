@@ -428,13 +428,20 @@ async def _timed(phases: dict[str, float], key: str, call: Any) -> Any:
 
 async def gpu_to_trainer(cfg: RunConfig, trainer: TrainerGroup, control: Any) -> dict[str, float]:
     """Colocated, before a step (generation paused): the engines release their KV cache and weights
-    (colocation.engine_sleep), the trainer takes its state back (colocation.trainer_offload)."""
+    (colocation.engine_sleep) while the trainer takes its state back (colocation.trainer_offload). The two
+    overlap: the trainer's state beside an awake engine is how the run started (the engines sized their
+    cache first, then the trainer was built on the GPU), so it fits; the step's activations come after."""
     phases: dict[str, float] = {}
+    moves = []
     if cfg.colocation.engine_sleep:
         tags = ["kv_cache"] if cfg.colocation.engine_keep_weights else None  # None: weights and KV cache
-        await _timed(phases, "engine_release", control.release_memory_occupation(tags))
+        moves.append(_timed(phases, "engine_release", control.release_memory_occupation(tags)))
     if cfg.colocation.trainer_offload:
-        await _timed(phases, "trainer_onload", asyncio.to_thread(trainer.onload))
+        moves.append(_timed(phases, "trainer_onload", asyncio.to_thread(trainer.onload)))
+    t0 = time.monotonic()
+    await asyncio.gather(*moves)
+    if moves:
+        phases["time/to_trainer_s"] = time.monotonic() - t0  # both, overlapped
     return phases
 
 

@@ -39,8 +39,11 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["policy_version"] == 2
     for phase in ("engine_release", "trainer_onload", "engine_resume_weights", "weight_sync",
-                  "trainer_offload", "engine_resume_kv"):  # fmt: skip
+                  "trainer_offload", "engine_resume_kv", "to_trainer"):  # fmt: skip
         assert summary[f"mean_{phase}_s"] > 0, phase
+    # the release and the onload run side by side inside to_trainer (how much they overlap is timing)
+    release, onload = summary["mean_engine_release_s"], summary["mean_trainer_onload_s"]
+    assert max(release, onload) * 0.99 <= summary["mean_to_trainer_s"]
     parts = summary["mean_wait_batch_s"] + summary["mean_train_s"] + summary["mean_sync_s"]
     assert 0 < parts <= summary["mean_step_s"] * 1.01
     assert 0 <= summary["engine_idle_frac"] <= 1
