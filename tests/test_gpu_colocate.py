@@ -166,3 +166,25 @@ def test_cpu_adam_steps_like_gpu_adam(tiny_model_dir: Path) -> None:
     for k, w in weights[False].items():  # the same updates, up to a bf16 rounding step of the weight
         ulp = float(w.abs().max()) * 2**-7
         assert float((weights[True][k] - w).abs().max()) <= 0.05 * moved[k] + ulp, k
+
+
+def test_cpu_adam_frees_the_gpu_memory_of_adam(tiny_model_factory) -> None:
+    """On a model large enough to see it (~48M parameters), CPU Adam leaves the trainer's GPU without the
+    Adam moments and fp32 main weights (12 bytes a parameter; at least two thirds of that must show)."""
+    model_dir = tiny_model_factory("qwen2", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    allocated, params = {}, 0
+    for offload in (False, True):
+        trainer = _trainer(model_dir, optimizer_cpu_offload=offload)
+        try:
+            params = sum(p.numel() for p in trainer.model.parameters())
+            trainer.train_step(_batch(trainer.arch.vocab_size, 0, 0))
+            torch.cuda.synchronize()
+            allocated[offload] = torch.cuda.memory_allocated()
+        finally:
+            trainer.shutdown()
+        torch.cuda.empty_cache()
+    saved = allocated[False] - allocated[True]
+    print(f"{params / 1e6:.1f}M parameters: GPU Adam {allocated[False] / 2**30:.2f} GiB, "
+          f"CPU Adam {allocated[True] / 2**30:.2f} GiB, saved {saved / 2**30:.2f} GiB")  # fmt: skip
+    assert saved >= 8 * params, (saved, params)

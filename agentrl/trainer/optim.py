@@ -239,9 +239,13 @@ class MegatronOptimizer:
             bf16=params_dtype == torch.bfloat16,
             params_dtype=params_dtype,
             use_distributed_optimizer=True,
-            # CPU Adam (slime's --optimizer-cpu-offload): states and step on the host, all of them
+            # CPU Adam (slime's --optimizer-cpu-offload): states and step on the host, all of them. With
+            # the precision-aware optimizer (as slime pairs them) the fp32 main weights live only in the
+            # host optimizer; without it the distributed optimizer keeps an fp32 copy of every weight on
+            # the GPU, and CPU Adam saved no GPU memory for SmolLM2-135M on an H100
             optimizer_cpu_offload=c.optimizer_cpu_offload,
             optimizer_offload_fraction=1.0 if c.optimizer_cpu_offload else 0.0,
+            use_precision_aware_optimizer=c.optimizer_cpu_offload,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
         fuse_torch_adam(self.optimizer)
