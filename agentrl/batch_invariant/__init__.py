@@ -135,10 +135,10 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Ten
     """:func:`attention` on CPU for keys ``k``/``v`` [B, KV, n * KEY_CHUNK, d], one per query row.
 
     A query row's bits depend on its own query and keys only: both matmuls see a multiple of
-    :data:`ROW_TILE` rows; the exact max, the exponentials and the masks are element-wise; each key
-    chunk is summed within the chunk, then the chunks by a running total from key 0 (``cumsum``, one
-    pass in order). Keys past a query's position give exact zeros to both sums, so reading more chunks
-    (a longer decode bucket, a later query block) changes no bit."""
+    :data:`ROW_TILE` rows; the mask is element-wise and the softmax works within the row; the weighted
+    values are summed within each key chunk by the matmul, then the chunks by a running total from key
+    0 (``cumsum``, one pass in order). Keys past a query's position give exact zeros to every sum, so
+    reading more chunks (a longer decode bucket, a later query block) changes no bit."""
     b, w, h, d = q.shape
     kv, keys = k.shape[1], k.shape[2]
     g = h // kv
@@ -150,18 +150,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Ten
     s = torch.matmul(qg, k.transpose(-1, -2))[:, :, :rows].float() * scale  # [b, kv, rows, keys]
     past = torch.arange(keys, device=q.device) > q_pos[:, None, :, None, None]  # [b, 1, w, 1, keys]
     s.view(b, kv, w, g, keys).masked_fill_(past, float("-inf"))
-    # the max is exact in any order, and the softmax does not depend on it: no gradient through it
-    p = s.sub_(s.detach().amax(-1, keepdim=True)).exp_()  # contiguous, a multiple of 64 elements
-    pk = p.view(b, kv, rows, n, KEY_CHUNK)
+    # torch's CPU softmax sums a row lane by lane from key 0 (a multiple of 64 keys: no scalar tail), so
+    # the masked keys' zeros at the end change no lane and no bit of the sum
+    p = torch.softmax(s, -1)
     pc = p.new_zeros(b, kv, n, padded, KEY_CHUNK, dtype=v.dtype)  # the chunks' rows, padded for BLAS
-    pc[:, :, :, :rows] = pk.transpose(2, 3)
+    pc[:, :, :, :rows] = p.view(b, kv, rows, n, KEY_CHUNK).transpose(2, 3)
     part = torch.matmul(pc, v.view(b, kv, n, KEY_CHUNK, d))[:, :, :, :rows]  # [b, kv, n, rows, d]
-    denom = pk.sum(-1)  # [b, kv, rows, n]
-    if n > 1:
-        part, denom = part.cumsum(2)[:, :, -1], denom.cumsum(-1)[..., -1]
-    else:
-        part, denom = part[:, :, 0], denom[..., 0]
-    o = (part.float() / denom[..., None]).to(q.dtype)
+    o = (part.cumsum(2)[:, :, -1] if n > 1 else part[:, :, 0]).to(q.dtype)
     return o.view(b, kv, w, g, d).transpose(1, 2).reshape(b, w, h * d)
 
 
