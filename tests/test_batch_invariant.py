@@ -58,6 +58,39 @@ def test_attention_is_the_same_for_a_whole_sequence_decode_and_prefill_chunks() 
         assert torch.equal(torch.cat(parts, 1), whole), width
 
 
+
+def test_attention_row_ignores_the_batch_and_stale_keys_past_its_position() -> None:
+    """A reused cache slot holds stale keys past a sequence's position, a call holds rows at other
+    positions and slots, a prefill chunk spans several query blocks: a row's bits stay its own."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv, d, slots = 4, 2, 16, 6
+    cache_k = torch.randn(slots, kv, 300, d, generator=g)  # stale keys everywhere past each row
+    cache_v = torch.randn(slots, kv, 300, d, generator=g)
+    q = torch.randn(slots, 1, heads, d, generator=g)
+    pos = torch.tensor([[5], [0], [130], [299], [64], [63]])
+    crowd = bi.attention(q, cache_k, cache_v, pos, 0.25)  # decode: one query per row, the whole cache
+    for r in range(slots):
+        t = int(pos[r, 0]) + 1  # alone, with exactly its keys (zero-padded to a key chunk)
+        alone = bi.attention(
+            q[r : r + 1], cache_k[r : r + 1, :, :t], cache_v[r : r + 1, :, :t], pos[r : r + 1], 0.25
+        )
+        assert torch.equal(crowd[r], alone[0]), r
+    w, order = 150, torch.tensor([4, 0, 2])  # prefill after cached prefixes of 0, 40 and 140 tokens
+    qs = torch.randn(3, w, heads, d, generator=g)
+    qpos = torch.tensor([0, 40, 140])[:, None] + torch.arange(w)[None]
+    qpos[2, 120:] = 0  # right padding: queries past the row's tokens read key 0 only
+    both = bi.attention(qs, cache_k, cache_v, qpos, 0.25, order)
+    for r in range(3):
+        slot = order[r : r + 1]
+        alone = bi.attention(qs[r : r + 1], cache_k, cache_v, qpos[r : r + 1], 0.25, slot)
+        assert torch.equal(both[r], alone[0]), r
+        for j in (0, 1, 63, 64, 65, 119, 149):  # the same query decoded on its own
+            one = bi.attention(
+                qs[r : r + 1, j : j + 1], cache_k, cache_v, qpos[r : r + 1, j : j + 1], 0.25, slot
+            )
+            assert torch.equal(one[0, 0], alone[0, j]), (r, j)
+
+
 def _engine(model: Path, **kw) -> EmbeddedEngine:
     return EmbeddedEngine(model, max_batch_size=256, batch_invariant=True, **kw)
 

@@ -29,6 +29,7 @@ Tensor = torch.Tensor
 
 ROW_TILE = 16  # CPU: rows reach BLAS in multiples of this (invariant from 12 rows on)
 KEY_CHUNK = 64  # attention reduces over keys in chunks of this many, in order
+QUERY_BLOCK = 64  # CPU prefill: queries per block; a block reads only the key chunks it can see
 
 
 def _rows_padded(m: int) -> int:
@@ -88,14 +89,6 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp(logits)
 
 
-def _ordered_sum(t: Tensor, dim: int) -> Tensor:
-    """Sum over ``dim`` left to right (a fixed order, whatever the length)."""
-    acc = t.select(dim, 0)
-    for j in range(1, t.shape[dim]):
-        acc = acc + t.select(dim, j)
-    return acc
-
-
 def attention(
     q: Tensor,
     k: Tensor,
@@ -110,36 +103,61 @@ def attention(
     ``q`` [B, W, H, d]: W queries of sequence ``b`` at positions ``q_pos`` [B, W] (a query sees the keys
     at positions ``<= q_pos``; clamp padding queries to 0). ``k``/``v`` [S, KV, L, d]: the keys of
     sequence ``b`` are ``k[slots[b]]`` (``k[b]`` without ``slots``), at positions ``0..L-1``; GQA by
-    grouping ``H // KV`` query heads per key head. Returns [B, W, H * d] in ``q``'s dtype. On a GPU the
+    grouping ``H // KV`` query heads per key head. Only keys up to the largest position are read, so
+    ``L`` may run past it (a whole KV cache). Returns [B, W, H * d] in ``q``'s dtype. On a GPU the
     backward (training on a sequence's own keys) is torch SDPA, with ``deterministic_backward`` its math
     kernel."""
     if q.is_cuda:
         from agentrl.batch_invariant.triton_ops import attention as tri
 
         return tri(q, k, v, q_pos, scale, slots, deterministic_backward)
+    w = q.shape[1]
+    # one host read of the positions: the last key chunk each block of queries can see
+    last = q_pos.amax(0).tolist()
+    keys = (max(last) // KEY_CHUNK + 1) * KEY_CHUNK
+    k, v = k[:, :, :keys], v[:, :, :keys]  # slice first: gather and copy only the keys in use
     if slots is not None:
         k, v = k.index_select(0, slots), v.index_select(0, slots)
+    if k.shape[2] < keys:
+        pad = keys - k.shape[2]
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    if w <= QUERY_BLOCK:
+        return _attend(q, k, v, q_pos, scale)
+    out = []
+    for s in range(0, w, QUERY_BLOCK):  # causal: a block reads the key chunks up to its own last query
+        e = min(w, s + QUERY_BLOCK)
+        n = (max(last[s:e]) // KEY_CHUNK + 1) * KEY_CHUNK
+        out.append(_attend(q[:, s:e], k[:, :, :n], v[:, :, :n], q_pos[:, s:e], scale))
+    return torch.cat(out, 1)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    """:func:`attention` on CPU for keys ``k``/``v`` [B, KV, n * KEY_CHUNK, d], one per query row.
+
+    A query row's bits depend on its own query and keys only: both matmuls see a multiple of
+    :data:`ROW_TILE` rows; the mask is element-wise and the softmax works within the row; the weighted
+    values are summed within each key chunk by the matmul, then the chunks by a running total from key
+    0 (``cumsum``, one pass in order). Keys past a query's position give exact zeros to every sum, so
+    reading more chunks (a longer decode bucket, a later query block) changes no bit."""
     b, w, h, d = q.shape
-    kv, length = k.shape[1], k.shape[2]
+    kv, keys = k.shape[1], k.shape[2]
     g = h // kv
-    chunks = -(-length // KEY_CHUNK)
-    pad = chunks * KEY_CHUNK - length
-    k = F.pad(k, (0, 0, 0, pad)).contiguous()
-    v = F.pad(v, (0, 0, 0, pad)).contiguous()
-    # query rows of a key head: (query, head of the group), padded to a multiple of ROW_TILE for the two
-    # matmuls; the element-wise work between them runs on the real rows only
-    qg, rows = _pad_rows(q.view(b, w, kv, g, d).permute(0, 2, 1, 3, 4).reshape(b, kv, w * g, d), 2)
-    padded = qg.shape[2]
-    pos = q_pos[:, :, None].expand(b, w, g).reshape(b, 1, rows, 1)
+    n = keys // KEY_CHUNK
+    rows = w * g  # query rows of a key head: (query, head of the group)
+    padded = _rows_padded(rows)
+    qg = q.new_zeros(b, kv, padded, d)
+    qg[:, :, :rows].view(b, kv, w, g, d).copy_(q.view(b, w, kv, g, d).transpose(1, 2))
     s = torch.matmul(qg, k.transpose(-1, -2))[:, :, :rows].float() * scale  # [b, kv, rows, keys]
-    s = s.masked_fill(torch.arange(k.shape[2], device=q.device) > pos, float("-inf"))
-    p = torch.exp(s - s.amax(-1, keepdim=True))  # the max is exact in any order
-    denom = _ordered_sum(p.view(b, kv, rows, chunks, KEY_CHUNK).sum(-1), -1)  # per chunk, then in order
-    pc = p.new_zeros(b, kv, chunks, padded, KEY_CHUNK, dtype=v.dtype)  # [b, kv, chunks, rows', chunk]
-    pc[:, :, :, :rows] = p.view(b, kv, rows, chunks, KEY_CHUNK).transpose(2, 3)
-    part = torch.matmul(pc, v.view(b, kv, chunks, KEY_CHUNK, d))[:, :, :, :rows]  # [b, kv, chunks, rows, d]
-    o = (_ordered_sum(part, 2).float() / denom[..., None]).to(q.dtype)
-    return o.view(b, kv, w, g, d).permute(0, 2, 1, 3, 4).reshape(b, w, h * d)
+    past = torch.arange(keys, device=q.device) > q_pos[:, None, :, None, None]  # [b, 1, w, 1, keys]
+    s.view(b, kv, w, g, keys).masked_fill_(past, float("-inf"))
+    # torch's CPU softmax sums a row lane by lane from key 0 (a multiple of 64 keys: no scalar tail), so
+    # the masked keys' zeros at the end change no lane and no bit of the sum
+    p = torch.softmax(s, -1)
+    pc = p.new_zeros(b, kv, n, padded, KEY_CHUNK, dtype=v.dtype)  # the chunks' rows, padded for BLAS
+    pc[:, :, :, :rows] = p.view(b, kv, rows, n, KEY_CHUNK).transpose(2, 3)
+    part = torch.matmul(pc, v.view(b, kv, n, KEY_CHUNK, d))[:, :, :, :rows]  # [b, kv, n, rows, d]
+    o = (part.cumsum(2)[:, :, -1] if n > 1 else part[:, :, 0]).to(q.dtype)
+    return o.view(b, kv, w, g, d).transpose(1, 2).reshape(b, w, h * d)
 
 
 def rope_tables(inv_freq: Tensor, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

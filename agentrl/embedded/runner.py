@@ -400,9 +400,8 @@ class ModelRunner:
             q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
             self.k[i][slots[:, None], :, write] = k
             self.v[i][slots[:, None], :, write] = v
-            if self.batch_invariant:  # from the cache, as decode reads it
-                kk, vv = (self.k[i][:, :, :keys], self.v[i][:, :, :keys]) if not q.is_cuda else (self.k[i], self.v[i])
-                o = bi.attention(q, kk, vv, qpos, self.scale, slots)
+            if self.batch_invariant:  # from the cache, as decode reads it (the kernel reads the keys in use)
+                o = bi.attention(q, self.k[i], self.v[i], qpos, self.scale, slots)
                 x = self._post(x, o, w, self.norm_eps)
                 continue
             if fresh:
@@ -520,6 +519,8 @@ class ModelRunner:
             self.v[i][rows, :, pos] = v
             kk, vv = self.k[i][:b, :, :length], self.v[i][:b, :, :length]  # [b, kv, length, d]
             if self.batch_invariant:
+                if not q.is_cuda:  # the CPU kernel reads the key chunks up to the last position only
+                    kk, vv = self.k[i][:b], self.v[i][:b]
                 o = bi.attention(q[:, None], kk, vv, apos[:, None], self.scale).view(b, -1)
             elif self.decode_attention == "sdpa":
                 o = F.scaled_dot_product_attention(
