@@ -10,13 +10,14 @@ deterministic / default.
 
 Prints one JSON line.
 
-    python bench/deterministic.py [--steps 8] [--batch-size 4] [--group-size 4]
+    python bench/deterministic.py [--steps 8] [--batch-size 4] [--group-size 4] [--rounds 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,26 +90,43 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4, help="groups per step")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--eval-tasks", type=int, default=16)
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="pairs of runs, the order alternating (default first, then deterministic first, ...); the "
+        "ratios are the medians of the rounds' ratios, so one run slowed by a neighbour moves them less",
+    )  # fmt: skip
     a = p.parse_args()
+    rounds: list[tuple[dict[str, float], dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="agentrl_bench_") as tmp:  # removed at the end of the run
         work = Path(tmp)
         run("warmup", False, work, argparse.Namespace(**{**vars(a), "steps": 1}))  # bootstrap, caches
-        default = run("default", False, work, a)
-        det = run("deterministic", True, work, a)
-    print(
-        json.dumps(
-            {
-                "bench": "deterministic",
-                "steps": a.steps,
-                "batch": f"{a.batch_size} groups x {a.group_size}",
-                "default": default,
-                "deterministic": det,
-                "step_time_ratio": round(det["mean_step_s"] / default["mean_step_s"], 2),
-                "throughput_ratio": round(det["trajectories_per_s"] / default["trajectories_per_s"], 2),
-                "run_wall_ratio": round(det["run_wall_s"] / default["run_wall_s"], 2),
-            }
-        )
-    )
+        for r in range(a.rounds):
+            first_det = r % 2 == 1
+            one = run(f"{r}_first", first_det, work, a)
+            two = run(f"{r}_second", not first_det, work, a)
+            rounds.append((two, one) if first_det else (one, two))
+
+    def ratio(key: str, det: dict[str, float], default: dict[str, float]) -> float:
+        return det[key] / default[key]
+
+    def median_ratio(key: str) -> float:
+        return round(statistics.median(ratio(key, det, default) for default, det in rounds), 2)
+
+    default, det = rounds[0]
+    out: dict[str, Any] = {
+        "bench": "deterministic",
+        "steps": a.steps,
+        "batch": f"{a.batch_size} groups x {a.group_size}",
+        "rounds": a.rounds,
+        "default": default if a.rounds == 1 else [d for d, _ in rounds],
+        "deterministic": det if a.rounds == 1 else [d for _, d in rounds],
+        "step_time_ratio": median_ratio("mean_step_s"),
+        "throughput_ratio": median_ratio("trajectories_per_s"),
+        "run_wall_ratio": median_ratio("run_wall_s"),
+    }
+    if a.rounds > 1:
+        out["throughput_ratios"] = [round(ratio("trajectories_per_s", d, b), 2) for b, d in rounds]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
