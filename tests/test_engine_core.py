@@ -349,6 +349,14 @@ def test_packed_prefill_layout_equals_padded_prefill_on_cpu(tiny_hf) -> None:
     ]
     for batch in steps:
         torch.testing.assert_close(packed.extend(batch), padded.extend(batch), atol=1e-5, rtol=1e-5)
-    for slot, n in ((0, 190), (1, 8), (2, 70), (4, 68)):
+    # a CUDA graph's bucket layout (padding tokens at slot 0's scratch column, empty blocks, last-token
+    # entries for max_batch rows), run eagerly: the same logits, and the padding writes no real position
+    step = ExtendBatch([2, 3], [toks(20), toks(5)], [70, 0])
+    nb = packed._prefill_blocks(128)
+    host, blocks = packed._packed_layout(step, 128, packed.max_batch, nb)
+    assert blocks == nb and host.numel() == 3 * 128 + packed.max_batch + 4 * nb
+    bucketed = packed._extend_forward(host, 128, packed.max_batch, nb)[:2]
+    torch.testing.assert_close(bucketed, padded.extend(step), atol=1e-5, rtol=1e-5)
+    for slot, n in ((0, 190), (1, 8), (2, 90), (3, 5), (4, 68)):
         torch.testing.assert_close(packed.k[:, slot, :, :n], padded.k[:, slot, :, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed.v[:, slot, :, :n], padded.v[:, slot, :, :n], atol=1e-5, rtol=1e-5)

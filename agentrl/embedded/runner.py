@@ -422,37 +422,47 @@ class ModelRunner:
         attention reads each row's keys from its slot (see :mod:`agentrl.embedded.attention`). Up to
         :data:`PREFILL_GRAPH_TOKENS` tokens a step replays the CUDA graph of its token bucket (a step of a
         few short turns is otherwise ~20 ms of kernel launches for ~3 ms of GPU work)."""
+        t = sum(len(toks) for toks in batch.tokens)
+        bucket = next((b for b in self.prefill_buckets if b >= t), None)  # none without graphs
+        if bucket is None:  # eager, exact sizes
+            flat, blocks = self._packed_layout(batch)
+            if self.device.type == "cuda":
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
+            return self._extend_forward(flat, t, len(batch.slots), blocks)
+        graph = self._prefill_graphs.get(bucket)
+        if graph is None:  # before the copy: the capture runs on padding in the same buffer
+            graph = self._capture_prefill(bucket)
+        host, _ = self._packed_layout(batch, bucket, self.max_batch, self._prefill_blocks(bucket))
+        self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        graph.replay()
+        return self._logits[: len(batch.slots)]
+
+    def _packed_layout(
+        self, batch: ExtendBatch, tokens: int = 0, rows: int = 0, blocks: int = 0
+    ) -> tuple[torch.Tensor, int]:
+        """The host buffer :meth:`_extend_forward` reads, and its number of kernel blocks:
+        ``[ids | slots | positions]`` of the step's tokens, each row's last token in the packing, the
+        kernel's ``[4, blocks]`` table. Padded to at least ``tokens`` tokens (ids 0 at the scratch column
+        of slot 0), ``rows`` last-token entries (0) and ``blocks`` blocks (empty), as a graph's bucket lays
+        them out; by default exact."""
         from agentrl.embedded.attention import block_table
 
-        lens = [len(t) for t in batch.tokens]
-        rows, t = len(lens), sum(lens)
+        lens = [len(toks) for toks in batch.tokens]
         ids, slot_t, pos_t = [], [], []
         for slot, toks, s in zip(batch.slots, batch.tokens, batch.start, strict=True):
             ids.extend(toks)
             slot_t.extend([slot] * len(toks))
             pos_t.extend(range(s, s + len(toks)))
         last = list(itertools.accumulate(lens, initial=-1))[1:]  # each row's last token in the packing
-        blocks = block_table(batch.slots, lens, batch.start)
-        bucket = next((b for b in self.prefill_buckets if b >= t), None) if self.cuda_graphs else None
-        if bucket is None:  # eager, exact sizes
-            flat = torch.tensor([*ids, *slot_t, *pos_t, *last, *itertools.chain(*blocks)], dtype=torch.long)
-            if self.device.type == "cuda":
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-            return self._extend_forward(flat, t, rows, len(blocks[0]))
-        # the bucket's layout, padded: tokens at the scratch column of slot 0, empty blocks, last token 0
-        pad, nb = bucket - t, self._prefill_blocks(bucket)
-        fill = nb - len(blocks[0])
+        table = block_table(batch.slots, lens, batch.start)
+        pad = max(tokens - len(ids), 0)
+        fill = max(blocks - len(table[0]), 0)
         host = torch.tensor(
             [*ids, *[0] * pad, *slot_t, *[0] * pad, *pos_t, *[self.context_len] * pad,
-             *last, *[0] * (self.max_batch - rows), *itertools.chain(*(b + [0] * fill for b in blocks))],
+             *last, *[0] * max(rows - len(last), 0), *itertools.chain(*(b + [0] * fill for b in table))],
             dtype=torch.long,
         )  # fmt: skip
-        graph = self._prefill_graphs.get(bucket)
-        if graph is None:  # before the copy: the capture runs on padding in the same buffer
-            graph = self._capture_prefill(bucket)
-        self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
-        graph.replay()
-        return self._logits[:rows]
+        return host, len(table[0]) + fill
 
     def _prefill_blocks(self, tokens: int) -> int:
         """Kernel blocks a packed step of ``tokens`` tokens may need: one per full block of tokens and
@@ -487,17 +497,7 @@ class ModelRunner:
         flat = self._p_flat
         flat[: 3 * t + rows + 4 * nb].zero_()
         flat[2 * t : 3 * t].fill_(self.context_len)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):
-                self._logits.copy_(self._extend_forward(flat, t, rows, nb))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            self._logits.copy_(self._extend_forward(flat, t, rows, nb))
-        if self._pool is None:
-            self._pool = graph.pool()
+        graph = self._graph_of(lambda: self._logits.copy_(self._extend_forward(flat, t, rows, nb)))
         self._prefill_graphs[bucket] = graph
         return graph
 
@@ -559,19 +559,25 @@ class ModelRunner:
         column (positions set to it), so capturing while sequences are cached is safe."""
         saved = self._pos[:b].clone()
         self._pos[:b].fill_(self.context_len)
+        graph = self._graph_of(lambda: self._logits[:b].copy_(self._decode_forward(b, length)))
+        self._pos[:b].copy_(saved)
+        self._graphs[(b, length)] = graph
+        return graph
+
+    def _graph_of(self, step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """``step`` run twice on a side stream (compiles, allocator warm-up), then captured into the
+        runner's one graph pool, which every decode and prefill graph shares."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):
-                self._logits[:b].copy_(self._decode_forward(b, length))
+                step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            self._logits[:b].copy_(self._decode_forward(b, length))
+            step()
         if self._pool is None:
             self._pool = graph.pool()
-        self._pos[:b].copy_(saved)
-        self._graphs[(b, length)] = graph
         return graph
 
     def drop_graphs(self) -> None:
