@@ -25,7 +25,7 @@ import time
 import torch
 
 from agentrl.embedded.runner import ExtendBatch, ModelRunner
-from agentrl.embedded.scheduler import Scheduler
+from agentrl.embedded.scheduler import prefill_takes
 from agentrl.models.tiny import QWEN25_05B, SMOLLM2_135M
 
 
@@ -46,26 +46,17 @@ def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
 
 
 def plan(rows: list[tuple[int, list[int], int]], budget: int, padded: bool) -> list[ExtendBatch]:
-    """The scheduler's packing of (slot, tokens, start) rows into prefill steps: real tokens under
-    ``budget``, and for the padded path its rectangle under PADDED_CELLS x ``budget``; a long row is
-    chunked."""
-    steps, todo = [], [(slot, toks, start) for slot, toks, start in rows]
+    """The prefill steps the engine's scheduler plans for (slot, tokens, start) rows
+    (:func:`agentrl.embedded.scheduler.prefill_takes`, step after step until every token is in)."""
+    steps, todo = [], list(rows)
     while todo:
-        picked, width, real, rest = [], 0, 0, []
-        for slot, toks, start in todo:
-            take = min(len(toks), budget)
-            if picked and (
-                real + take > budget
-                or (padded and (len(picked) + 1) * max(width, take) > Scheduler.PADDED_CELLS * budget)
-            ):
-                rest.append((slot, toks, start))
-                continue
-            width, real = max(width, take), real + take
-            picked.append((slot, toks[:take], start))
-            if take < len(toks):
-                rest.append((slot, toks[take:], start + take))
-        steps.append(ExtendBatch([p[0] for p in picked], [p[1] for p in picked], [p[2] for p in picked]))
-        todo = rest
+        takes = prefill_takes([len(toks) for _, toks, _ in todo], budget, padded)
+        picked = todo[: len(takes)]
+        steps.append(ExtendBatch([slot for slot, _, _ in picked],
+                                 [toks[:n] for (_, toks, _), n in zip(picked, takes, strict=True)],
+                                 [start for _, _, start in picked]))  # fmt: skip
+        rest = [(slot, toks[n:], start + n) for (slot, toks, start), n in zip(picked, takes, strict=True)]
+        todo = [r for r in rest if r[1]] + todo[len(takes):]
     return steps
 
 

@@ -31,6 +31,25 @@ log = logging.getLogger("agentrl.engine")
 Step = tuple[str, list[EngineRequest], ExtendBatch | None, list[int]]
 
 
+def prefill_takes(todo: list[int], budget: int, padded: bool) -> list[int]:
+    """The next prefill step over rows with ``todo`` tokens left each, in order: how many tokens each of
+    the leading rows it takes gets (a long row is chunked to ``budget``). The rows' own tokens stay within
+    ``budget``; with ``padded`` also the rectangle the step computes (rows x the widest row) within
+    :attr:`Scheduler.PADDED_CELLS` times it. The first row always goes."""
+    takes: list[int] = []
+    width = real = 0
+    for n in todo:
+        take = min(n, budget)
+        if takes and (
+            real + take > budget
+            or (padded and (len(takes) + 1) * max(width, take) > Scheduler.PADDED_CELLS * budget)
+        ):
+            break
+        width, real = max(width, take), real + take
+        takes.append(take)
+    return takes
+
+
 class Scheduler:
     """Waiting and running requests, the slot copies between steps, and the loop that runs the steps."""
 
@@ -220,22 +239,13 @@ class Scheduler:
             # widest row) may reach PADDED_CELLS times it. Counting the rectangle against the budget
             # itself let one long row (an agent's whole history after a cache flush) keep a step to a few
             # rows, and a wave of such rows took one prefill step, with its fixed cost, per few rows.
-            picked, tokens, start, width, real = [], [], [], 0, 0
-            for r in rows:
-                todo = len(r.seq) - r.cached
-                take = min(todo, self.max_prefill_tokens)
-                if picked and (
-                    real + take > self.max_prefill_tokens
-                    or (
-                        not self.runner.packed_prefill  # packed steps compute no padding
-                        and (len(picked) + 1) * max(width, take) > self.PADDED_CELLS * self.max_prefill_tokens
-                    )
-                ):
-                    break
-                width, real = max(width, take), real + take
-                picked.append(r)
-                tokens.append(r.seq[r.cached : r.cached + take])
-                start.append(r.cached)
+            takes = prefill_takes(
+                [len(r.seq) - r.cached for r in rows], self.max_prefill_tokens,
+                padded=not self.runner.packed_prefill,  # packed steps compute no padding
+            )  # fmt: skip
+            picked = rows[: len(takes)]
+            tokens = [r.seq[r.cached : r.cached + take] for r, take in zip(picked, takes, strict=True)]
+            start = [r.cached for r in picked]
             self._since_prefill = 0
             done = [i for i, r in enumerate(picked) if r.cached + len(tokens[i]) == len(r.seq)]
             return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start), done
@@ -374,4 +384,4 @@ class Scheduler:
             self._leave(r, None, error=err)
 
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "prefill_takes"]
