@@ -84,6 +84,9 @@ from agentrl.trainer.optim import MicroLoss, build_optimizer
 from agentrl.trainer.weight_sync import EngineWeightSync, gather_hf_state_dict
 from agentrl.types import Trajectory
 
+# the compile warm-up's two batches, sequence lengths: the second has other lengths and more sequences
+WARMUP_LENGTHS = ((384, 384), (200, 330, 460, 590, 720))
+
 __all__ = [
     "MegatronTrainer",
     "MicroBatch",
@@ -217,7 +220,7 @@ class MegatronTrainer:
         self.warmup_seconds = self._compile_warmup() if warm else 0.0
 
     # ---- construction ---------------------------------------------------------------------------
-    def _compile_warmup(self, shapes: tuple[tuple[int, ...], ...] = ((384, 384), (200, 330, 460, 590, 720))) -> float:
+    def _compile_warmup(self, shapes: tuple[tuple[int, ...], ...] = WARMUP_LENGTHS) -> float:
         """A forward and backward over made-up micro-batches of two shapes, so that compiled layers are
         compiled before the first train step: the first with static shapes, the second (other lengths,
         more sequences) making the token dimension and the sequence count dynamic, as the first steps'
@@ -229,8 +232,10 @@ class MegatronTrainer:
         for lengths in shapes:
             trajs = []
             for i, n in enumerate(lengths):
-                t = Trajectory(task_id="warmup", group_id="warmup", prompt_ids=torch.randint(vocab, (n // 2,), generator=g).tolist(), sample_index=i)  # fmt: skip
-                t.append_model_tokens(torch.randint(vocab, (n - n // 2,), generator=g).tolist(), [0.0] * (n - n // 2), 0)
+                prompt = torch.randint(vocab, (n // 2,), generator=g).tolist()
+                response = torch.randint(vocab, (n - n // 2,), generator=g).tolist()
+                t = Trajectory(task_id="warmup", group_id="warmup", prompt_ids=prompt, sample_index=i)
+                t.append_model_tokens(response, [0.0] * len(response), 0)
                 t.reward = float(i % 2)
                 trajs.append(t)
             mask = response_mask(trajs)
@@ -249,6 +254,7 @@ class MegatronTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+
     def _build_model(self) -> torch.nn.Module:
         return build_gpt_model(
             self.arch,
