@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -87,6 +89,7 @@ class Chromium:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=True,  # its own process group: its helpers (zygote, renderers) go with it
         )
 
     def _listening_url(self) -> str:
@@ -182,7 +185,15 @@ class Chromium:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        # helper processes can outlive the browser's main one and still write into the profile while it is
+        # removed (a directory that gains a file cannot be deleted): end the whole group first, then remove
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for _ in range(50):
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            if not os.path.exists(self._tmp):
+                break
+            await asyncio.sleep(0.1)
 
 
 def threading_drain(stream: Any) -> None:
