@@ -77,3 +77,30 @@ def test_packed_prefill_serves_a_qwen3_moe_model(tiny_model_factory) -> None:
         torch.testing.assert_close(packed.extend(batch), padded.extend(batch), atol=1e-4, rtol=1e-4)
     assert torch.equal(packed.routed[:, :3, :190], padded.routed[:, :3, :190])
     assert (packed.routed[:, 0, :190] >= 0).all()
+
+
+def test_slot_copies_in_one_launch_per_wave_equal_copies_one_by_one() -> None:
+    """The Triton slot copies (agentrl.embedded.slot_copy), a wave per launch, against torch's copies one
+    by one, on random copies and on the scheduler's insert-then-compact pattern."""
+    import random
+
+    from agentrl.embedded.slot_copy import copy_slots
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device")
+    rng = random.Random(0)
+    for trial in range(20):
+        k = torch.randn(3, 10, 2, 301, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        copies = []
+        for _ in range(rng.randrange(1, 16)):
+            start = rng.randrange(300)
+            copies.append((rng.randrange(10), rng.randrange(10), rng.randrange(start, 301), start))
+        if trial % 2:
+            copies = [c for i in range(4) for c in ((i, 5 + i, 300, 0), (9 - i, i, 200 + i, 0))]
+        want_k, want_v = k.clone(), v.clone()
+        for src, dst, n, start in copies:
+            want_k[:, dst, :, start:n] = want_k[:, src, :, start:n].clone()
+            want_v[:, dst, :, start:n] = want_v[:, src, :, start:n].clone()
+        assert copy_slots(k, v, copies) > 0
+        assert torch.equal(k, want_k) and torch.equal(v, want_v), (trial, copies)

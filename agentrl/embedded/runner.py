@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
+from agentrl.embedded.slot_copy import copy_slots
 
 log = logging.getLogger("agentrl.engine")
 
@@ -345,13 +346,15 @@ class ModelRunner:
         return 2 * int(cfg.num_hidden_layers) * kv * head_dim * elem
 
     # ------------------------------------------------------------------ cache slots
-    def copy_slot(self, src: int, dst: int, n: int, start: int = 0) -> None:
-        """Copy cached positions ``start..n-1`` of slot ``src`` into slot ``dst`` (all layers)."""
-        if n > start and src != dst:
-            self.k[:, dst, :, start:n].copy_(self.k[:, src, :, start:n])
-            self.v[:, dst, :, start:n].copy_(self.v[:, src, :, start:n])
-            if self.routed is not None:
-                self.routed[:, dst, start:n].copy_(self.routed[:, src, start:n])
+    def copy_slots(self, copies: list[tuple[int, int, int, int]]) -> None:
+        """Apply ``copies`` in order: ``(src, dst, n, start)`` copies cached positions ``start..n-1`` of slot
+        ``src`` into slot ``dst`` (all layers); on a GPU one launch per wave of independent copies
+        (:mod:`agentrl.embedded.slot_copy`)."""
+        copy_slots(self.k, self.v, copies)
+        if self.routed is not None:
+            for src, dst, n, start in copies:
+                if n > start and src != dst:
+                    self.routed[:, dst, start:n].copy_(self.routed[:, src, start:n])
 
     def routed_experts(self, slot: int, n: int) -> torch.Tensor:
         """MoE models: the experts positions ``0..n-1`` of ``slot`` were routed to, int32 [n, layers, k]

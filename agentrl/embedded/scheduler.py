@@ -268,8 +268,7 @@ class Scheduler:
         logprobs) of the rows that sample."""
         copies, self._copies = self._copies, []
         self.stats["slot_copies"] = self.stats.get("slot_copies", 0) + len(copies)
-        for src, dst, n, start in copies:
-            self.runner.copy_slot(src, dst, n, start=start)
+        self.runner.copy_slots(copies)
         if kind == "prefill":
             logits = self.runner.extend(batch)
             if not done:
