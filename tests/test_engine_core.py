@@ -403,3 +403,23 @@ def test_slot_copy_waves_give_the_sequential_result() -> None:
         ref_v[:, dst, :, start:n] = ref_v[:, src, :, start:n].clone()
     assert copy_slots(k, v, copies) == 0  # CPU: one by one, in order
     assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+def test_pack_parameters_puts_every_weight_in_one_aligned_buffer(tiny_hf) -> None:
+    """The engine's weights are views of one buffer (one region to release and resume), tied weights
+    once, each at an aligned offset, with their values and the model's outputs unchanged."""
+    from agentrl.embedded.weights import pack_parameters
+    from agentrl.offload import unique_storages
+
+    model = tiny_hf
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        before = model(ids).logits.clone()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flat = pack_parameters(model, torch.device("cpu"))
+    storages = unique_storages(model.parameters())
+    assert len(storages) == 1 and storages[0].data_ptr() == flat.untyped_storage().data_ptr()
+    assert all((p.data_ptr() - flat.data_ptr()) % 256 == 0 for p in model.parameters())
+    assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

@@ -40,7 +40,14 @@ from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationReco
 from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.embedded.sampling import EngineBadRequest, RequestSampling, sample_tokens
 from agentrl.embedded.scheduler import Scheduler
-from agentrl.embedded.weights import DrainLock, WeightGroups, check_weights, copy_weights, load_checkpoint
+from agentrl.embedded.weights import (
+    DrainLock,
+    WeightGroups,
+    check_weights,
+    copy_weights,
+    load_checkpoint,
+    pack_parameters,
+)
 
 log = logging.getLogger("agentrl.engine")
 
@@ -131,8 +138,9 @@ class EmbeddedEngine:
             torch.cuda.set_device(self.device)  # the current device is per thread
         self.memory = EngineMemory(self.device, memory_mode)
         model = auto_model.from_pretrained(self.model_path, dtype=self.dtype)
-        with self.memory.region("weights"):
-            self.model = model.to(self.device).eval()
+        with self.memory.region("weights"):  # one buffer: one region to release and resume
+            self.weight_buffer = pack_parameters(model, self.device)
+        self.model = model.to(self.device).eval()  # the buffers (RoPE tables) follow, outside the region
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -169,9 +177,6 @@ class EmbeddedEngine:
             # elsewhere first left those blocks in the caching allocator)
             kv_region=(lambda: self.memory.region("kv_cache")) if self.memory.mode == "virtual" else None,
         )
-        for p in self.model.parameters():  # CPU weights may map the checkpoint file: own memory can be freed
-            if not p.untyped_storage().resizable():
-                p.data = p.data.clone()
         self.memory.register("weights", self.model.parameters())
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])

@@ -104,6 +104,24 @@ def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
             dst.copy_(t.to(device=dst.device, dtype=dst.dtype))  # type: ignore[union-attr]
 
 
+def pack_parameters(model: torch.nn.Module, device: torch.device, align: int = 256) -> torch.Tensor:
+    """Move ``model``'s parameters into one buffer on ``device`` (each a view at an ``align``-byte offset,
+    tied parameters once) and return the buffer. One allocation is one region to release and resume when
+    the engine sleeps: hundreds of separate tensors each cost a backup copy, an unmap and a map."""
+    params = list(dict.fromkeys(model.parameters()))
+    offsets, total = [], 0
+    for p in params:
+        total = -(-total // align) * align
+        offsets.append(total)
+        total += p.numel() * p.element_size()
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    for p, at in zip(params, offsets, strict=True):
+        view = flat[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+    return flat
+
+
 def load_checkpoint(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The state dict of the HF checkpoint directory ``path``, in ``dtype``."""
     from transformers import AutoModelForCausalLM
