@@ -209,6 +209,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     rollout: Any = None
     monitor: EngineClient | None = None  # the driver's own client, for engine metrics only
     control: EngineClient | None = None  # colocated: the engines' sleep and wake
+    offloading: asyncio.Future[float] | None = None  # colocated: the trainer's offload, under way
     try:
         check_gpus(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then the engines
@@ -291,7 +292,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             phases: dict[str, float] = {}  # colocated: sleep / wake / offload times
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
-                phases = await gpu_to_trainer(cfg, trainer, control)
+                phases = await gpu_to_trainer(cfg, trainer, control, offloading)
+                offloading = None
             t_train = time.monotonic()
             train_metrics = await asyncio.to_thread(
                 trainer.train_step, batch, cfg.rollout.max_staleness, cfg.rollout.dump.wants(step + 1)
@@ -302,7 +304,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
             if cfg.placement == "colocated":
-                version = await gpu_to_engines(cfg, trainer, control, sync_urls, out, phases)
+                version, offloading = await gpu_to_engines(cfg, trainer, control, sync_urls, out, phases)
             else:
                 version = await sync(cfg, trainer, sync_urls, out)
             rollout_stats = await rollout.stats.remote()  # while paused: with deterministic, a fixed point
@@ -325,8 +327,10 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             logger.log(last, step + 1)
             progress.update(step + 1, {**last, **(evals[-1][1] if evals else {})})
             if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+                offloading = await settle(offloading)
                 await checkpoint(trainer, rollout, ckpt_dir, step + 1, cfg.colocation.trainer_offload)
         progress.close()
+        offloading = await settle(offloading)
         if cfg.steps > start_step:
             await checkpoint(trainer, rollout, ckpt_dir, cfg.steps, cfg.colocation.trainer_offload)
 
@@ -334,6 +338,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         accounting = await rollout.accounting.remote()
     finally:
         # 6. shutdown: rollout, trainer, engines, servers, Ray -- also on Ctrl-C and errors
+        await settle(offloading, quiet=True)
         if control is not None:
             await control.close()
         await shutdown(rollout, trainer, monitor, services)
@@ -426,12 +431,19 @@ async def _timed(phases: dict[str, float], key: str, call: Any) -> Any:
     return result
 
 
-async def gpu_to_trainer(cfg: RunConfig, trainer: TrainerGroup, control: Any) -> dict[str, float]:
-    """Colocated, before a step (generation paused): the engines release their KV cache and weights
-    (colocation.engine_sleep) while the trainer takes its state back (colocation.trainer_offload). The two
-    overlap: the trainer's state beside an awake engine is how the run started (the engines sized their
-    cache first, then the trainer was built on the GPU), so it fits; the step's activations come after."""
+async def gpu_to_trainer(
+    cfg: RunConfig, trainer: TrainerGroup, control: Any, offloading: asyncio.Future[float] | None = None
+) -> dict[str, float]:
+    """Colocated, before a step (generation paused): the trainer's previous offload ends if it has not
+    yet, then the engines release their KV cache and weights (colocation.engine_sleep) while the trainer
+    takes its state back (colocation.trainer_offload). The two overlap: the trainer's state beside an
+    awake engine is how the run started (the engines sized their cache first, then the trainer was built
+    on the GPU), so it fits; the step's activations come after."""
     phases: dict[str, float] = {}
+    if offloading is not None:  # the last step's offload, overlapped with generation (gpu_to_engines)
+        t0 = time.monotonic()
+        phases["time/trainer_offload_s"] = await offloading
+        phases["time/trainer_offload_wait_s"] = time.monotonic() - t0
     moves = []
     if cfg.colocation.engine_sleep:
         tags = ["kv_cache"] if cfg.colocation.engine_keep_weights else None  # None: weights and KV cache
@@ -448,17 +460,42 @@ async def gpu_to_trainer(cfg: RunConfig, trainer: TrainerGroup, control: Any) ->
 async def gpu_to_engines(
     cfg: RunConfig, trainer: TrainerGroup, control: Any, engine_urls: list[str], out: Path,
     phases: dict[str, float],
-) -> int:  # fmt: skip
-    """Colocated, after a step, in slime's order: the engines take their weights back, get the new ones
-    (version + 1), the trainer lets go of its state, the engines take their KV cache back."""
+) -> tuple[int, asyncio.Future[float] | None]:  # fmt: skip
+    """Colocated, after a step, in slime's order: the engines take their weights back and get the new ones
+    (version + 1); the trainer hands back its allocator's cache (the step's activations), and the engines
+    take their KV cache back while the trainer moves its state off the GPU. That move overlaps the KV's
+    return and the next generation, for the reason the onload overlaps the release (gpu_to_trainer); it
+    is returned under way, and the next step's gpu_to_trainer (or a checkpoint) waits for it."""
     if cfg.colocation.engine_sleep and not cfg.colocation.engine_keep_weights:
         await _timed(phases, "engine_resume_weights", control.resume_memory_occupation(["weights"]))
     version = await _timed(phases, "weight_sync", sync(cfg, trainer, engine_urls, out))
+    offloading = None
     if cfg.colocation.trainer_offload:
-        await _timed(phases, "trainer_offload", asyncio.to_thread(trainer.offload))
+        await asyncio.to_thread(trainer.release_cached_memory)
+        offloading = asyncio.ensure_future(_seconds(asyncio.to_thread(trainer.offload)))
     if cfg.colocation.engine_sleep:
         await _timed(phases, "engine_resume_kv", control.resume_memory_occupation(["kv_cache"]))
-    return version
+    return version, offloading
+
+
+async def _seconds(call: Any) -> float:
+    t0 = time.monotonic()
+    await call
+    return time.monotonic() - t0
+
+
+async def settle(offloading: asyncio.Future[float] | None, quiet: bool = False) -> None:
+    """Wait for a trainer offload under way (see gpu_to_engines); ``quiet``: on the way out, where its
+    error must not hide the one being raised. Returns None, the new value of the caller's handle."""
+    if offloading is None:
+        return None
+    try:
+        await (asyncio.wait_for(offloading, 300) if quiet else offloading)
+    except Exception as err:
+        if not quiet:
+            raise
+        print(f"trainer offload failed: {err}", file=sys.stderr)
+    return None
 
 
 async def checkpoint(

@@ -97,6 +97,9 @@ class TrainerWorker:
     def offload(self) -> dict[str, float]:
         return self.trainer.offload()
 
+    def release_cached_memory(self) -> None:
+        self.trainer.release_cached_memory()
+
     def onload(self) -> dict[str, float]:
         return self.trainer.onload()
 
@@ -198,6 +201,10 @@ class TrainerGroup:
     def offload(self) -> dict[str, float]:
         """Every rank moves its weights, gradients and optimizer state to host memory; rank 0's figures."""
         return self._all("offload")
+
+    def release_cached_memory(self) -> None:
+        """Every rank hands the blocks its allocator caches (a step's activations) back to the driver."""
+        self._all("release_cached_memory")
 
     def onload(self) -> dict[str, float]:
         """Every rank brings its state back to the device; rank 0's figures."""

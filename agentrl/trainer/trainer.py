@@ -540,6 +540,12 @@ class MegatronTrainer:
             self._offload = TrainerOffload(self.model, self.optim.optimizer, self.device, extra)
         return self._offload.offload()
 
+    def release_cached_memory(self) -> None:
+        """Hand the blocks the allocator caches (a step's activations) back to the driver, keeping the
+        state: what a colocated engine may take while this rank's state moves off the GPU."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def onload(self) -> dict[str, float]:
         """Bring the state :meth:`offload` moved back to the device (no-op when it is there)."""
         return {} if self._offload is None else self._offload.onload()
