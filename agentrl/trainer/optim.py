@@ -240,9 +240,10 @@ class MegatronOptimizer:
             params_dtype=params_dtype,
             use_distributed_optimizer=True,
             # CPU Adam (slime's --optimizer-cpu-offload): states and step on the host, all of them. With
-            # the precision-aware optimizer (as slime pairs them) the fp32 main weights live only in the
-            # host optimizer; without it the distributed optimizer keeps an fp32 copy of every weight on
-            # the GPU, and CPU Adam saved no GPU memory for SmolLM2-135M on an H100
+            # the precision-aware optimizer (as slime pairs them) the distributed optimizer makes no fp32
+            # main weights and hands the bf16 shards to the host optimizer, which keeps fp32 copies and
+            # the moments: the GPU keeps the bf16 weights and the fp32 grad buffer (6 bytes a parameter,
+            # 12 fewer than GPU Adam). Without it the fp32 main weights stay on the GPU (only 8 fewer)
             optimizer_cpu_offload=c.optimizer_cpu_offload,
             optimizer_offload_fraction=1.0 if c.optimizer_cpu_offload else 0.0,
             use_precision_aware_optimizer=c.optimizer_cpu_offload,
