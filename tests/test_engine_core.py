@@ -423,3 +423,55 @@ def test_pack_parameters_puts_every_weight_in_one_aligned_buffer(tiny_hf) -> Non
     assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+async def test_decode_runs_give_the_tokens_of_single_steps(tiny_model_dir: Path) -> None:
+    """Decode steps run back to back on the device thread (Scheduler.DECODE_RUN) give every request the
+    tokens, logprobs and finish reasons of one step per event-loop turn: rows finishing at different
+    steps (stop ids, stop strings, lengths), seeded sampling, and requests arriving mid-run."""
+    prompts = [list(range(20 + 3 * i, 40 + 5 * i)) for i in range(6)]
+    lengths_of = (3, 17, 9, 30, 1, 22)
+    probe = EmbeddedEngine(tiny_model_dir, max_batch_size=4, seed=0)
+    free = [
+        await probe.generate(
+            p, RequestSampling(max_new_tokens=30, sampling_seed=100 + i, ignore_eos=True), f"p{i}"
+        )
+        for i, p in enumerate(prompts)
+    ]  # a seeded draw depends on nothing but (seed, position): stops taken from here are met in the runs
+    stop_id, stop_text = free[1].output_ids[6], probe.tokenizer.decode(free[3].output_ids[4:6])
+    params = [
+        RequestSampling(max_new_tokens=n, sampling_seed=100 + i, stop=[stop_text], stop_token_ids=[stop_id])
+        for i, n in enumerate(lengths_of)
+    ]
+
+    async def run(decode_run: int) -> tuple[list, int]:
+        engine = EmbeddedEngine(tiny_model_dir, max_batch_size=4, seed=0)
+        engine.scheduler.DECODE_RUN = decode_run
+        inner, lengths = engine.scheduler._decode_run, []
+
+        def spy(rows):
+            out = inner(rows)
+            lengths.append(out[2])
+            return out
+
+        engine.scheduler._decode_run = spy
+        first = [
+            engine.generate(p, sp, f"r{i}")
+            for i, (p, sp) in enumerate(zip(prompts[:4], params[:4], strict=True))
+        ]
+        tasks = [asyncio.ensure_future(c) for c in first]
+        await asyncio.sleep(0.05)  # the last two arrive while the first four decode
+        tasks += [asyncio.ensure_future(engine.generate(p, sp, f"l{i}")) for i, (p, sp) in
+                  enumerate(zip(prompts[4:], params[4:], strict=True))]  # fmt: skip
+        recs = await asyncio.gather(*tasks)
+        return [(r.output_ids, r.logprobs, r.finish_reason) for r in recs], lengths
+
+    single, lengths_single = await run(1)
+    runs, lengths_runs = await run(8)
+    assert [x[0] for x in runs] == [x[0] for x in single]
+    assert [x[2] for x in runs] == [x[2] for x in single]
+    for (_, a, _), (_, b, _) in zip(runs, single, strict=True):
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-5
+    assert {x[2]["type"] for x in single} == {"length", "stop"}
+    assert set(lengths_single) == {1} and max(lengths_runs) == 8  # runs were taken, and cut short
+    assert sum(lengths_runs) == sum(lengths_single) and len(lengths_runs) < len(lengths_single) / 2

@@ -59,6 +59,10 @@ class Scheduler:
     # take at most about half of the time while requests keep arriving one by one (agent turns).
     ADAPTIVE_ADMISSION = True
     PADDED_CELLS = 4  # a prefill step's rows x width, at most, in units of max_prefill_tokens
+    # Decode steps the device thread runs back to back while nothing changes the schedule: each return to
+    # the event loop between steps costs two thread hand-offs and the loop's own turn (about as long as a
+    # small model's decode step on a GPU). The rows' tokens are the same for any value.
+    DECODE_RUN = 8
 
     def __init__(
         self,
@@ -163,19 +167,20 @@ class Scheduler:
                 try:
                     async with self.step_lock:
                         t_step = time.perf_counter()
-                        result = await self.on_device(self._execute, *step)
+                        ids, lps, steps = await self.on_device(self._execute, *step)
                         # device busy time: what an idle fraction of the engine itself is measured against,
                         # in all and per step kind (prefill / decode), to show where an engine's time goes
                         took = time.perf_counter() - t_step
-                        mean = self._step_s[step[0]]
-                        self._step_s[step[0]] = took if mean == 0.0 else 0.9 * mean + 0.1 * took
+                        mean, each = self._step_s[step[0]], took / steps
+                        self._step_s[step[0]] = each if mean == 0.0 else 0.9 * mean + 0.1 * each
                         self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + took
                         self.stats[f"{step[0]}_busy_s"] = self.stats.get(f"{step[0]}_busy_s", 0.0) + took
+                        self._since_prefill += steps - 1 if step[0] == "decode" else 0
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
                     self._fail(step[1], err)
                     continue
-                self._commit(step, result)
+                self._commit(step, (ids, lps))
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # a bug in the schedule: fail everything, report unhealthy
@@ -264,27 +269,79 @@ class Scheduler:
 
     def _execute(self, kind: str, rows: list[EngineRequest], batch: ExtendBatch | None, done: list[int]):
         """Device thread: the slot copies queued since the last step (prefix hits, cache inserts,
-        compaction, in the order they were decided), then one forward + sampling. Returns (ids,
-        logprobs) of the rows that sample."""
+        compaction, in the order they were decided), then one forward + sampling, or a run of decode steps
+        (:meth:`_decode_run`). Returns (ids, logprobs) of the rows that sample at the last step, and the
+        number of steps taken."""
         copies, self._copies = self._copies, []
         self.stats["slot_copies"] = self.stats.get("slot_copies", 0) + len(copies)
         self.runner.copy_slots(copies)
-        if kind == "prefill":
-            logits = self.runner.extend(batch)
-            if not done:
-                return [], []
-            logits = logits[done] if len(done) < len(rows) else logits
-        else:
-            logits = self.runner.decode([r.seq[-1] for r in rows], [len(r.seq) - 1 for r in rows])
-        sampled = [rows[i] for i in done]
+        if kind == "decode":
+            return self._decode_run(rows)
+        logits = self.runner.extend(batch)
+        if not done:
+            return [], [], 1
+        logits = logits[done] if len(done) < len(rows) else logits
+        return (*self._sample(logits, [rows[i] for i in done]), 1)
+
+    def _sample(self, logits: torch.Tensor, rows: list[EngineRequest]) -> tuple[list[int], list[float]]:
         with torch.inference_mode():
             return sample_tokens(
                 logits,
-                [r.sampling for r in sampled],
-                [r.seed for r in sampled],
-                [len(r.seq) for r in sampled],
+                [r.sampling for r in rows],
+                [r.seed for r in rows],
+                [len(r.seq) for r in rows],
                 invariant_rows=self.runner.max_batch if self.runner.batch_invariant else None,
             )
+
+    def _decode_run(self, rows: list[EngineRequest]) -> tuple[list[int], list[float], int]:
+        """Device thread: decode steps of ``rows`` back to back, up to :attr:`DECODE_RUN` of them, for as
+        long as the schedule would plan the same step again: no row finishes (checked as :meth:`_append`
+        will), nothing is aborted or retracted, no admission is due. The tokens of every step but the last
+        are taken here; the last step's go to :meth:`_commit` on the event loop, which finishes rows and
+        answers their callers. Returns the last step's ids and logprobs and the number of steps."""
+        limit = self.DECODE_RUN if not any(r.on_token is not None for r in rows) else 1
+        steps = 0
+        while True:
+            logits = self.runner.decode([r.seq[-1] for r in rows], [len(r.seq) - 1 for r in rows])
+            ids, lps = self._sample(logits, rows)
+            steps += 1
+            if steps >= limit or self._decode_run_ends(rows, ids, steps):
+                return ids, lps, steps
+            for r, t, lp in zip(rows, ids, lps, strict=True):
+                r.seq.append(t)
+                r.output_ids.append(t)
+                r.logprobs.append(lp)
+                r.cached += 1
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] = self.stats.get("decode_rows", 0) + len(rows)
+
+    def _decode_run_ends(self, rows: list[EngineRequest], ids: list[int], steps: int) -> bool:
+        """Whether the step just sampled must go back to the event loop (read from the device thread: the
+        event loop only appends to ``waiting`` and sets flags meanwhile)."""
+        if self._retract or any(r.abort for r in rows):
+            return True
+        waiting = len(self.waiting)  # what _plan would admit before the next step (its token count aside)
+        if waiting and (
+            self._since_prefill + steps - 1 >= self._admit_every()
+            or waiting >= self.max_batch_size - len(rows)
+        ):
+            return True
+        return any(self._finishes(r, t) for r, t in zip(rows, ids, strict=True))
+
+    def _finishes(self, r: EngineRequest, token: int) -> bool:
+        """Whether taking ``token`` finishes ``r`` (:meth:`_append`'s conditions, nothing changed)."""
+        s = r.sampling
+        if (
+            token in r.stop_ids
+            or len(r.output_ids) + 1 >= s.max_new_tokens
+            or len(r.seq) + 1 >= self.max_context
+        ):
+            return True
+        return (
+            bool(s.stop)
+            and self._may_stop(token, s.stop)
+            and self._match_stop([*r.output_ids, token], s.stop) is not None
+        )
 
     def _commit(self, step: Step, result: tuple[list[int], list[float]]) -> None:
         kind, rows, batch, done = step
