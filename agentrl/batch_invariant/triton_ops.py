@@ -24,7 +24,7 @@ from agentrl.batch_invariant import KEY_CHUNK
 
 Tensor = torch.Tensor
 
-_BM, _BN, _BK = 64, 64, 64
+_BM, _BN, _BK, _WARPS, _STAGES = 64, 64, 64, 4, 3  # the one tiling, for every shape
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -58,7 +58,7 @@ def _mm(a: Tensor, w: Tensor) -> Tensor:
         return c
     grid = (triton.cdiv(m, _BM), triton.cdiv(n, _BN))
     _mm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
-                     BM=_BM, BN=_BN, BK=_BK, IEEE=a.dtype == torch.float32, num_warps=4, num_stages=3)  # fmt: skip
+                     BM=_BM, BN=_BN, BK=_BK, IEEE=a.dtype == torch.float32, num_warps=_WARPS, num_stages=_STAGES)  # fmt: skip
     return c
 
 

@@ -220,7 +220,10 @@ def sample_tokens(
                 filter_logits(x, top_k, top_p, torch.tensor([p.min_p for p in params], device=dev)),
                 False,
             )
-        keys = torch.tensor([signed64(s) for s in seeds] + list(positions), dtype=torch.long).to(dev)
+        keys = torch.tensor([signed64(s) for s in seeds] + list(positions), dtype=torch.long)
+        if dev.type == "cuda":  # from pinned memory without a wait: the step's forward may still be running
+            keys = keys.pin_memory()
+        keys = keys.to(dev, non_blocking=True)
         tokens, log_z = inverse_cdf(x, row_uniforms(keys[:n], keys[n:]))
         if not raw:
             log_z = torch.logsumexp(logits, dim=-1)
