@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OffloadStats", "StorageOffload", "unique_storages"]
+__all__ = ["HostCopy", "OffloadStats", "StorageOffload", "unique_storages"]
 
 
 def unique_storages(tensors: Iterable[torch.Tensor | None]) -> list[torch.UntypedStorage]:
@@ -120,3 +120,35 @@ class StorageOffload:
         devices = {s.device for s in self.storages if s.device.type == "cuda"}
         for d in devices:
             torch.cuda.synchronize(d)
+
+
+class HostCopy:
+    """The bytes of a fixed set of storages, saved to host memory (pinned on a GPU, allocated once and
+    kept) and written back, the storages themselves untouched: for memory that something else frees and
+    maps again at the same addresses (CUDA virtual memory, :mod:`agentrl.embedded.memory`)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        self.storages = unique_storages(tensors)
+        self._host: list[torch.Tensor] = []
+
+    def save(self) -> None:
+        """Copy the storages' bytes to host memory (the copies are done when this returns)."""
+        if not self._host:
+            self._host = [
+                torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=s.device.type == "cuda")
+                for s in self.storages
+            ]
+        for s, host in zip(self.storages, self._host, strict=True):
+            host.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
+        _synchronize(self.storages)
+
+    def restore(self) -> None:
+        """Write the saved bytes back into the storages (done when this returns)."""
+        for s, host in zip(self.storages, self._host, strict=True):
+            _bytes_view(s).copy_(host, non_blocking=s.device.type == "cuda")
+        _synchronize(self.storages)
+
+
+def _synchronize(storages: list[torch.UntypedStorage]) -> None:
+    for d in {s.device for s in storages if s.device.type == "cuda"}:
+        torch.cuda.synchronize(d)

@@ -22,7 +22,7 @@ from agentrl.embedded.engine import EmbeddedEngine, RequestSampling
 from agentrl.embedded.native_api import build_app
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
-from agentrl.offload import StorageOffload
+from agentrl.offload import HostCopy, StorageOffload
 
 TESTS = str(Path(__file__).parent)
 
@@ -50,6 +50,26 @@ def test_storage_offload_frees_and_restores_shared_storages_bit_for_bit() -> Non
     assert torch.equal(dropped_buf, torch.zeros(10))  # not kept: zeros, never stale bits
     lin(torch.ones(2, 8)).sum().backward()  # the parameters still train
     assert lin.weight.grad is not None
+
+
+def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:
+    """HostCopy keeps the bytes of shared storages across a loss of their content (what CUDA virtual
+    memory's unmap and map do to the engine's weights) and writes them back into the same storages,
+    every view included, as many times as asked; the host buffer is allocated once."""
+    flat = torch.randn(1000)
+    a, b = flat[:300].view(10, 30), flat[300:]
+    saved = HostCopy([a, b, a])
+    assert len(saved.storages) == 1
+    want = flat.clone()
+    for _ in range(2):
+        saved.save()
+        host = saved._host[0]
+        flat.zero_()  # the content is gone, the tensors and addresses stay
+        saved.restore()
+        assert saved._host[0] is host
+        assert torch.equal(flat, want) and torch.equal(a, want[:300].view(10, 30))
+        flat.add_(1.0)
+        want = flat.clone()
 
 
 def test_named_tensors_in_shared_memory_round_trip_and_bad_payloads_are_refused() -> None:
