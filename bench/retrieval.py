@@ -9,7 +9,13 @@ Builds a synthetic-world corpus (``--passages``, 10k by default), then measures 
 and prints ONE JSON line with the figures and their ratios to raw bm25s. Queries are the world's
 question texts (what a model typically sends). Client and server share the machine's cores.
 
+``--client`` adds the search tool's own client (``RetrievalClient``, what ``SearchEnv`` calls) against
+an ``httpx.AsyncClient`` posting the same bodies (the baseline: the client the tool had before), both
+in waves of ``--wave`` concurrent one-query searches, as a rollout's episodes send them: queries/s
+and the p50 / p90 latency of a search (``ratio_client_vs_httpx``: the client's queries/s over httpx's).
+
     python bench/retrieval.py [--passages 10000] [--queries 2000] [--concurrency 16] [--batch 32]
+    python bench/retrieval.py --client [--wave 100]
 """
 
 from __future__ import annotations
@@ -43,6 +49,49 @@ def make_corpus(passages: int, seed: int, out: Path) -> tuple[Path, list[str]]:
         raise RuntimeError(f"world has {len(world.corpus)} passages < {passages}")
     path = write_corpus(out / "corpus.jsonl", world.corpus[:passages])
     return path, [t["prompt"] for t in world.train + world.test]
+
+
+async def client_bench(url: str, queries: list[str], topk: int, wave: int) -> dict[str, float]:
+    """The search tool's client against httpx, waves of ``wave`` concurrent one-query searches each."""
+    import httpx
+
+    from agentrl.tools.search import RetrievalClient
+
+    tool = RetrievalClient(url, topk=topk)
+    plain = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=None), timeout=60)
+
+    async def with_httpx(q: str) -> None:
+        r = await plain.post(f"{url}/retrieve", json={"queries": [q], "topk": topk, "return_scores": True})
+        r.raise_for_status()
+        r.json()
+
+    async def waves(search) -> tuple[float, list[float]]:
+        lat: list[float] = []
+
+        async def one(q: str) -> None:
+            t = time.perf_counter()
+            await search(q)
+            lat.append(time.perf_counter() - t)
+
+        await asyncio.gather(*(one(q) for q in queries[:wave]))  # warm up connections
+        lat.clear()
+        t = time.perf_counter()
+        for i in range(0, len(queries) - wave + 1, wave):
+            await asyncio.gather(*(one(q) for q in queries[i : i + wave]))
+        return len(lat) / (time.perf_counter() - t), sorted(lat)
+
+    out: dict[str, float] = {}
+    try:
+        for name, search in (("httpx", with_httpx), ("client", tool.search)):
+            rate, lat = await waves(search)
+            out[f"{name}_wave{wave}_qps"] = round(rate, 1)
+            out[f"{name}_wave{wave}_p50_ms"] = round(lat[len(lat) // 2] * 1000, 2)
+            out[f"{name}_wave{wave}_p90_ms"] = round(lat[int(len(lat) * 0.9)] * 1000, 2)
+    finally:
+        await tool.close()
+        await plain.aclose()
+    out["ratio_client_vs_httpx"] = round(out[f"client_wave{wave}_qps"] / out[f"httpx_wave{wave}_qps"], 3)
+    return out
 
 
 def qps(n: int, seconds: float) -> float:
@@ -102,6 +151,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="queries per batched HTTP request")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight for the concurrent runs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client", action="store_true", help="also the search tool's client against httpx")
+    p.add_argument("--wave", type=int, default=100, help="--client: concurrent one-query searches per wave")
     a = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-retrieval-") as tmp:
@@ -142,6 +193,8 @@ def main() -> None:
 
         with start_retrieval_server(corpus) as server:
             http = asyncio.run(http_bench(server.url, queries, a.topk, a.batch, a.concurrency))
+            if a.client:
+                http.update(asyncio.run(client_bench(server.url, queries, a.topk, a.wave)))
 
     c = a.concurrency
     result = {
