@@ -36,9 +36,9 @@ def format_docs(docs: list[dict[str, Any]]) -> str:
 class RetrievalClient:
     """Async client of ``/retrieve``; one connection pool, shareable by many concurrent episodes.
 
-    aiohttp, not httpx: a wave of a hundred searches from the episodes of one rollout costs httpx about
-    3 ms of the orchestrator's CPU each (its pool queued them for 0.16 s at the median), against under
-    1 ms here; ``bench/retrieval.py --client`` measures both."""
+    aiohttp, not httpx: in waves of a hundred concurrent searches, as a rollout's episodes send them,
+    an httpx client served 11-14x fewer queries per second and held them 3x longer at the median, its
+    own CPU time being most of it (``bench/retrieval.py --client`` measures both)."""
 
     def __init__(self, url: str, topk: int = 3, timeout: float = 30.0, max_retries: int = 2) -> None:
         self.url = url.rstrip("/")
