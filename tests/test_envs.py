@@ -220,6 +220,33 @@ async def test_search_env_episode_against_a_real_server():
     assert r.terminated and r.info["answer"] == "Paris"
 
 
+def test_search_env_shares_one_client_per_event_loop_and_closes_it_with_the_loop():
+    """Episodes on one event loop share one connection pool, closed when the loop shuts down
+    (asyncio.run); the next loop gets a new one."""
+    import asyncio
+
+    from agentrl.envs import search as search_env
+
+    clients = []
+
+    async def episodes() -> None:
+        async with retrieval_server() as srv:
+            for _ in range(3):
+                env = SearchEnv(retrieval_url=srv.url)
+                await env.reset({"question": "q"})
+                await env.step("<search> capital of France </search>")
+                await env.close()
+            pool = search_env._CLIENTS[asyncio.get_running_loop()]
+            assert len(pool) == 1 and len(srv.requests) == 3
+            clients.append(next(iter(pool.values())))
+            assert not clients[-1]._session.closed
+
+    asyncio.run(episodes())
+    asyncio.run(episodes())
+    assert clients[0] is not clients[1]
+    assert all(c._session is None for c in clients)  # closed on their loops' way out
+
+
 async def test_search_env_variants():
     async with retrieval_server() as srv:
         env = SearchEnv(retrieval_url=srv.url, observation_format="message", topk=1)
