@@ -117,9 +117,7 @@ class StorageOffload:
         return self.last
 
     def _sync(self) -> None:
-        devices = {s.device for s in self.storages if s.device.type == "cuda"}
-        for d in devices:
-            torch.cuda.synchronize(d)
+        _synchronize(self.storages)
 
 
 class HostCopy:

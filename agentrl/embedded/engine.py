@@ -138,8 +138,8 @@ class EmbeddedEngine:
             torch.cuda.set_device(self.device)  # the current device is per thread
         self.memory = EngineMemory(self.device, memory_mode)
         model = auto_model.from_pretrained(self.model_path, dtype=self.dtype)
-        with self.memory.region("weights"):  # one buffer: one region to release and resume
-            self.weight_buffer = pack_parameters(model, self.device)
+        with self.memory.region("weights"):  # one buffer (the parameters' views keep it): one region
+            pack_parameters(model, self.device)
         self.model = model.to(self.device).eval()  # the buffers (RoPE tables) follow, outside the region
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -295,10 +295,10 @@ class Scheduler:
 
     def _decode_run(self, rows: list[EngineRequest]) -> tuple[list[int], list[float], int]:
         """Device thread: decode steps of ``rows`` back to back, up to :attr:`DECODE_RUN` of them, for as
-        long as the schedule would plan the same step again: no row finishes (checked as :meth:`_append`
-        will), nothing is aborted or retracted, no admission is due. The tokens of every step but the last
-        are taken here; the last step's go to :meth:`_commit` on the event loop, which finishes rows and
-        answers their callers. Returns the last step's ids and logprobs and the number of steps."""
+        long as the schedule would plan the same step again: no row finishes (:meth:`_finish_of`, which
+        :meth:`_append` asks too), nothing is aborted or retracted, no admission is due. The tokens of every
+        step but the last are taken here; the last step's go to :meth:`_commit` on the event loop, which
+        finishes rows and answers their callers. Returns the last step's ids and logprobs and the number of steps."""
         limit = self.DECODE_RUN if not any(r.on_token is not None for r in rows) else 1
         steps = 0
         while True:
@@ -326,22 +326,7 @@ class Scheduler:
             or waiting >= self.max_batch_size - len(rows)
         ):
             return True
-        return any(self._finishes(r, t) for r, t in zip(rows, ids, strict=True))
-
-    def _finishes(self, r: EngineRequest, token: int) -> bool:
-        """Whether taking ``token`` finishes ``r`` (:meth:`_append`'s conditions, nothing changed)."""
-        s = r.sampling
-        if (
-            token in r.stop_ids
-            or len(r.output_ids) + 1 >= s.max_new_tokens
-            or len(r.seq) + 1 >= self.max_context
-        ):
-            return True
-        return (
-            bool(s.stop)
-            and self._may_stop(token, s.stop)
-            and self._match_stop([*r.output_ids, token], s.stop) is not None
-        )
+        return any(self._finish_of(r, t) is not None for r, t in zip(rows, ids, strict=True))
 
     def _commit(self, step: Step, result: tuple[list[int], list[float]]) -> None:
         kind, rows, batch, done = step
@@ -366,23 +351,29 @@ class Scheduler:
 
     def _append(self, r: EngineRequest, token: int, logprob: float) -> bool:
         """Take one sampled token; True once the request is finished."""
+        finish = self._finish_of(r, token)
         r.seq.append(token)
         r.output_ids.append(token)
         r.logprobs.append(logprob)
         if r.on_token is not None:
             r.on_token(token, logprob)
+        if finish is not None:
+            r.finish = finish
+        return r.finish is not None
+
+    def _finish_of(self, r: EngineRequest, token: int) -> dict[str, Any] | None:
+        """How taking ``token`` would finish ``r`` (a stop id, a stop string, the length), or None; nothing
+        changes (the device thread asks it during decode runs, :meth:`_append` when it takes the token)."""
         s = r.sampling
         if token in r.stop_ids:
-            r.finish = {"type": "stop", "matched": token}
-        elif (
-            s.stop
-            and self._may_stop(token, s.stop)
-            and (matched := self._match_stop(r.output_ids, s.stop)) is not None
-        ):
-            r.finish = {"type": "stop", "matched": matched}
-        elif len(r.output_ids) >= s.max_new_tokens or len(r.seq) >= self.max_context:
-            r.finish = {"type": "length", "length": s.max_new_tokens}
-        return r.finish is not None
+            return {"type": "stop", "matched": token}
+        if s.stop and self._may_stop(token, s.stop):
+            matched = self._match_stop([*r.output_ids, token], s.stop)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if len(r.output_ids) + 1 >= s.max_new_tokens or len(r.seq) + 1 >= self.max_context:
+            return {"type": "length", "length": s.max_new_tokens}
+        return None
 
     def _may_stop(self, token: int, stops: list[str]) -> bool:
         """False when ``token`` cannot have completed a stop string: the text it adds holds no stop string's
