@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import pickle
@@ -210,6 +211,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     monitor: EngineClient | None = None  # the driver's own client, for engine metrics only
     control: EngineClient | None = None  # colocated: the engines' sleep and wake
     offloading: asyncio.Future[float] | None = None  # colocated: the trainer's offload, under way
+    onloading: asyncio.Future[float] | None = None  # colocated: its onload, started ahead of the batch
+    ahead = OnloadAhead(cfg.colocation.trainer_offload and cfg.colocation.trainer_onload_ahead)
     try:
         check_gpus(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then the engines
@@ -287,13 +290,16 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         for step in range(start_step, cfg.steps):
             stop_if_interrupted()
             t0 = time.monotonic()
+            onloading = ahead.start(trainer, offloading)  # colocated: the onload, before the batch is in
             batch = await next_batch(rollout, step + 1)
             t_wait = time.monotonic() - t0
+            ahead.now()  # the batch is in: an onload still waiting for its lead starts
             phases: dict[str, float] = {}  # colocated: sleep / wake / offload times
             if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
-                phases = await gpu_to_trainer(cfg, trainer, control, offloading)
-                offloading = None
+                phases = await gpu_to_trainer(cfg, trainer, control, offloading, onloading)
+                offloading = onloading = None
+                ahead.observe(t_wait, phases)
             t_train = time.monotonic()
             train_metrics = await asyncio.to_thread(
                 trainer.train_step, batch, cfg.rollout.max_staleness, cfg.rollout.dump.wants(step + 1)
@@ -307,14 +313,15 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 version, offloading = await gpu_to_engines(cfg, trainer, control, sync_urls, out, phases)
             else:
                 version = await sync(cfg, trainer, sync_urls, out)
-            rollout_stats = await rollout.stats.remote()  # while paused: with deterministic, a fixed point
+            # while paused: with deterministic, a fixed point
+            rollout_stats, engine_stats = await asyncio.gather(rollout.stats.remote(), engine_memory(monitor))
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
                 **recipe.batch_metrics(batch),
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **rollout_stats,
-                **(await engine_memory(monitor)),
+                **engine_stats,
                 "time/wait_batch_s": t_wait,
                 "time/train_s": t_train,
                 "time/sync_s": time.monotonic() - t1,
@@ -339,6 +346,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     finally:
         # 6. shutdown: rollout, trainer, engines, servers, Ray -- also on Ctrl-C and errors
         await settle(offloading, quiet=True)
+        await settle(onloading, quiet=True)
         if control is not None:
             await control.close()
         await shutdown(rollout, trainer, monitor, services)
@@ -432,13 +440,15 @@ async def _timed(phases: dict[str, float], key: str, call: Any) -> Any:
 
 
 async def gpu_to_trainer(
-    cfg: RunConfig, trainer: TrainerGroup, control: Any, offloading: asyncio.Future[float] | None = None
-) -> dict[str, float]:
+    cfg: RunConfig, trainer: TrainerGroup, control: Any, offloading: asyncio.Future[float] | None = None,
+    onloading: asyncio.Future[float] | None = None,
+) -> dict[str, float]:  # fmt: skip
     """Colocated, before a step (generation paused): the trainer's previous offload ends if it has not
     yet, then the engines release their KV cache and weights (colocation.engine_sleep) while the trainer
-    takes its state back (colocation.trainer_offload). The two overlap: the trainer's state beside an
-    awake engine is how the run started (the engines sized their cache first, then the trainer was built
-    on the GPU), so it fits; the step's activations come after."""
+    takes its state back (colocation.trainer_offload), or finishes taking it back when the onload started
+    ahead of the batch (``onloading``, see :class:`OnloadAhead`). The two overlap: the trainer's state
+    beside an awake engine is how the run started (the engines sized their cache first, then the trainer
+    was built on the GPU), so it fits; the step's activations come after."""
     phases: dict[str, float] = {}
     if offloading is not None:  # the last step's offload, overlapped with generation (gpu_to_engines)
         t0 = time.monotonic()
@@ -448,13 +458,81 @@ async def gpu_to_trainer(
     if cfg.colocation.engine_sleep:
         tags = ["kv_cache"] if cfg.colocation.engine_keep_weights else None  # None: weights and KV cache
         moves.append(_timed(phases, "engine_release", control.release_memory_occupation(tags)))
-    if cfg.colocation.trainer_offload:
+    if onloading is not None:  # under way since before the batch came: what is left of it
+        moves.append(_onload_rest(phases, onloading))
+    elif cfg.colocation.trainer_offload:
         moves.append(_timed(phases, "trainer_onload", asyncio.to_thread(trainer.onload)))
     t0 = time.monotonic()
     await asyncio.gather(*moves)
     if moves:
         phases["time/to_trainer_s"] = time.monotonic() - t0  # both, overlapped
     return phases
+
+
+async def _onload_rest(phases: dict[str, float], onloading: asyncio.Future[float]) -> None:
+    t0 = time.monotonic()
+    phases["time/trainer_onload_s"] = await onloading
+    phases["time/trainer_onload_wait_s"] = time.monotonic() - t0
+
+
+class OnloadAhead:
+    """When a colocated step's trainer onload starts (colocation.trainer_onload_ahead): before the batch is
+    complete, so that the copy back to the GPU runs beside the last of the generation instead of after it.
+
+    It starts ``lead`` seconds into the wait for the batch: the shortest of the last few waits less the
+    longest of the last few onloads and a margin, so that it is done when a batch that comes as early as
+    lately is in; a batch that comes earlier waits for the rest, and none waits longer than it would have
+    with the onload after it. The trainer's state beside awake engines is how the run starts (the engines
+    size their cache first, then the trainer is built on the GPU), so the two fit together; the step's
+    activations come only after the engines released their memory. Until a step was measured, and when
+    off, ``lead`` is None and the onload waits for the batch."""
+
+    HISTORY = 5  # steps the lead is taken from
+    MARGIN_S = 0.05  # the onload ends this long before the earliest recent batch
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.waits: list[float] = []
+        self.onloads: list[float] = []
+        self._go: asyncio.Event | None = None
+
+    @property
+    def lead(self) -> float | None:
+        """Seconds into the wait at which the next onload starts (None: once the batch is in)."""
+        if not (self.enabled and self.waits and self.onloads):
+            return None
+        return max(0.0, min(self.waits) - max(self.onloads) - self.MARGIN_S)
+
+    def start(self, trainer: TrainerGroup, offloading: asyncio.Future[float] | None) -> asyncio.Future[float] | None:
+        """At the start of the wait: the onload, under way (it returns its seconds), or None without a lead."""
+        lead = self.lead
+        if lead is None:
+            return None
+        self._go = asyncio.Event()
+        return asyncio.ensure_future(self._onload(trainer, offloading, lead, self._go))
+
+    def now(self) -> None:
+        """The batch is in: an onload still waiting for its lead starts now."""
+        if self._go is not None:
+            self._go.set()
+            self._go = None
+
+    def observe(self, wait: float, phases: dict[str, float]) -> None:
+        """A step's wait for its batch and its onload's own seconds (``time/trainer_onload_s``)."""
+        if "time/trainer_onload_s" not in phases:
+            return
+        self.waits = [*self.waits, wait][-self.HISTORY :]
+        self.onloads = [*self.onloads, phases["time/trainer_onload_s"]][-self.HISTORY :]
+
+    @staticmethod
+    async def _onload(
+        trainer: TrainerGroup, offloading: asyncio.Future[float] | None, lead: float, go: asyncio.Event
+    ) -> float:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(go.wait(), lead)
+        if offloading is not None:
+            await asyncio.shield(offloading)  # gpu_to_trainer reads its result too
+        return await _seconds(asyncio.to_thread(trainer.onload))
 
 
 async def gpu_to_engines(

@@ -101,6 +101,13 @@ class ColocationConfig(ConfigModel):
         "the engines generate, and back before each step (costs the copies, about 2 x its state / PCIe "
         "bandwidth per step)",
     )
+    trainer_onload_ahead: bool = Field(
+        True,
+        description="with trainer_offload: start taking the trainer's state back while the batch's last "
+        "episodes still generate (timed from the last steps' waits and onloads), so that the copy is off "
+        "the step's critical path; the state fits beside awake engines, as at start-up. Off: the onload "
+        "starts once the batch is in",
+    )
 
 
 class EvalConfig(ConfigModel):

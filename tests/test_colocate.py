@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -294,3 +295,67 @@ def test_trainer_offload_keeps_steps_bit_identical_and_tensor_sync_equals_disk(
 
     init = load_hf_state_dict(tiny_model_dir)["model.embed_tokens.weight"]
     assert not torch.equal(plain["tensor"]["model.embed_tokens.weight"], init)  # the trained weights arrived
+
+
+# ------------------------------------------------------------------------- the trainer's onload, ahead
+def _train_async():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_async", Path(TESTS).parent / "train_async.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Trainer:
+    """Records when each onload ran (and that none ran before the offload it follows ended)."""
+
+    def __init__(self, offloaded: asyncio.Future | None = None) -> None:
+        self.onloads: list[float] = []
+        self.offloaded = offloaded
+
+    def onload(self) -> dict[str, float]:
+        assert self.offloaded is None or self.offloaded.done(), "onload before the offload ended"
+        self.onloads.append(time.monotonic())
+        return {}
+
+
+async def test_onload_ahead_starts_at_its_lead_or_when_the_batch_is_in() -> None:
+    OnloadAhead = _train_async().OnloadAhead
+    assert OnloadAhead(enabled=False).start(_Trainer(), None) is None
+    ahead = OnloadAhead(enabled=True)
+    assert ahead.lead is None and ahead.start(_Trainer(), None) is None  # nothing measured yet
+    ahead.observe(0.9, {"time/train_s": 1.0})  # a step without an onload teaches nothing
+    assert ahead.lead is None
+    ahead.observe(0.9, {"time/trainer_onload_s": 0.3})
+    ahead.observe(0.6, {"time/trainer_onload_s": 0.1})
+    assert ahead.lead == pytest.approx(0.6 - 0.3 - OnloadAhead.MARGIN_S)  # earliest batch, slowest onload
+    for _ in range(OnloadAhead.HISTORY):
+        ahead.observe(5.0, {"time/trainer_onload_s": 0.1})
+    assert ahead.lead == pytest.approx(5.0 - 0.1 - OnloadAhead.MARGIN_S)  # the old steps are forgotten
+
+    # no batch before the lead: the onload starts at it
+    ahead.waits, ahead.onloads = [0.5], [0.1]
+    trainer = _Trainer()
+    t0 = time.monotonic()
+    seconds = await ahead.start(trainer, None)
+    assert 0.3 <= trainer.onloads[0] - t0 < 2.0 and seconds >= 0
+    # the batch in before the lead: the onload starts then
+    ahead.waits = [30.0]
+    t0 = time.monotonic()
+    onloading = ahead.start(trainer, None)
+    await asyncio.sleep(0.05)
+    assert len(trainer.onloads) == 1
+    ahead.now()
+    await asyncio.wait_for(onloading, 5)
+    assert trainer.onloads[1] - t0 < 5.0
+    # a lead of 0 still waits for the last step's offload to end
+    ahead.waits, ahead.onloads = [0.0], [0.0]
+    offloading = asyncio.get_running_loop().create_future()
+    trainer = _Trainer(offloading)
+    onloading = ahead.start(trainer, offloading)
+    await asyncio.sleep(0.05)
+    assert not trainer.onloads
+    offloading.set_result(0.2)
+    await asyncio.wait_for(onloading, 5)
+    assert len(trainer.onloads) == 1 and offloading.result() == 0.2  # still there for gpu_to_trainer
