@@ -213,6 +213,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     offloading: asyncio.Future[float] | None = None  # colocated: the trainer's offload, under way
     onloading: asyncio.Future[float] | None = None  # colocated: its onload, started ahead of the batch
     ahead = OnloadAhead(cfg.colocation.trainer_offload and cfg.colocation.trainer_onload_ahead)
+    # engines and trainer take turns on one device (placement colocated), unless colocation.overlap lets
+    # them share it at once, as disaggregated ones share nothing
+    turns = cfg.placement == "colocated" and not cfg.colocation.overlap
     try:
         check_gpus(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then the engines
@@ -295,7 +298,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             t_wait = time.monotonic() - t0
             ahead.now()  # the batch is in: an onload still waiting for its lead starts
             phases: dict[str, float] = {}  # colocated: sleep / wake / offload times
-            if cfg.placement == "colocated":  # one device: generation stops while the trainer runs
+            if turns:  # one device, taken in turns: generation stops while the trainer runs
                 await rollout.pause_for_update.remote()
                 phases = await gpu_to_trainer(cfg, trainer, control, offloading, onloading)
                 offloading = onloading = None
@@ -306,10 +309,10 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             )
             t_train = time.monotonic() - t_train
             await asyncio.to_thread(dump.train, step + 1, batch, trainer)  # when rollout.dump wants it
-            if cfg.placement == "disaggregated":
+            if not turns:  # generation went on beside the step; it pauses for the weight sync only
                 await rollout.pause_for_update.remote()
             t1 = time.monotonic()
-            if cfg.placement == "colocated":
+            if turns:
                 version, offloading = await gpu_to_engines(cfg, trainer, control, sync_urls, out, phases)
             else:
                 version = await sync(cfg, trainer, sync_urls, out)

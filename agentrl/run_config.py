@@ -108,6 +108,13 @@ class ColocationConfig(ConfigModel):
         "the step's critical path; the state fits beside awake engines, as at start-up. Off: the onload "
         "starts once the batch is in",
     )
+    overlap: bool = Field(
+        False,
+        description="the engines keep generating while the trainer steps, both resident on the one device "
+        "and sharing its time; generation pauses only for the weight sync, as with placement "
+        "disaggregated. Needs engine_sleep and trainer_offload off (and engine.mem_fraction leaving the "
+        "trainer its room); what is generated during a step is one policy version behind",
+    )
 
 
 class EvalConfig(ConfigModel):
@@ -245,7 +252,12 @@ class RunConfig(ConfigModel):
                 "use weight_sync: tensor (or disk) when colocated"
             )
         if self.placement != "colocated":  # nothing to take turns on: the colocation switches do not apply
-            self.colocation.engine_sleep = self.colocation.trainer_offload = False
+            self.colocation.engine_sleep = self.colocation.trainer_offload = self.colocation.overlap = False
+        if self.colocation.overlap and (self.colocation.engine_sleep or self.colocation.trainer_offload):
+            raise ValueError(
+                "colocation.overlap: the engines generate while the trainer steps, so neither can give its "
+                "memory up; set colocation.engine_sleep and colocation.trainer_offload to false"
+            )
         if self.weight_sync == "tensor" and trainer_on_gpu and self.placement != "colocated":
             raise ValueError(
                 "weight_sync: tensor passes CUDA IPC handles, which open only on the trainer's own GPU; "

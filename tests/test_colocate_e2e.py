@@ -58,6 +58,26 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     assert not _left_after(), "the run left processes behind"
 
 
+def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path) -> None:
+    """colocation.overlap: no sleep, no offload; generation pauses for the weight sync only."""
+    cfg = _config(tmp_path, 2)
+    text = cfg.read_text().replace(
+        "colocation: {engine_sleep: true, trainer_offload: true}",
+        "colocation: {engine_sleep: false, trainer_offload: false, overlap: true}",
+    )
+    assert "overlap: true" in text
+    cfg.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["policy_version"] == 2 and summary["accounting"]["trained"] > 0
+    assert not [k for k in summary if "engine_release" in k or "trainer_onload" in k or "trainer_offload" in k]
+    assert summary["mean_train_s"] > 0 and summary["mean_sync_s"] > 0
+    assert not _left_after(), "the run left processes behind"
+
+
 def test_ctrl_c_while_the_engine_sleeps_shuts_everything_down(tmp_path: Path) -> None:
     cfg = _config(tmp_path, 500)
     proc = subprocess.Popen(

@@ -36,11 +36,20 @@ def test_cpu_defaults_reserve_no_gpu() -> None:
         (["weight_sync=distributed"], "weight_sync: NCCL cannot broadcast"),
         (["engine.gpus_per_engine=0"], "engine.gpus_per_engine: an embedded engine on cuda"),
         (["trainer_gpus_per_rank=0"], "trainer_gpus_per_rank: a trainer on cuda"),
+        (["colocation.overlap=true"], "colocation.overlap: the engines generate while the trainer steps"),
     ],
 )
 def test_bad_gpu_placement_names_the_field(overrides: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         load_run_config(GPU_CONFIG, overrides)
+
+
+def test_overlap_shares_the_gpu_without_sleep_or_offload() -> None:
+    off = ["colocation.engine_sleep=false", "colocation.trainer_offload=false"]
+    cfg = load_run_config(GPU_CONFIG, [*off, "colocation.overlap=true"])
+    assert cfg.colocation.overlap and cfg.gpus_needed() == 1.0
+    cfg = load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed", "colocation.overlap=true"])
+    assert not cfg.colocation.overlap  # nothing to share: the switch does not apply
 
 
 def test_too_few_gpus_fails_at_start_instead_of_waiting() -> None:
