@@ -317,7 +317,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             else:
                 version = await sync(cfg, trainer, sync_urls, out)
             # while paused: with deterministic, a fixed point
-            rollout_stats, engine_stats = await asyncio.gather(rollout.stats.remote(), engine_memory(monitor))
+            rollout_stats, engine_stats, sync_stats = await asyncio.gather(
+                rollout.stats.remote(), engine_memory(monitor), weight_sync_parts(cfg, trainer)
+            )
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
@@ -325,6 +327,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **rollout_stats,
                 **engine_stats,
+                **sync_stats,
                 "time/wait_batch_s": t_wait,
                 "time/train_s": t_train,
                 "time/sync_s": time.monotonic() - t1,
@@ -433,6 +436,22 @@ async def sync(cfg: RunConfig, trainer: TrainerGroup, engine_urls: list[str], ou
     if cfg.weight_sync == "tensor":
         return await asyncio.to_thread(trainer.sync_weights_from_tensor, engine_urls)
     return await asyncio.to_thread(trainer.sync_weights_from_disk, engine_urls, str(out / "weights"))
+
+
+async def weight_sync_parts(cfg: RunConfig, trainer: TrainerGroup) -> dict[str, float]:
+    """With weight_sync: tensor, where the last sync's seconds went: assembling the HF-named weights
+    (``gather``), laying them into one buffer (``pack``) and the engines' call (``push``: mapping the
+    handle, copying every parameter in place, answering)."""
+    if cfg.weight_sync != "tensor":
+        return {}
+    stats = await asyncio.to_thread(trainer.last_sync_stats)
+    if not stats:
+        return {}
+    return {
+        "time/weight_sync_gather_s": stats["gather_seconds"],
+        "time/weight_sync_pack_s": stats["pack_seconds"],
+        "time/weight_sync_push_s": stats["seconds"] - stats["pack_seconds"],
+    }
 
 
 async def _timed(phases: dict[str, float], key: str, call: Any) -> Any:

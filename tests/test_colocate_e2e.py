@@ -41,6 +41,9 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     for phase in ("engine_release", "trainer_onload", "engine_resume_weights", "weight_sync",
                   "trainer_offload", "engine_resume_kv", "to_trainer"):  # fmt: skip
         assert summary[f"mean_{phase}_s"] > 0, phase
+    # the sync in memory's parts: HF weights assembled, packed into one buffer, the engines' call
+    parts = [summary[f"mean_weight_sync_{p}_s"] for p in ("gather", "pack", "push")]
+    assert all(p > 0 for p in parts) and sum(parts) <= summary["mean_weight_sync_s"] * 1.01
     # the release and the onload run side by side inside to_trainer (how much they overlap is timing);
     # from step 2 on the onload starts while the batch is still generating (colocation.trainer_onload_ahead),
     # and to_trainer waits only for its rest

@@ -110,12 +110,14 @@ class TrainerOffload:
 
 @dataclass
 class TensorPushStats:
-    """One in-memory weight push: tensors, bytes, and seconds to pack and for the engines to copy."""
+    """One in-memory weight push: tensors, bytes, and seconds to pack and for the engines to copy
+    (``seconds``: packing included); ``gather_seconds``: assembling the HF-named weights before it."""
 
     num_tensors: int = 0
     num_bytes: int = 0
     pack_seconds: float = 0.0
     seconds: float = 0.0
+    gather_seconds: float = 0.0
 
 
 async def push_tensors(client: Any, hf: dict[str, torch.Tensor], weight_version: int) -> TensorPushStats:

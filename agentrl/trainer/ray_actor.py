@@ -13,6 +13,7 @@ Every call fans out to all ranks (they are collectives) and returns rank 0's ans
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -93,6 +94,10 @@ class TrainerWorker:
 
     def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
         return self._with_engines(engine_urls, self.trainer.sync_weights_from_tensor)
+
+    def last_sync_stats(self) -> dict[str, float]:
+        stats = getattr(self.trainer, "last_sync_stats", None)
+        return {} if stats is None else {k: float(v) for k, v in dataclasses.asdict(stats).items()}
 
     def offload(self) -> dict[str, float]:
         return self.trainer.offload()
@@ -197,6 +202,10 @@ class TrainerGroup:
     def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
         """Hand the weights to engines on this machine in memory (``/update_weights_from_tensor``)."""
         return self._all("sync_weights_from_tensor", engine_urls)
+
+    def last_sync_stats(self) -> dict[str, float]:
+        """Rank 0's figures of its last weight push (tensors, bytes, seconds; empty before the first)."""
+        return self._ray.get(self.actors[0].last_sync_stats.remote())
 
     def offload(self) -> dict[str, float]:
         """Every rank moves its weights, gradients and optimizer state to host memory; rank 0's figures."""

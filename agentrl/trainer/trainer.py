@@ -581,10 +581,13 @@ class MegatronTrainer:
     async def sync_weights_from_tensor(self, client: Any) -> int:
         """Hand the HF weights to engines on this machine in memory (CUDA IPC handles or shared memory,
         ``/update_weights_from_tensor``); version += 1. Collective; rank 0 talks to the engines."""
+        t0 = time.perf_counter()
         hf = await asyncio.to_thread(self.hf_state_dict, self.device)
+        gathered = time.perf_counter() - t0
         self.policy_version += 1
         if self.rank == 0 and client is not None:
             self.last_sync_stats = await push_tensors(client, hf, self.policy_version)
+            self.last_sync_stats.gather_seconds = gathered
         del hf
         await asyncio.to_thread(dist.barrier)
         return self.policy_version
