@@ -317,16 +317,14 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             else:
                 version = await sync(cfg, trainer, sync_urls, out)
             # while paused: with deterministic, a fixed point
-            rollout_stats, engine_stats, sync_stats = await asyncio.gather(
-                rollout.stats.remote(), engine_memory(monitor), weight_sync_parts(cfg, trainer)
-            )
+            rollout_stats, sync_stats = await asyncio.gather(rollout.stats.remote(), weight_sync_parts(cfg, trainer))
             await rollout.resume_after_update.remote(version)
             last = {
                 **batch_metrics(batch, version - 1),
                 **recipe.batch_metrics(batch),
                 **{f"trainer/{k}": v for k, v in train_metrics.items()},
                 **rollout_stats,
-                **engine_stats,
+                **(await engine_memory(monitor)),
                 **sync_stats,
                 "time/wait_batch_s": t_wait,
                 "time/train_s": t_train,
