@@ -96,7 +96,7 @@ class TrainerWorker:
         return self._with_engines(engine_urls, self.trainer.sync_weights_from_tensor)
 
     def last_sync_stats(self) -> dict[str, float]:
-        stats = getattr(self.trainer, "last_sync_stats", None)
+        stats = self.trainer.last_sync_stats
         return {} if stats is None else {k: float(v) for k, v in dataclasses.asdict(stats).items()}
 
     def offload(self) -> dict[str, float]:

@@ -213,6 +213,8 @@ class MegatronTrainer:
         self.optimizer_steps = 0
         self.policy_version = 0  # weight syncs done; the engines' weights carry this version
         self.weight_sync = EngineWeightSync(self.rank, self.device, cfg.weight_sync_bucket_mb << 20)
+        # rank 0's figures of its last weight push (TensorPushStats or BroadcastStats; None before one)
+        self.last_sync_stats: Any = None
         self._offload: TrainerOffload | None = None  # the state while it is off the device
         # compiled layers: compile now, not in the first train step (not with pipelines or experts,
         # whose forward runs through other paths)
