@@ -19,12 +19,12 @@ fi
 
 if ! docker info >/dev/null 2>&1; then
     echo "docker_setup: starting dockerd"
-    nohup dockerd >/tmp/agentrl-dockerd.log 2>&1 &
+    nohup dockerd >/var/log/agentrl-dockerd.log 2>&1 &
     for _ in $(seq 1 60); do
         docker info >/dev/null 2>&1 && break
         sleep 1
     done
-    docker info >/dev/null 2>&1 || { echo "docker_setup: dockerd did not come up; see /tmp/agentrl-dockerd.log" >&2; exit 1; }
+    docker info >/dev/null 2>&1 || { echo "docker_setup: dockerd did not come up; see /var/log/agentrl-dockerd.log" >&2; exit 1; }
 fi
 
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
