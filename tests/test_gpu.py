@@ -8,7 +8,8 @@
 * One GPU: the embedded engine with CUDA graphs and torch.compile: bf16 logprobs within 2e-2 of a
   teacher-forced HF forward, seeded sampling reproducible, a next turn reusing its prefix's KV.
 * One GPU, bitwise: the deterministic config that once crashed, two runs at once, the same weight bytes
-  and metrics; the batch-invariant engine in bf16 (a request alone or among 255 others, any slot, prefix
+  and metrics; the batch-invariant ops (a row's matmul bits across row counts and tilings, the fused
+  epilogue and RoPE against torch's); the batch-invariant engine in bf16 (a request alone or among 255 others, any slot, prefix
   reuse, chunked prefill); true on-policy parity (SmolLM2-135M, the Qwen2.5-0.5B shape).
 """
 
@@ -364,6 +365,34 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
         assert wa[k].contiguous().view(torch.uint8).numpy().tobytes() == wb[k].contiguous().view(torch.uint8).numpy().tobytes(), k
     assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
     assert [r["policy_version"] for r in ma if "policy_version" in r] == [1, 2, 3]
+
+
+def test_batch_invariant_ops_on_gpu_bf16() -> None:
+    """The Triton ops in bf16: a row's matmul bits do not depend on the row count across the tilings chosen
+    by it (the Qwen2.5-0.5B shape's projections and LM head, 1..600 rows and more), every tiling agrees on
+    this GPU, the fused bias/residual epilogue equals torch's adds after the product, and the fused RoPE
+    equals torch's formula, bit for bit."""
+    from agentrl import batch_invariant as bi
+    from agentrl.batch_invariant import triton_ops as tri
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    assert tri.tilings_agree(dev, dt), "the tilings' bits differ on this GPU: every matmul takes one tiling"
+    g = torch.Generator(device=dev).manual_seed(0)
+    for k, n in ((896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)):
+        a = torch.randn(4096, k, device=dev, dtype=dt, generator=g)
+        w = torch.randn(n, k, device=dev, dtype=dt, generator=g) / k**0.5
+        full = tri.matmul(a, w)
+        moved = [m for m in (*range(1, 601), 1000, 4095) if not torch.equal(tri.matmul(a[:m], w), full[:m])]
+        assert not moved, (k, n, moved[:10])
+        b = torch.randn(n, device=dev, dtype=dt, generator=g)
+        r = torch.randn(4096, n, device=dev, dtype=dt, generator=g)
+        for m in (64, 4096):
+            assert torch.equal(tri.matmul(a[:m], w, b, r[:m]), r[:m] + (full[:m] + b))
+    x = torch.randn(3, 70, 14, 64, device=dev, dtype=dt, generator=g)
+    cos, sin = bi.rope_tables(1.0 / (1e6 ** (torch.arange(0, 64, 2).float() / 64)), 70, dev, dt)
+    half = 32
+    want = x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+    assert torch.equal(bi.rope(x, cos, sin), want)
 
 
 async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:

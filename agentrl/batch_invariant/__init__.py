@@ -7,7 +7,8 @@ Every op here fixes the reduction order of a row whatever the batch:
 * :func:`linear` -- on CPU the rows go through BLAS in a multiple of :data:`ROW_TILE` rows (oneDNN/MKL
   switch to other kernels below about a dozen rows; from 12 rows on, a row's dot products are the same
   bits for any row count, any row position and any output width, measured on AVX-512 and AVX2). On a
-  GPU a Triton matmul with one tiling for every shape and no split-K (:mod:`.triton_ops`).
+  GPU a Triton matmul with no split-K whose bits do not depend on its tiling (:mod:`.triton_ops`).
+* :func:`rope`, :func:`silu_mul` -- element-wise (one fused kernel each on a GPU).
 * :func:`rms_norm`, :func:`logsumexp` -- reduced within a row (one Triton program per row on a GPU).
 * :func:`attention` -- every query walks its keys ``0..pos`` in chunks of :data:`KEY_CHUNK` from key 0,
   in order, whether it is one decode query over a KV cache, one of a prefill chunk, or one of a
@@ -46,21 +47,24 @@ def _pad_rows(x: Tensor, dim: int) -> tuple[Tensor, int]:
     return x.contiguous(), m
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight.T (+ bias)`` with each output row independent of the other rows; the bias is added
-    after the product (an addmm may fuse it in another order)."""
-    lead, k = x.shape[:-1], x.shape[-1]
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+    """``residual + (x @ weight.T + bias)`` with each output row independent of the other rows; the bias
+    and the residual are added after the product, each sum rounded (an addmm may fuse the bias in another
+    order). On a GPU both are the matmul's epilogue, with the same bits."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
+    r2 = None if residual is None else residual.reshape(-1, n)
     if x.is_cuda:
         from agentrl.batch_invariant.triton_ops import matmul
 
-        y = matmul(x2, weight)
-    else:
-        xp, m = _pad_rows(x2, 0)
-        y = F.linear(xp, weight)[:m]
+        return matmul(x2, weight, bias, r2).view(*lead, n)
+    xp, m = _pad_rows(x2, 0)
+    y = F.linear(xp, weight)[:m]
     if bias is not None:
         y = y + bias
-    return y.view(*lead, weight.shape[0])
+    if r2 is not None:
+        y = r2 + y
+    return y.view(*lead, n)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -174,6 +178,26 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x`` [..., heads, d] and tables that broadcast to [..., d];
+    each product and the sum rounded to ``x``'s dtype (one kernel on a GPU)."""
+    if x.is_cuda:
+        from agentrl.batch_invariant.triton_ops import rope as tri
+
+        return tri(x, cos, sin)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + _rotate_half(x) * sin
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """SwiGLU's ``silu(g) * u`` (one kernel on a GPU)."""
+    if g.is_cuda:
+        from agentrl.batch_invariant.triton_ops import silu_mul as tri
+
+        return tri(g, u)
+    return F.silu(g) * u
+
+
 def pre_attention(
     x: Tensor, w: tuple, cos: Tensor, sin: Tensor, eps: float, heads: int, kv: int, d: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -188,18 +212,15 @@ def pre_attention(
     v = linear(h, wv, bv).view(*lead, kv, d)
     if qn is not None:
         q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
+    return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 def post_attention(x: Tensor, o: Tensor, w: tuple, eps: float) -> Tensor:
     """Output projection + residual, then the SwiGLU MLP + residual."""
     wo, bo, ln2, wg, bg, wu, bu, wd, bd = w[9:]
-    x = x + linear(o, wo, bo)
+    x = linear(o, wo, bo, residual=x)
     h = rms_norm(x, ln2, eps)
-    return x + linear(F.silu(linear(h, wg, bg)) * linear(h, wu, bu), wd, bd)
+    return linear(silu_mul(linear(h, wg, bg), linear(h, wu, bu)), wd, bd, residual=x)
 
 
 def lm_head(x: Tensor, norm: Tensor, eps: float, weight: Tensor) -> Tensor:
@@ -217,6 +238,8 @@ __all__ = [
     "post_attention",
     "pre_attention",
     "rms_norm",
+    "rope",
     "rope_tables",
+    "silu_mul",
     "token_logprobs",
 ]

@@ -1,9 +1,17 @@
-"""The batch-invariant ops on a GPU, as Triton kernels with one configuration for every shape.
+"""The batch-invariant ops on a GPU, as Triton kernels whose reduction order never depends on the batch.
 
-* ``matmul``: each program computes one [64, 64] output tile with a K loop of 64 from 0 to K; no split-K,
-  no autotuning, the row count is not a specialisation key. A row's dot products are therefore the same
-  instructions in the same order for any number of rows and any row position.
+* ``matmul``: each program computes one output tile with a K loop from 0 to K into one fp32
+  accumulator; no split-K. ``tl.dot`` adds a K step's products into an output element by the same
+  instructions whatever the tile's height or width, so a row's bits depend on neither the row count,
+  the row's position nor the tiling. The tiling is therefore chosen by the row count for speed (narrow
+  tiles for a decode step's few rows, wide ones for a trainer's thousands), once it is checked on the
+  device: :func:`tilings_agree` runs every tiling on one product and compares the bits; where they
+  differ, every call takes one tiling. The epilogue adds a bias and a residual as torch would after the
+  product (the product rounded to the output dtype, then each sum rounded), so fusing them changes no bit.
 * ``rms_norm`` and ``logsumexp``: one program per row, the row reduced in fixed-size blocks in order.
+* ``rope`` and ``silu_mul``: element-wise, one kernel each instead of torch's five and two; RoPE rounds
+  each product and the sum to the input dtype as torch does (in bf16 by integer ops, which no compiler
+  pass fuses into one rounding).
 * ``attention``: one program per (query token, key head), the group's query heads in the rows of a
   [16, d] tile; it walks keys ``0..pos`` of its sequence in blocks of :data:`KEY_CHUNK` with an online
   softmax. Decode (one query over the KV cache), a prefill chunk and a trainer's whole sequence run this
@@ -15,6 +23,9 @@ match the engine bit for bit.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -23,13 +34,35 @@ import triton.language as tl
 from agentrl.batch_invariant import KEY_CHUNK
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 
-_BM, _BN, _BK, _WARPS, _STAGES = 64, 64, 64, 4, 3  # the one tiling, for every shape
+Tiling = tuple[int, int, int, int, int]  # BM, BN, BK, warps, stages
+WIDE: Tiling = (128, 128, 64, 8, 3)
+# every tiling :func:`tiling_for` picks (measured on the projections of the Qwen2.5-0.5B shape and its LM
+# head at 64 to 4,096 rows by bench/batch_invariant_matmul.py, with each layer's weights read from HBM)
+TILINGS: tuple[Tiling, ...] = (WIDE, (64, 64, 64, 4, 3), (64, 32, 256, 4, 3), (64, 32, 128, 4, 3), (64, 16, 256, 4, 3))
+FIXED_TILING: Tiling = (64, 64, 64, 4, 3)  # every call's, on a device where the tilings' bits differ
+
+
+def _pick(m: int, n: int, k: int) -> Tiling:
+    """The fastest measured tiling for an ``m``-row product with a weight [n, k]: a trainer's micro-batch
+    takes wide tiles; a decode step's few rows take narrow ones, so that a narrow projection still spreads
+    over the SMs, and long K steps where K is long (fewer steps of the serial K loop)."""
+    if m > 512:
+        return WIDE
+    if n >= 16384:  # an LM head: programs to spare
+        return (64, 64, 64, 4, 3) if m <= 64 else WIDE
+    if k >= 2048:  # a down projection
+        return (64, 32, 256, 4, 3) if m <= 256 else (64, 32, 128, 4, 3)
+    if n >= 2048:  # gate / up
+        return (64, 32, 128, 4, 3) if m <= 128 else (64, 64, 64, 4, 3) if m <= 256 else WIDE
+    return (64, 16, 256, 4, 3) if m <= 128 else (64, 32, 256, 4, 3) if m <= 256 else (64, 32, 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sbn, scm,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K, sam, sbn, scm, srm,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+               BIAS: tl.constexpr, RES: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -44,41 +77,194 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sbn, scm,
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + rm[:, None] * scm + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out = c_ptr.dtype.element_ty
+    c = acc.to(out)
+    if BIAS:  # torch's ``y + bias``: the rounded product plus the bias, rounded
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
+        c = (c.to(tl.float32) + bias.to(tl.float32)[None, :]).to(out)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if RES:  # then ``residual + y``, rounded
+        r = tl.load(res_ptr + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0)
+        c = (r.to(tl.float32) + c.to(tl.float32)).to(out)
+    tl.store(c_ptr + rm[:, None] * scm + rn[None, :], c, mask=mask)
 
 
-def _mm(a: Tensor, w: Tensor) -> Tensor:
-    """``a [M, K] @ w[N, K].T`` in ``a``'s dtype with fp32 accumulation."""
-    a, w = a.contiguous(), w.contiguous()
+def _launch(a: Tensor, w: Tensor, bias: Tensor | None, res: Tensor | None, tiling: Tiling) -> Tensor:
     m, k = a.shape
     n = w.shape[0]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return c
-    grid = (triton.cdiv(m, _BM), triton.cdiv(n, _BN))
-    _mm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
-                     BM=_BM, BN=_BN, BK=_BK, IEEE=a.dtype == torch.float32, num_warps=_WARPS, num_stages=_STAGES)  # fmt: skip
+    bm, bn, bk, warps, stages = tiling
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _mm_kernel[grid](a, w, c, c if bias is None else bias, c if res is None else res, m, n, k,
+                     a.stride(0), w.stride(0), c.stride(0), 0 if res is None else res.stride(0),
+                     BM=bm, BN=bn, BK=bk, IEEE=a.dtype == torch.float32, BIAS=bias is not None,
+                     RES=res is not None, num_warps=warps, num_stages=stages)  # fmt: skip
     return c
+
+
+@functools.cache
+def tilings_agree(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether every tiling of :data:`TILINGS` gives the same bits on ``device`` in ``dtype`` (one product of
+    random operands, K not a multiple of the K step). Checked once per (device, dtype), outside any graph
+    capture (the engine's runner and the trainer run a step eagerly first)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(300, 1000, device=device, dtype=dtype, generator=g)
+    w = torch.randn(200, 1000, device=device, dtype=dtype, generator=g) / 32
+    first, *rest = (_launch(a, w, None, None, t) for t in TILINGS)
+    agree = all(torch.equal(first, other) for other in rest)
+    if not agree:
+        log.warning("batch-invariant matmul: tilings give different bits on %s (%s); every call takes %s",
+                    device, dtype, FIXED_TILING)  # fmt: skip
+    return agree
+
+
+def tiling_for(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> Tiling:
+    """The tiling of an ``m``-row product with a weight [n, k] (:data:`FIXED_TILING` where the tilings'
+    bits differ)."""
+    if not tilings_agree(device, dtype):
+        return FIXED_TILING
+    return _pick(m, n, k)
+
+
+def _mm(a: Tensor, w: Tensor, bias: Tensor | None = None, res: Tensor | None = None) -> Tensor:
+    """``res + (a [M, K] @ w[N, K].T + bias)`` in ``a``'s dtype with fp32 accumulation."""
+    a, w = a.contiguous(), w.contiguous()
+    if res is not None:
+        res = res.contiguous()
+    return _launch(a, w, bias, res, tiling_for(a.shape[0], w.shape[0], a.shape[1], a.device, a.dtype))
 
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, a: Tensor, w: Tensor, bias: Tensor | None, res: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(a, w)
-        return _mm(a, w)
+        ctx.has_bias = bias is not None
+        return _mm(a, w, bias, res)
 
     @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+    def backward(ctx, g: Tensor):  # type: ignore[override]
         a, w = ctx.saved_tensors
         ga = g @ w if ctx.needs_input_grad[0] else None
         gw = g.t() @ a if ctx.needs_input_grad[1] else None
-        return ga, gw
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gr = g if ctx.needs_input_grad[3] else None
+        return ga, gw, gb, gr
 
 
-def matmul(a: Tensor, w: Tensor) -> Tensor:
-    """``a [M, K] @ w [N, K].T``, batch-invariant (see the module docstring)."""
-    return _Matmul.apply(a, w)
+def matmul(a: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+    """``residual + (a [M, K] @ w [N, K].T + bias)``, batch-invariant (see the module docstring); ``bias``
+    [N] and ``residual`` [M, N] optional, each added as torch adds them after a product."""
+    return _Matmul.apply(a, w, bias, residual)
+
+
+@triton.jit
+def _bf16_rounded(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept in fp32. Integer ops: the compiler
+    would otherwise fuse a bf16 product into the add after it (one rounding where torch makes two)."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, sx_t, sx_h, sc_t, sy_t, sy_h,
+                 HP: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)
+    j = tl.arange(0, HALF)
+    mask = (h < H)[:, None]
+    xp = x_ptr + t * sx_t + h[:, None] * sx_h + j[None, :]
+    x1 = tl.load(xp, mask=mask, other=0.0)
+    x2 = tl.load(xp + HALF, mask=mask, other=0.0)
+    out = x1.dtype
+    c1 = tl.load(cos_ptr + t * sc_t + j).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * sc_t + HALF + j).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * sc_t + j).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * sc_t + HALF + j).to(tl.float32)[None, :]
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product and the sum rounded
+    if BF16:
+        y1 = (_bf16_rounded(x1 * c1) + _bf16_rounded(-x2 * s1)).to(out)
+        y2 = (_bf16_rounded(x2 * c2) + _bf16_rounded(x1 * s2)).to(out)
+    else:
+        y1 = ((x1 * c1).to(out).to(tl.float32) + (-x2 * s1).to(out).to(tl.float32)).to(out)
+        y2 = ((x2 * c2).to(out).to(tl.float32) + (x1 * s2).to(out).to(tl.float32)).to(out)
+    yp = y_ptr + t * sy_t + h[:, None] * sy_h + j[None, :]
+    tl.store(yp, y1, mask=mask)
+    tl.store(yp + HALF, y2, mask=mask)
+
+
+def _rope_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    *lead, h, d = x.shape
+    x3 = x.reshape(-1, h, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    t = x3.shape[0]
+    c = cos.expand(*lead, d).reshape(t, d).contiguous()
+    s = sin.expand(*lead, d).reshape(t, d).contiguous()
+    y = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    if t:
+        _rope_kernel[(t,)](x3, c, s, y, h, x3.stride(0), x3.stride(1), c.stride(0), y.stride(0), y.stride(1),
+                           HP=max(2, triton.next_power_of_2(h)), HALF=d // 2, BF16=x.dtype == torch.bfloat16,
+                           num_warps=1)  # fmt: skip
+    return y.view(x.shape)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return _rope_forward(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        cos, sin = (t.unsqueeze(-2) for t in ctx.saved_tensors)
+        half = g.shape[-1] // 2
+        gs = g * sin  # the transpose of rotate_half: (a, b) -> (b, -a)
+        return g * cos + torch.cat((gs[..., half:], -gs[..., :half]), dim=-1), None, None
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE of ``x`` [..., heads, d] with tables ``cos``/``sin`` that broadcast to [..., d] (no head dim)."""
+    return _Rope.apply(x, cos, sin)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    g = tl.load(g_ptr + i, mask=mask, other=0.0)
+    u = tl.load(u_ptr + i, mask=mask, other=0.0)
+    out = g.dtype
+    g = g.to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out)  # torch's silu(g), rounded, then times u, rounded
+    tl.store(y_ptr + i, (s.to(tl.float32) * u.to(tl.float32)).to(out), mask=mask)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(g, u)
+        g2, u2 = g.contiguous(), u.contiguous()
+        y = torch.empty_like(g2)
+        n = g2.numel()
+        if n:
+            _silu_mul_kernel[(triton.cdiv(n, 1024),)](g2, u2, y, n, BLOCK=1024, num_warps=4)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        g, u = ctx.saved_tensors
+        with torch.enable_grad():
+            gr, ur = g.detach().requires_grad_(), u.detach().requires_grad_()
+            return torch.autograd.grad(F.silu(gr) * ur, (gr, ur), grad)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """``silu(g) * u`` (SwiGLU's gate), element-wise."""
+    return _SiluMul.apply(g, u)
 
 
 @triton.jit
@@ -265,4 +451,4 @@ def attention(
     return _attn_forward(q, k, v, q_pos, scale, slots)
 
 
-__all__ = ["attention", "logsumexp", "matmul", "rms_norm"]
+__all__ = ["TILINGS", "attention", "logsumexp", "matmul", "rms_norm", "rope", "silu_mul", "tiling_for", "tilings_agree"]
