@@ -11,7 +11,7 @@ NCCL cannot join two processes on one GPU), and checks the engine's logprobs aga
 
 ``--true-on-policy`` then trains the same batches again with π_old and the loss's logprobs from
 ``trainer.true_on_policy``'s forward (the engine's batch-invariant kernels, agentrl.trainer.true_on_policy)
-and reports its step tokens/s against the default's just measured.
+in steps interleaved with default ones, and reports the ratio of the two modes' median step times.
 
 ``--shape qwen3-moe-1b`` (16 experts, top-2) runs the experts grouped (``trainer.moe.grouped_gemm``, auto:
 on CUDA); ``--moe-grouped-gemm false`` times megatron-core's ``SequentialMLP`` experts instead.
@@ -396,29 +396,41 @@ def main() -> None:
 
 
 def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int, default_step_s: float) -> dict:
-    """The same batches with the trainer's logprobs (π_old and the loss's) from the true on-policy forward;
-    step tokens/s and the ratio to the default step time measured just before."""
+    """The same batches with the trainer's logprobs (π_old and the loss's) from the true on-policy forward,
+    in steps interleaved with default ones (the pair of each round trains one batch), so that a shared
+    GPU's drift reaches both alike; the ratio is of the two modes' median step times."""
+    import statistics
+
     from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
 
     saved = trainer.logprobs
-    trainer.logprobs = trainer.optim.logprobs = TrueOnPolicyLogprobs(trainer.arch)
-    try:
-        trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=0))  # warm-up (Triton compiles)
+    exact = TrueOnPolicyLogprobs(trainer.arch)
+
+    def timed(logprobs: object, seed: int) -> tuple[float, dict]:
+        trainer.logprobs = trainer.optim.logprobs = logprobs
+        step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=seed)
+        t0 = time.perf_counter()
+        metrics = trainer.train_step(step_batch)
         sync(a.device)
-        times, metrics = [], {}
+        return time.perf_counter() - t0, metrics
+
+    try:
+        timed(exact, 0)  # warm-up (Triton compiles)
+        times, defaults, metrics = [], [], {}
         for s in range(a.steps):
-            step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1)
-            t0 = time.perf_counter()
-            metrics = trainer.train_step(step_batch)
-            sync(a.device)
-            times.append(time.perf_counter() - t0)
+            defaults.append(timed(saved, s + 1)[0])
+            took, metrics = timed(exact, s + 1)
+            times.append(took)
     finally:
         trainer.logprobs = trainer.optim.logprobs = saved
-    step_s = sum(times) / len(times)
+    step_s, default_s = statistics.median(times), statistics.median(defaults)
     return {
         "step_s": step_s,
+        "default_step_s": default_s,
         "step_tokens_per_s": batch * (plen + rlen - 1) / step_s,
-        "over_default_step": default_step_s / step_s,
+        "over_default_step": default_s / step_s,
+        "step_times_s": [round(t, 4) for t in times],
+        "default_step_times_s": [round(t, 4) for t in defaults],
         "old_logprob_s": metrics.get("old_logprob_seconds"),
         "grad_norm": metrics.get("grad_norm"),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None,

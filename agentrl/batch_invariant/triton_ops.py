@@ -12,10 +12,13 @@
 * ``rope`` and ``silu_mul``: element-wise, one kernel each instead of torch's five and two; RoPE rounds
   each product and the sum to the input dtype as torch does (in bf16 by integer ops, which no compiler
   pass fuses into one rounding).
-* ``attention``: one program per (query token, key head), the group's query heads in the rows of a
-  [16, d] tile; it walks keys ``0..pos`` of its sequence in blocks of :data:`KEY_CHUNK` with an online
-  softmax. Decode (one query over the KV cache), a prefill chunk and a trainer's whole sequence run this
-  one loop, so a query's output does not depend on which of them computed it.
+* ``attention``: one program per (block of query tokens, key head), the group's query heads in the
+  rows of a tile (one token's, padded to 16 rows, at decode; 64 rows of several tokens' in prefill and
+  training); each row walks keys ``0..pos`` of its sequence in blocks of :data:`KEY_CHUNK` with an
+  online softmax, and keeps its state unchanged past its own last block. The row sums run on the tensor
+  cores as the products do (a ``tl.sum`` would add in an order set by the tile's layout). Decode (one
+  query over the KV cache), a prefill chunk and a trainer's whole sequence run this one loop, so a
+  query's output does not depend on which of them computed it.
 
 Each op is an autograd function whose backward is plain torch (cuBLAS, SDPA): only the forward must
 match the engine bit for bit.
@@ -346,46 +349,58 @@ def logsumexp(x: Tensor) -> Tensor:
     return _LogSumExp.apply(x)
 
 
-@triton.jit(do_not_specialize=["W"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr, W,
+@triton.jit(do_not_specialize=["W", "NB"])
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr, W, NB,
                  sq_t, sq_h, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, so_t, so_h, scale,
-                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                  IEEE: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
+    # rows of the tile: BQ query tokens x GP heads of the key head's group (padding rows never see a key)
+    blk = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + t // W).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int32)
-    g = tl.arange(0, GP)
+    b = blk // NB
+    r = tl.arange(0, BQ * GP)
+    qi = (blk % NB) * BQ + r // GP
+    g = r % GP
+    valid = (qi < W) & (g < G)
+    t = b * W + qi
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + t, mask=valid, other=-1).to(tl.int32)
+    last = tl.max(pos, axis=0)
     d = tl.arange(0, D)
     heads = h * G + g
-    q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, D], dtype=tl.float32)
+    q = tl.load(q_ptr + t[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
+    m_i = tl.full([BQ * GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([BQ * GP], dtype=tl.float32)
+    acc = tl.zeros([BQ * GP, D], dtype=tl.float32)
     kb = k_ptr + slot * sk_s + h * sk_h
     vb = v_ptr + slot * sv_s + h * sv_h
-    for start in range(0, pos + 1, BN):
+    for start in range(0, last + 1, BN):
         n = start + tl.arange(0, BN)
-        seen = n <= pos
-        k = tl.load(kb + n[:, None] * sk_l + d[None, :], mask=seen[:, None], other=0.0)
+        k = tl.load(kb + n[:, None] * sk_l + d[None, :], mask=(n <= last)[:, None], other=0.0)
+        v = tl.load(vb + n[:, None] * sv_l + d[None, :], mask=(n <= last)[:, None], other=0.0)
+        ones = tl.full([BN, 16], 1.0, v.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(seen[None, :], s * scale, float("-inf"))
+        s = tl.where(n[None, :] <= pos[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vb + n[:, None] * sv_l + d[None, :], mask=seen[:, None], other=0.0)
+        p = tl.exp(s - m_new[:, None]).to(v.dtype)
+        # the row sum by the tensor cores too: a tl.sum's order follows the tile's layout, a dot's does not
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            l_new = l_i * alpha + tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
+            acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            l_new = l_i * alpha + tl.max(tl.dot(p, ones), axis=1)
+            acc_new = acc * alpha[:, None] + tl.dot(p, v)
+        active = start <= pos  # a row past its own last key chunk keeps its state bit for bit
+        m_i = tl.where(active, m_new, m_i)
+        l_i = tl.where(active, l_new, l_i)
+        acc = tl.where(active[:, None], acc_new, acc)
     o = acc / l_i[:, None]
-    tl.store(o_ptr + t * so_t + heads[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=(g < G)[:, None])  # fmt: skip
+    tl.store(o_ptr + t[:, None] * so_t + heads[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=valid[:, None])  # fmt: skip
 
 
 def _attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None) -> Tensor:
@@ -402,13 +417,18 @@ def _attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, 
     if slots is None:
         slots = torch.arange(b, device=q.device)
     pos = q_pos.reshape(-1).contiguous()
+    # decode (one query per sequence): a tile of one token's group, padded to 16 rows; prefill and training:
+    # 64 rows of several tokens' groups. A row's keys, chunks and dots are the same in both.
+    gp = triton.next_power_of_2(g)
+    bq = 1 if w == 1 else max(1, 64 // gp)
+    gp = max(gp, 16 // bq)
+    nb = triton.cdiv(w, bq)
     if b * w:
-        _attn_kernel[(b * w, kv)](
-            qt, k, v, o, slots, pos, w,
+        _attn_kernel[(b * nb, kv)](
+            qt, k, v, o, slots, pos, w, nb,
             qt.stride(0), qt.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), scale,
-            G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BN=KEY_CHUNK,
-            IEEE=q.dtype == torch.float32, num_warps=4,
+            G=g, GP=gp, BQ=bq, D=d, BN=KEY_CHUNK, IEEE=q.dtype == torch.float32, num_warps=4,
         )  # fmt: skip
     return o.view(b, w, h * d)
 
