@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from agentrl import batch_invariant as bi
+from agentrl.trainer.logprobs import _kernel, _softmax_stats
 from agentrl.trainer.model import ModelArch
 
 Tensor = torch.Tensor
@@ -37,11 +37,41 @@ def _gpt(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """(logprob of the target, entropy) of rows of final hidden states. The logprob is the engine's
+    (:func:`agentrl.batch_invariant.lm_head`, then ``token_logprobs``); the entropy and the gradient come
+    from the default path's fused softmax statistics (:mod:`agentrl.trainer.logprobs`, compiled on a GPU),
+    which no bit has to match. Nothing of [rows, vocabulary] is kept for backward: it recomputes the
+    logits."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, norm: Tensor, head: Tensor, targets: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # fmt: skip
+        logits = bi.lm_head(hidden, norm, eps, head)
+        lp = bi.token_logprobs(logits, targets)
+        inside = torch.ones_like(targets, dtype=torch.bool)
+        m, log_s, _, mean_shifted = _softmax_stats(logits, targets, inside, None, logits.is_cuda)
+        ctx.save_for_backward(hidden, norm, head, targets, m, log_s, mean_shifted)
+        ctx.eps = eps
+        return lp, log_s - mean_shifted
+
+    @staticmethod
+    def backward(ctx, g_lp: Tensor, g_ent: Tensor):  # type: ignore[override]
+        hidden, norm, head, targets, m, log_s, mean_shifted = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((hidden, norm, head), ctx.needs_input_grad[:3], strict=True)]
+            logits = bi.lm_head(*leaves[:2], ctx.eps, leaves[2])
+        inside = torch.ones_like(targets, dtype=torch.bool)
+        grad = _kernel("_logits_grad", logits.is_cuda)(
+            logits.detach(), m, log_s, mean_shifted, targets, inside, g_lp.float(), g_ent.float()
+        )
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(logits, wanted, grad) if wanted else ())
+        return (*(next(got) if t.requires_grad else None for t in leaves), None, None)
+
+
 def _head_logprobs(hidden: Tensor, targets: Tensor, norm: Tensor, head: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(logprob of the target, entropy) of rows of final hidden states, as the engine computes the logprob."""
-    logits = bi.lm_head(hidden, norm, eps, head)
-    ent = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-    return bi.token_logprobs(logits, targets), ent
+    return _HeadLogprobs.apply(hidden, norm, head, targets, eps)
 
 
 class TrueOnPolicyLogprobs:
@@ -113,16 +143,11 @@ class TrueOnPolicyLogprobs:
         head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
         norm, head = gpt.decoder.final_layernorm.weight, head[: arch.vocab_size]
         hidden, tgt = x.reshape(b * s, -1), targets.reshape(-1).clamp(min=0)
-        # past HEAD_CHUNK rows the head runs in chunks of rows (row-invariant ops: the same bits as all at
-        # once), each recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
+        # the head runs in chunks of rows (row-invariant ops: the same bits as all at once), each
+        # recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
         lp, ent = [], []
-        chunked = b * s > self.HEAD_CHUNK and torch.is_grad_enabled() and hidden.requires_grad
         for i in range(0, b * s, self.HEAD_CHUNK):
-            args = (hidden[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)
-            if chunked:
-                out = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
-            else:
-                out = _head_logprobs(*args)
+            out = _head_logprobs(hidden[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)
             lp.append(out[0])
             ent.append(out[1])
         return torch.cat(lp).view(b, s), torch.cat(ent).view(b, s)
