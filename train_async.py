@@ -315,7 +315,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             if turns:
                 version, offloading = await gpu_to_engines(cfg, trainer, control, sync_urls, out, phases)
             else:
-                version = await sync(cfg, trainer, sync_urls, out)
+                version = await _timed(phases, "weight_sync", sync(cfg, trainer, sync_urls, out))
             # while paused: with deterministic, a fixed point
             rollout_stats, sync_stats = await asyncio.gather(rollout.stats.remote(), weight_sync_parts(cfg, trainer))
             await rollout.resume_after_update.remote(version)

@@ -78,6 +78,8 @@ def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path) -> 
     assert summary["policy_version"] == 2 and summary["accounting"]["trained"] > 0
     assert not [k for k in summary if "engine_release" in k or "trainer_onload" in k or "trainer_offload" in k]
     assert summary["mean_train_s"] > 0 and summary["mean_sync_s"] > 0
+    parts = [summary[f"mean_weight_sync_{k}_s"] for k in ("gather", "pack", "push")]
+    assert all(p > 0 for p in parts) and sum(parts) <= summary["mean_weight_sync_s"] * 1.01 <= summary["mean_sync_s"] * 1.01
     assert not _left_after(), "the run left processes behind"
 
 
