@@ -12,7 +12,11 @@ CPU (default): the tiny test model. GPU: ``--device cuda --shape qwen2.5-0.5b --
 randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896).
 ``--server-args "--no-cuda-graphs"`` (etc.) passes flags to the server, to measure one lever at a time.
 ``--deterministic`` serves the same rounds a second time with ``--batch-invariant`` (what deterministic
-and true on-policy runs use) and reports its tokens/s beside the default's, and their ratio.
+and true on-policy runs use) and reports its tokens/s beside the default's, and their ratio. With
+``--rounds N`` (N > 1) both servers stay up side by side (each KV cache at ``--mem-fraction 0.4`` on a GPU
+unless ``--server-args`` sets one) and each round serves every concurrency on the default server, then on
+the batch-invariant one: the tokens/s are medians over the rounds and the ratio is the median of the
+rounds' paired ratios, so a drift of the host's load reaches both modes alike.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import atexit
 import json
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -118,6 +123,47 @@ async def multi_turn_round(
     }
 
 
+def interleaved(
+    a: argparse.Namespace, model_dir: Path, tmp: Path, concs: list[int], vocab: int
+) -> tuple[dict[int, tuple[int, float]], dict[int, tuple[int, float]], dict[int, list[float]], dict]:
+    """``--rounds`` rounds of every concurrency on the default server, then on the batch-invariant one, both
+    up side by side. Returns each mode's median round as (tokens, seconds), the paired ratios and the
+    default server's info."""
+    args = shlex.split(a.server_args)
+    if a.device.startswith("cuda") and "--mem-fraction" not in args:
+        args += ["--mem-fraction", "0.4"]  # two KV caches on one GPU
+    servers = []
+    for name, extra in (("default", []), ("batch_invariant", ["--batch-invariant"])):
+        servers.append(start_embedded_server(
+            model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
+            log_file=tmp / f"server_{name}.log", extra_args=args + extra,
+        ))  # fmt: skip
+    rates: list[dict[int, list[tuple[int, float]]]] = [{c: [] for c in concs}, {c: [] for c in concs}]
+    try:
+        for _ in range(a.rounds):
+            for c in concs:
+                for server, mine in zip(servers, rates, strict=True):
+                    mine[c].append(asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab)))
+        info = asyncio.run(_server_info(servers[0].url))
+    finally:
+        for server in servers:
+            server.stop()
+
+    def median_round(runs: list[tuple[int, float]]) -> tuple[int, float]:
+        return sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
+
+    paired = {
+        c: [(bt / bs) / (et / es) for (et, es), (bt, bs) in zip(rates[0][c], rates[1][c], strict=True)]
+        for c in concs
+    }
+    return (
+        {c: median_round(r) for c, r in rates[0].items()},
+        {c: median_round(r) for c, r in rates[1].items()},
+        paired,
+        info,
+    )
+
+
 @torch.no_grad()
 def hf_round(
     model, conc: int, prompt_len: int, new_tokens: int, vocab: int, device: str
@@ -166,7 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--deterministic", action="store_true", help="also serve the rounds with --batch-invariant and compare"
     )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="with --deterministic: interleaved rounds of both servers (medians)"
+    )
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds: must be at least 1")
     concs = [int(c) for c in a.concurrency.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
@@ -197,8 +248,13 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()  # frees the device before the next server or the baseline runs
         return engine, multi, info
 
-    engine, multi, info = serve([])
-    invariant, multi_invariant, _ = serve(["--batch-invariant"]) if a.deterministic else ({}, None, {})
+    per_round: dict[int, list[float]] = {}
+    if a.deterministic and a.rounds > 1:
+        engine, invariant, per_round, info = interleaved(a, model_dir, tmp, concs, vocab)
+        multi = multi_invariant = None
+    else:
+        engine, multi, info = serve([])
+        invariant, multi_invariant, _ = serve(["--batch-invariant"]) if a.deterministic else ({}, None, {})
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
     hf = (
@@ -215,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
             i_tok, i_s = invariant[c]
             results[str(c)]["batch_invariant_tok_s"] = round(i_tok / i_s, 1)
             results[str(c)]["ratio_batch_invariant_over_default"] = round((i_tok / i_s) / (e_tok / e_s), 3)
+        if c in per_round:  # interleaved rounds: the median of the paired ratios
+            results[str(c)]["ratio_batch_invariant_over_default"] = round(statistics.median(per_round[c]), 3)
+            results[str(c)]["ratio_per_round"] = [round(r, 3) for r in per_round[c]]
         if c in hf:
             h_tok, h_s = hf[c]
             results[str(c)]["hf_generate_tok_s"] = round(h_tok / h_s, 1)
