@@ -1,12 +1,13 @@
 """The batch-invariant ops on a GPU, as Triton kernels whose reduction order never depends on the batch.
 
 * ``matmul``: each program computes one output tile with a K loop from 0 to K into one fp32
-  accumulator; no split-K. ``tl.dot`` adds a K step's products into an output element by the same
-  instructions whatever the tile's height or width, so a row's bits depend on neither the row count,
-  the row's position nor the tiling. The tiling is therefore chosen by the row count for speed (narrow
-  tiles for a decode step's few rows, wide ones for a trainer's thousands), once it is checked on the
-  device: :func:`tilings_agree` runs every tiling on one product and compares the bits; where they
-  differ, every call takes one tiling. The epilogue adds a bias and a residual as torch would after the
+  accumulator; no split-K. On an H100 ``tl.dot`` adds a K step's products into an output element in
+  the same order whatever the tile's height, width or K step (bench/batch_invariant_matmul.py), so a
+  row's bits depend on neither the row count, the row's position nor the tiling. The tiling is therefore
+  chosen by the row count and the weight's shape for speed (narrow tiles and long K steps for a decode
+  step's few rows, wide tiles for a trainer's thousands), once the premise is checked on the device:
+  :func:`tilings_agree` runs every tiling on one product and compares the bits; where they differ,
+  every call takes one tiling. The epilogue adds a bias and a residual as torch would after the
   product (the product rounded to the output dtype, then each sum rounded), so fusing them changes no bit.
 * ``rms_norm`` and ``logsumexp``: one program per row, the row reduced in fixed-size blocks in order.
 * ``rope`` and ``silu_mul``: element-wise, one kernel each instead of torch's five and two; RoPE rounds
