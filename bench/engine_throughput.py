@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,21 +124,27 @@ async def multi_turn_round(
     }
 
 
+def launch(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: int, extra: list[str]) -> Any:
+    """An embedded engine server for the bench: ``--server-args`` and then ``extra`` as its flags."""
+    return start_embedded_server(
+        model_dir, device=a.device, dtype=a.dtype, max_batch_size=max_batch, timeout=1800, log_file=log_file,
+        extra_args=shlex.split(a.server_args) + extra,
+    )  # fmt: skip
+
+
 def interleaved(
     a: argparse.Namespace, model_dir: Path, tmp: Path, concs: list[int], vocab: int
 ) -> tuple[dict[int, tuple[int, float]], dict[int, tuple[int, float]], dict[int, list[float]], dict]:
     """``--rounds`` rounds of every concurrency on the default server, then on the batch-invariant one, both
     up side by side. Returns each mode's median round as (tokens, seconds), the paired ratios and the
     default server's info."""
-    args = shlex.split(a.server_args)
-    if a.device.startswith("cuda") and "--mem-fraction" not in args:
-        args += ["--mem-fraction", "0.4"]  # two KV caches on one GPU
-    servers = []
-    for name, extra in (("default", []), ("batch_invariant", ["--batch-invariant"])):
-        servers.append(start_embedded_server(
-            model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
-            log_file=tmp / f"server_{name}.log", extra_args=args + extra,
-        ))  # fmt: skip
+    both: list[str] = []
+    if a.device.startswith("cuda") and "--mem-fraction" not in shlex.split(a.server_args):
+        both = ["--mem-fraction", "0.4"]  # two KV caches on one GPU
+    servers = [
+        launch(a, model_dir, tmp / f"server_{name}.log", max(concs), both + extra)
+        for name, extra in (("default", []), ("batch_invariant", ["--batch-invariant"]))
+    ]
     rates: list[dict[int, list[tuple[int, float]]]] = [{c: [] for c in concs}, {c: [] for c in concs}]
     try:
         for _ in range(a.rounds):
@@ -229,10 +236,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def serve(extra: list[str]) -> tuple[dict[int, tuple[int, float]], dict[str, float] | None, dict]:
         engine: dict[int, tuple[int, float]] = {}
-        server = start_embedded_server(
-            model_dir, device=a.device, dtype=a.dtype, max_batch_size=max(concs), timeout=1800,
-            log_file=tmp / "server.log", extra_args=shlex.split(a.server_args) + extra,
-        )  # fmt: skip
+        server = launch(a, model_dir, tmp / "server.log", max(concs), extra)
         multi: dict[str, float] | None = None
         try:
             for c in concs:

@@ -370,7 +370,7 @@ def main() -> None:
         if a.long_tail:
             result["long_tail"] = long_tail(trainer, a, batch, plen, rlen, vocab)
         if a.true_on_policy:
-            result["true_on_policy"] = true_on_policy(trainer, a, batch, plen, rlen, vocab, result["step_s"])
+            result["true_on_policy"] = true_on_policy(trainer, a, batch, plen, rlen, vocab)
         if not a.skip_baseline:
             try:
                 hf_rate = hf_baseline(
@@ -395,7 +395,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int, default_step_s: float) -> dict:
+def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
     """The same batches with the trainer's logprobs (π_old and the loss's) from the true on-policy forward,
     in steps interleaved with default ones (the pair of each round trains one batch), so that a shared
     GPU's drift reaches both alike; the ratio is of the two modes' median step times."""
