@@ -41,11 +41,15 @@ Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 
 Tiling = tuple[int, int, int, int, int]  # BM, BN, BK, warps, stages
+# the tilings :func:`tiling_for` picks from (measured on the projections of the Qwen2.5-0.5B shape and its
+# LM head at 64 to 4,096 rows by bench/batch_invariant_matmul.py, with each layer's weights read from HBM)
 WIDE: Tiling = (128, 128, 64, 8, 3)
-# every tiling :func:`tiling_for` picks (measured on the projections of the Qwen2.5-0.5B shape and its LM
-# head at 64 to 4,096 rows by bench/batch_invariant_matmul.py, with each layer's weights read from HBM)
-TILINGS: tuple[Tiling, ...] = (WIDE, (64, 64, 64, 4, 3), (64, 32, 256, 4, 3), (64, 32, 128, 4, 3), (64, 16, 256, 4, 3))
-FIXED_TILING: Tiling = (64, 64, 64, 4, 3)  # every call's, on a device where the tilings' bits differ
+SQUARE: Tiling = (64, 64, 64, 4, 3)
+NARROW: Tiling = (64, 32, 128, 4, 3)
+NARROW_LONG_K: Tiling = (64, 32, 256, 4, 3)
+THIN_LONG_K: Tiling = (64, 16, 256, 4, 3)
+TILINGS: tuple[Tiling, ...] = (WIDE, SQUARE, NARROW, NARROW_LONG_K, THIN_LONG_K)
+FIXED_TILING: Tiling = SQUARE  # every call's, on a device where the tilings' bits differ
 
 
 def _pick(m: int, n: int, k: int) -> Tiling:
@@ -55,12 +59,12 @@ def _pick(m: int, n: int, k: int) -> Tiling:
     if m > 512:
         return WIDE
     if n >= 16384:  # an LM head: programs to spare
-        return (64, 64, 64, 4, 3) if m <= 64 else WIDE
+        return SQUARE if m <= 64 else WIDE
     if k >= 2048:  # a down projection
-        return (64, 32, 256, 4, 3) if m <= 256 else (64, 32, 128, 4, 3)
+        return NARROW_LONG_K if m <= 256 else NARROW
     if n >= 2048:  # gate / up
-        return (64, 32, 128, 4, 3) if m <= 128 else (64, 64, 64, 4, 3) if m <= 256 else WIDE
-    return (64, 16, 256, 4, 3) if m <= 128 else (64, 32, 256, 4, 3) if m <= 256 else (64, 32, 128, 4, 3)
+        return NARROW if m <= 128 else SQUARE if m <= 256 else WIDE
+    return THIN_LONG_K if m <= 128 else NARROW_LONG_K if m <= 256 else NARROW
 
 
 @triton.jit(do_not_specialize=["M"])
