@@ -11,7 +11,8 @@ NCCL cannot join two processes on one GPU), and checks the engine's logprobs aga
 
 ``--true-on-policy`` then trains the same batches again with π_old and the loss's logprobs from
 ``trainer.true_on_policy``'s forward (the engine's batch-invariant kernels, agentrl.trainer.true_on_policy)
-in steps interleaved with default ones, and reports the ratio of the two modes' median step times.
+in steps interleaved with default ones, and reports the ratio of the modes' median step times, for the
+trainer's gradient route and for autograd through the exact forward (the deterministic mode's).
 
 ``--shape qwen3-moe-1b`` (16 experts, top-2) runs the experts grouped (``trainer.moe.grouped_gemm``, auto:
 on CUDA); ``--moe-grouped-gemm false`` times megatron-core's ``SequentialMLP`` experts instead.
@@ -397,14 +398,20 @@ def main() -> None:
 
 def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
     """The same batches with the trainer's logprobs (π_old and the loss's) from the true on-policy forward,
-    in steps interleaved with default ones (the pair of each round trains one batch), so that a shared
-    GPU's drift reaches both alike; the ratio is of the two modes' median step times."""
+    in steps interleaved with default ones (each round trains one batch in every mode), so that a shared
+    GPU's drift reaches all alike; ratios are of the modes' median step times. Two routes of the gradient:
+    the trainer's (the default forward's gradient at the exact values) and autograd through the
+    batch-invariant forward (the deterministic mode's)."""
     import statistics
 
     from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
 
     saved = trainer.logprobs
-    exact = TrueOnPolicyLogprobs(trainer.arch)
+    modes = {
+        "default": saved,
+        "exact": TrueOnPolicyLogprobs(trainer.arch, gradient_from=saved),
+        "autograd": TrueOnPolicyLogprobs(trainer.arch),
+    }
 
     def timed(logprobs: object, seed: int) -> tuple[float, dict]:
         trainer.logprobs = trainer.optim.logprobs = logprobs
@@ -414,25 +421,27 @@ def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> 
         sync(a.device)
         return time.perf_counter() - t0, metrics
 
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    metrics: dict[str, dict] = {}
     try:
-        timed(exact, 0)  # warm-up (Triton compiles)
-        times, defaults, metrics = [], [], {}
+        for name in ("exact", "autograd"):
+            timed(modes[name], 0)  # warm-up (Triton compiles)
         for s in range(a.steps):
-            defaults.append(timed(saved, s + 1)[0])
-            took, metrics = timed(exact, s + 1)
-            times.append(took)
+            for name, lp in modes.items():
+                took, metrics[name] = timed(lp, s + 1)
+                times[name].append(took)
     finally:
         trainer.logprobs = trainer.optim.logprobs = saved
-    step_s, default_s = statistics.median(times), statistics.median(defaults)
+    med = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "step_s": step_s,
-        "default_step_s": default_s,
-        "step_tokens_per_s": batch * (plen + rlen - 1) / step_s,
-        "over_default_step": default_s / step_s,
-        "step_times_s": [round(t, 4) for t in times],
-        "default_step_times_s": [round(t, 4) for t in defaults],
-        "old_logprob_s": metrics.get("old_logprob_seconds"),
-        "grad_norm": metrics.get("grad_norm"),
+        "step_s": med["exact"],
+        "default_step_s": med["default"],
+        "autograd_step_s": med["autograd"],
+        "step_tokens_per_s": batch * (plen + rlen - 1) / med["exact"],
+        "over_default_step": med["default"] / med["exact"],
+        "autograd_over_default_step": med["default"] / med["autograd"],
+        "step_times_s": {name: [round(x, 4) for x in t] for name, t in times.items()},
+        "grad_norm": {name: m.get("grad_norm") for name, m in metrics.items()},
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None,
     }
 

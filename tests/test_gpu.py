@@ -370,8 +370,9 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
 def test_batch_invariant_ops_on_gpu_bf16() -> None:
     """The Triton ops in bf16: a row's matmul bits do not depend on the row count across the tilings chosen
     by it (the Qwen2.5-0.5B shape's projections and LM head, 1..600 rows and more), every tiling agrees on
-    this GPU, the fused bias/residual epilogue equals torch's adds after the product, and the fused RoPE
-    equals torch's formula, bit for bit."""
+    this GPU, the fused bias/residual epilogue equals torch's adds after the product, a fused projection's
+    columns equal the separate projections', and the fused RoPE and SwiGLU equal torch's formulas, bit for
+    bit, from strided inputs and shared tables too."""
     from agentrl import batch_invariant as bi
     from agentrl.batch_invariant import triton_ops as tri
 
@@ -392,7 +393,32 @@ def test_batch_invariant_ops_on_gpu_bf16() -> None:
     cos, sin = bi.rope_tables(1.0 / (1e6 ** (torch.arange(0, 64, 2).float() / 64)), 70, dev, dt)
     half = 32
     want = x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
-    assert torch.equal(bi.rope(x, cos, sin), want)
+    assert torch.equal(bi.rope(x, cos, sin), want)  # [s, d] tables for [b, s] tokens: read every s rows
+    pos = torch.arange(70, device=dev).expand(3, 70)
+    assert torch.equal(bi.rope(x, cos[pos], sin[pos]), want)  # one table row per token (the engine's)
+    strided = torch.randn(3, 70, 2, 9, 64, device=dev, dtype=dt, generator=g)[..., 7, :]  # a key of a fused qkv
+    assert torch.equal(bi.rope(strided, cos, sin), bi.rope(strided.contiguous(), cos, sin))
+    xr = x.detach().requires_grad_()
+    gy = torch.randn_like(x)
+    (got,) = torch.autograd.grad(bi.rope(xr, cos, sin), xr, gy)
+    xf = x.float().requires_grad_()
+    rot = xf * cos[:, None].float() + torch.cat((-xf[..., half:], xf[..., :half]), -1) * sin[:, None].float()
+    (ref,) = torch.autograd.grad(rot, xf, gy.float())
+    assert torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2)
+    # megatron's fused projections (qkv per KV group; [gate; up]) give each column the bits of its own
+    # projection, and SwiGLU reads the halves in place
+    a = torch.randn(4096, 896, device=dev, dtype=dt, generator=g)
+    for n, parts in ((1152, [range(0, 448), range(448, 512), range(512, 576)]), (9728, [range(0, 4864), range(4864, 9728)])):  # fmt: skip
+        w = torch.randn(n, 896, device=dev, dtype=dt, generator=g) / 30
+        for m in (1, 64, 4096):
+            fused = tri.matmul(a[:m], w)
+            for cols in parts:
+                idx = torch.tensor(list(cols), device=dev)
+                assert torch.equal(fused[:, idx], tri.matmul(a[:m], w[idx])), (n, m, cols)
+    gu = torch.randn(3, 70, 9728, device=dev, dtype=dt, generator=g)
+    gate, up = gu[..., :4864], gu[..., 4864:]
+    assert torch.equal(bi.silu_mul(gate, up), bi.silu_mul(gate.contiguous(), up.contiguous()))
+    assert torch.equal(bi.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
 
 
 async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:

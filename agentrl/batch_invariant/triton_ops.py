@@ -177,7 +177,7 @@ def _bf16_rounded(x):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, sx_t, sx_h, sc_t, sy_t, sy_h,
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, P, sx_t, sx_h, sc_t, sy_t, sy_h,
                  HP: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)
@@ -187,10 +187,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, sx_t, sx_h, sc_t, sy_t, sy_h
     x1 = tl.load(xp, mask=mask, other=0.0)
     x2 = tl.load(xp + HALF, mask=mask, other=0.0)
     out = x1.dtype
-    c1 = tl.load(cos_ptr + t * sc_t + j).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * sc_t + HALF + j).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * sc_t + j).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * sc_t + HALF + j).to(tl.float32)[None, :]
+    cp = cos_ptr + (t % P) * sc_t  # the tables repeat every P tokens
+    sp = sin_ptr + (t % P) * sc_t
+    c1 = tl.load(cp + j).to(tl.float32)[None, :]
+    c2 = tl.load(cp + HALF + j).to(tl.float32)[None, :]
+    s1 = tl.load(sp + j).to(tl.float32)[None, :]
+    s2 = tl.load(sp + HALF + j).to(tl.float32)[None, :]
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product and the sum rounded
     if BF16:
@@ -204,19 +206,33 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, sx_t, sx_h, sc_t, sy_t, sy_h
     tl.store(yp + HALF, y2, mask=mask)
 
 
+def _rope_tables(lead: list[int], d: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin as [P, d] rows that token ``t`` (of the flattened ``lead``) reads at ``t % P``: the tables as
+    they are where they span the trailing dims of ``lead`` (a trainer's [s, d] for [b, s] tokens),
+    else expanded to one row per token."""
+    span = list(cos.shape[:-1])
+    while span and span[0] == 1:
+        span.pop(0)
+    if cos.shape == sin.shape and (not span or lead[len(lead) - len(span) :] == span):
+        return cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+    t = 1
+    for n in lead:
+        t *= n
+    return cos.expand(*lead, d).reshape(t, d).contiguous(), sin.expand(*lead, d).reshape(t, d).contiguous()
+
+
 def _rope_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     *lead, h, d = x.shape
     x3 = x.reshape(-1, h, d)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     t = x3.shape[0]
-    c = cos.expand(*lead, d).reshape(t, d).contiguous()
-    s = sin.expand(*lead, d).reshape(t, d).contiguous()
+    c, s = _rope_tables(lead, d, cos, sin)
     y = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
-        _rope_kernel[(t,)](x3, c, s, y, h, x3.stride(0), x3.stride(1), c.stride(0), y.stride(0), y.stride(1),
-                           HP=max(2, triton.next_power_of_2(h)), HALF=d // 2, BF16=x.dtype == torch.bfloat16,
-                           num_warps=1)  # fmt: skip
+        _rope_kernel[(t,)](x3, c, s, y, h, c.shape[0], x3.stride(0), x3.stride(1), c.stride(0), y.stride(0),
+                           y.stride(1), HP=max(2, triton.next_power_of_2(h)), HALF=d // 2,
+                           BF16=x.dtype == torch.bfloat16, num_warps=1)  # fmt: skip
     return y.view(x.shape)
 
 
@@ -228,10 +244,8 @@ class _Rope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        cos, sin = (t.unsqueeze(-2) for t in ctx.saved_tensors)
-        half = g.shape[-1] // 2
-        gs = g * sin  # the transpose of rotate_half: (a, b) -> (b, -a)
-        return g * cos + torch.cat((gs[..., half:], -gs[..., :half]), dim=-1), None, None
+        cos, sin = ctx.saved_tensors
+        return _rope_forward(g, cos, -sin), None, None  # the transpose of a rotation: the opposite angle
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -240,26 +254,34 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    g = tl.load(g_ptr + i, mask=mask, other=0.0)
-    u = tl.load(u_ptr + i, mask=mask, other=0.0)
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, sg, su, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    g = tl.load(g_ptr + row * sg + i, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * su + i, mask=mask, other=0.0)
     out = g.dtype
     g = g.to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(out)  # torch's silu(g), rounded, then times u, rounded
-    tl.store(y_ptr + i, (s.to(tl.float32) * u.to(tl.float32)).to(out), mask=mask)
+    tl.store(y_ptr + row * N + i, (s.to(tl.float32) * u.to(tl.float32)).to(out), mask=mask)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as [rows, last dim] with unit stride along the last dim (a view where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(g, u)
-        g2, u2 = g.contiguous(), u.contiguous()
-        y = torch.empty_like(g2)
-        n = g2.numel()
-        if n:
-            _silu_mul_kernel[(triton.cdiv(n, 1024),)](g2, u2, y, n, BLOCK=1024, num_warps=4)
+        g2, u2 = _rows(g), _rows(u)  # rows may be strided: gate and up as halves of one projection
+        rows, n = g2.shape
+        y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        if rows and n:
+            _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](g2, u2, y, n, g2.stride(0), u2.stride(0), BLOCK=1024,
+                                                           num_warps=4)  # fmt: skip
         return y
 
     @staticmethod

@@ -1,15 +1,25 @@
 """Exactly on-policy logprobs (``trainer.true_on_policy``): the trainer's forward in the engine's kernels.
 
 The embedded engine in batch-invariant mode computes a token's logprob with the ops of
-:mod:`agentrl.batch_invariant` in one order (embedding, RMSNorm, separate q/k/v projections, RoPE from
+:mod:`agentrl.batch_invariant` in one order (embedding, RMSNorm, q/k/v projections, RoPE from
 element-wise tables, attention over keys ``0..pos`` in fixed chunks, SwiGLU, LM head, ``logits[target] -
 logsumexp``), and those ops give a row the same bits whatever else is in the call. A full-sequence
 forward is then the same computation as the engine's prefill, which equals its decode; so
 :class:`TrueOnPolicyLogprobs`, which runs exactly that order over the megatron model's own parameters,
 gives π_old and the loss's logprobs equal to the rollout's for the same weights and tokens: mismatch KL
-0, every TIS weight 1, PPO-KL 0 on the first step. Gradients flow to the parameters through the same
-graph (on a GPU each Triton op has a torch backward; with ``deterministic_backward`` the attention's is
-torch's math kernel, which, unlike the flash backward, sums in one order). Dense models, TP = PP = 1.
+0, every TIS weight 1, PPO-KL 0 on the first step. Dense models, TP = PP = 1.
+
+The gradient takes one of two routes:
+
+* ``gradient_from`` (the trainer's default): the logprobs' values are the batch-invariant forward's,
+  run without autograd, and their gradient is the default forward's (:class:`ModelLogprobs` on the
+  same weights and tokens, megatron's layers and kernels), as if its values had been the exact ones.
+  The default forward differs from the exact one by rounding only, so the two gradients differ by as
+  much; the step costs one default training step plus one forward in the engine's kernels.
+* without it, autograd runs through the batch-invariant forward itself (on a GPU each Triton op has a
+  torch backward; with ``deterministic_backward`` the attention's is torch's math kernel, which, unlike
+  the flash backward, sums in one order): the route of the deterministic mode, whose runs must repeat
+  bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
-from agentrl.trainer.logprobs import _kernel, _softmax_stats
+from agentrl.trainer.logprobs import ModelLogprobs, _kernel, _softmax_stats
 from agentrl.trainer.model import ModelArch
 
 Tensor = torch.Tensor
@@ -35,6 +45,18 @@ def _gpt(model: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(model, "decoder") and hasattr(model, "module"):
         model = model.module  # DDP / Float16Module wrappers
     return model
+
+
+class _ExactValues(torch.autograd.Function):
+    """The exact logprobs as values; the gradient goes to the default forward's logprobs."""
+
+    @staticmethod
+    def forward(ctx, differentiable: Tensor, exact: Tensor) -> Tensor:  # type: ignore[override]
+        return exact.to(differentiable.dtype).clone()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        return g, None
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -59,7 +81,7 @@ class _HeadLogprobs(torch.autograd.Function):
         hidden, norm, head, targets, m, log_s, mean_shifted = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(need) for t, need in zip((hidden, norm, head), ctx.needs_input_grad[:3], strict=True)]
-            logits = bi.lm_head(*leaves[:2], ctx.eps, leaves[2])
+            logits = bi.lm_head(leaves[0], leaves[1], ctx.eps, leaves[2])
         inside = torch.ones_like(targets, dtype=torch.bool)
         grad = _kernel("_logits_grad", logits.is_cuda)(
             logits.detach(), m, log_s, mean_shifted, targets, inside, g_lp.float(), g_ent.float()
@@ -75,15 +97,25 @@ def _head_logprobs(hidden: Tensor, targets: Tensor, norm: Tensor, head: Tensor, 
 
 
 class TrueOnPolicyLogprobs:
-    """``(logprob, entropy)`` per token of a megatron GPT model, computed as the batch-invariant embedded
-    engine computes them; a drop-in for :class:`~agentrl.trainer.logprobs.ModelLogprobs` (``of``)."""
+    """``(logprob, entropy)`` per token of a megatron GPT model, the logprob computed as the batch-invariant
+    embedded engine computes it; a drop-in for :class:`~agentrl.trainer.logprobs.ModelLogprobs` (``of``).
+    With ``gradient_from``, the gradient (and the entropy) come from that default forward; without
+    autograd, only the logprob is computed (the entropy is None)."""
 
     HEAD_CHUNK = 4096  # token rows per LM-head chunk
 
-    def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1, deterministic_backward: bool = False) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: int = 1,
+        pp: int = 1,
+        gradient_from: ModelLogprobs | None = None,
+        deterministic_backward: bool = False,
+    ) -> None:
         if tp != 1 or pp != 1:
             raise ValueError("trainer.true_on_policy: needs tp = 1 and pp = 1")
         self.arch = arch
+        self.gradient_from = gradient_from
         self.deterministic_backward = deterministic_backward  # the attention backward by torch's math kernel
         self.inv_freq = rope_inv_freq(arch.rope_theta, arch.head_dim)
         self.scale = arch.head_dim**-0.5  # the HF attention's own scaling
@@ -98,32 +130,22 @@ class TrueOnPolicyLogprobs:
         return have[0][:n], have[1][:n]
 
     def _layer(self, layer: torch.nn.Module) -> tuple:
-        """One layer's tensors in the engine runner's order; q/k/v and gate/up split out of megatron's
-        fused ``linear_qkv`` (per KV group: its query heads, its key head, its value head) and ``linear_fc1``."""
+        """One layer's tensors in the order of :func:`agentrl.batch_invariant.pre_attention` /
+        ``post_attention``, megatron's fused projections as they are: ``linear_qkv`` (per KV group: its
+        query heads, its key head, its value head) and ``linear_fc1`` ([gate; up])."""
         a, m, arch = layer.self_attention, layer.mlp, self.arch
-        ng, r, hd = arch.num_kv_heads, arch.num_attention_heads // arch.num_kv_heads, arch.head_dim
-
-        def split(t: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-            if t is None:
-                return None, None, None
-            g = t.view(ng, r + 2, hd, *t.shape[1:])
-            rest = t.shape[1:]
-            return g[:, :r].reshape(-1, *rest), g[:, r].reshape(-1, *rest), g[:, r + 1].reshape(-1, *rest)
-
-        wq, wk, wv = split(a.linear_qkv.weight)
-        bq, bk, bv = split(getattr(a.linear_qkv, "bias", None) if arch.qkv_bias else None)
+        bqkv = a.linear_qkv.bias if arch.qkv_bias else None
         qn = a.q_layernorm.weight if arch.qk_norm else None
         kn = a.k_layernorm.weight if arch.qk_norm else None
-        fc1 = m.linear_fc1.weight
-        ffn = fc1.shape[0] // 2
         return (
-            layer.input_layernorm.weight, wq, bq, wk, bk, wv, bv, qn, kn,
+            layer.input_layernorm.weight, a.linear_qkv.weight, bqkv, None, None, None, None, qn, kn,
             a.linear_proj.weight, None, layer.pre_mlp_layernorm.weight,
-            fc1[:ffn], None, fc1[ffn:], None, m.linear_fc2.weight, None,
+            m.linear_fc1.weight, None, None, None, m.linear_fc2.weight, None,
         )  # fmt: skip
 
-    def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """``tokens``/``targets`` [b, s], right-padded, positions ``0..s-1`` on every row."""
+    def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``tokens``/``targets`` [b, s], right-padded, positions ``0..s-1`` on every row. Autograd runs
+        through this forward; without autograd the entropy is None."""
         gpt, arch = _gpt(model), self.arch
         if not hasattr(gpt.decoder, "layers") or any(hasattr(la.mlp, "experts") for la in gpt.decoder.layers):
             raise ValueError("trainer.true_on_policy: dense models only")
@@ -145,6 +167,12 @@ class TrueOnPolicyLogprobs:
         hidden, tgt = x.reshape(b * s, -1), targets.reshape(-1).clamp(min=0)
         # the head runs in chunks of rows (row-invariant ops: the same bits as all at once), each
         # recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
+        if not torch.is_grad_enabled():
+            lp = [
+                bi.token_logprobs(bi.lm_head(hidden[i : i + self.HEAD_CHUNK], norm, eps, head), tgt[i : i + self.HEAD_CHUNK])
+                for i in range(0, b * s, self.HEAD_CHUNK)
+            ]
+            return torch.cat(lp).view(b, s), None
         lp, ent = [], []
         for i in range(0, b * s, self.HEAD_CHUNK):
             out = _head_logprobs(hidden[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)
@@ -152,10 +180,15 @@ class TrueOnPolicyLogprobs:
             ent.append(out[1])
         return torch.cat(lp).view(b, s), torch.cat(ent).view(b, s)
 
-    def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor]:
+    def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor | None]:
         """Of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]`` layout (a packed one
         runs padded: the same logprobs at every real token)."""
-        return self(model, mb.tokens, mb.targets)
+        if self.gradient_from is None or not torch.is_grad_enabled():
+            return self(model, mb.tokens, mb.targets)
+        with torch.no_grad():
+            exact, _ = self(model, mb.tokens, mb.targets)
+        lp, ent = self.gradient_from.of(model, mb)
+        return _ExactValues.apply(lp, exact), ent
 
 
 __all__ = ["TrueOnPolicyLogprobs", "rope_inv_freq"]
