@@ -11,8 +11,9 @@ NCCL cannot join two processes on one GPU), and checks the engine's logprobs aga
 
 ``--true-on-policy`` then trains the same batches again with π_old and the loss's logprobs from
 ``trainer.true_on_policy``'s forward (the engine's batch-invariant kernels, agentrl.trainer.true_on_policy)
-in steps interleaved with default ones, and reports the ratio of the modes' median step times, for the
-trainer's gradient route and for autograd through the exact forward (the deterministic mode's).
+in steps interleaved with default ones, and reports the ratio of the two modes' median step times
+(``--deterministic-backward`` adds the deterministic mode's steps, whose attention backward is torch's math
+kernel).
 
 ``--shape qwen3-moe-1b`` (16 experts, top-2) runs the experts grouped (``trainer.moe.grouped_gemm``, auto:
 on CUDA); ``--moe-grouped-gemm false`` times megatron-core's ``SequentialMLP`` experts instead.
@@ -284,6 +285,11 @@ def main() -> None:
     p.add_argument(
         "--true-on-policy", action="store_true", help="also time the steps with TrainerConfig.true_on_policy"
     )
+    p.add_argument(
+        "--deterministic-backward",
+        action="store_true",
+        help="with --true-on-policy: also time the deterministic mode's route (math attention backward)",
+    )
     p.add_argument("--skip-sync", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     a = p.parse_args()
@@ -398,20 +404,17 @@ def main() -> None:
 
 def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
     """The same batches with the trainer's logprobs (π_old and the loss's) from the true on-policy forward,
-    in steps interleaved with default ones (each round trains one batch in every mode), so that a shared
-    GPU's drift reaches all alike; ratios are of the modes' median step times. Two routes of the gradient:
-    the trainer's (the default forward's gradient at the exact values) and autograd through the
-    batch-invariant forward (the deterministic mode's)."""
+    in steps interleaved with default ones (each round trains one batch in both modes), so that a shared
+    GPU's drift reaches both alike; the ratio is of the modes' median step times. ``deterministic``: the
+    true on-policy steps with the deterministic mode's attention backward (torch's math kernel)."""
     import statistics
 
     from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
 
     saved = trainer.logprobs
-    modes = {
-        "default": saved,
-        "exact": TrueOnPolicyLogprobs(trainer.arch, gradient_from=saved),
-        "autograd": TrueOnPolicyLogprobs(trainer.arch),
-    }
+    modes = {"default": saved, "exact": TrueOnPolicyLogprobs(trainer.arch)}
+    if a.deterministic_backward:
+        modes["deterministic"] = TrueOnPolicyLogprobs(trainer.arch, deterministic_backward=True)
 
     def timed(logprobs: object, seed: int) -> tuple[float, dict]:
         trainer.logprobs = trainer.optim.logprobs = logprobs
@@ -424,7 +427,7 @@ def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> 
     times: dict[str, list[float]] = {name: [] for name in modes}
     metrics: dict[str, dict] = {}
     try:
-        for name in ("exact", "autograd"):
+        for name in list(modes)[1:]:
             timed(modes[name], 0)  # warm-up (Triton compiles)
         for s in range(a.steps):
             for name, lp in modes.items():
@@ -433,13 +436,15 @@ def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> 
     finally:
         trainer.logprobs = trainer.optim.logprobs = saved
     med = {name: statistics.median(t) for name, t in times.items()}
+    extra = {}
+    if "deterministic" in med:
+        extra = {"deterministic_step_s": med["deterministic"], "deterministic_over_default_step": med["default"] / med["deterministic"]}  # fmt: skip
     return {
         "step_s": med["exact"],
         "default_step_s": med["default"],
-        "autograd_step_s": med["autograd"],
         "step_tokens_per_s": batch * (plen + rlen - 1) / med["exact"],
         "over_default_step": med["default"] / med["exact"],
-        "autograd_over_default_step": med["default"] / med["autograd"],
+        **extra,
         "step_times_s": {name: [round(x, 4) for x in t] for name, t in times.items()},
         "grad_norm": {name: m.get("grad_norm") for name, m in metrics.items()},
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None,

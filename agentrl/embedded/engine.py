@@ -202,13 +202,21 @@ class EmbeddedEngine:
 
     def _warmup(self, max_length: int) -> int:
         graphs = self.runner.capture_all(max_length)
+        shapes: tuple[tuple[int, int], ...] = ()
         if self.runner.compiled:
-            for rows, width in ((1, 1), (1, 8), (2, 1), (2, 8)):
-                if rows > self.max_batch_size:  # only running slots 0..max_batch_size-1 may be written: with
-                    continue  # one slot and no prefix cache, slot 1 was past the KV cache (a device-side assert)
-                logits = self.runner.extend(ExtendBatch(list(range(rows)), [[0] * width] * rows, [0] * rows))
-                with torch.inference_mode():
-                    sample_tokens(logits, [RequestSampling()] * rows, [0] * rows, [width] * rows)
+            shapes = ((1, 1), (1, 8), (2, 1), (2, 8))
+        elif self.runner.batch_invariant and self.device.type == "cuda":
+            # the Triton kernels' variants of prefill: a matmul's tiling follows its row count (1 to 64,
+            # 128, 256, 512 and more tokens; sequences at once for the LM head), as does the attention's
+            shapes = ((1, 40), (1, 100), (1, 200), (1, 400), (1, 600), (80, 2), (2, 8))
+        invariant = self.runner.max_batch if self.runner.batch_invariant else None
+        for rows, width in shapes:
+            if rows > self.max_batch_size or width > self.context_len:
+                continue  # only running slots 0..max_batch_size-1 may be written: with one slot and no
+                # prefix cache, slot 1 was past the KV cache (a device-side assert)
+            logits = self.runner.extend(ExtendBatch(list(range(rows)), [[0] * width] * rows, [0] * rows))
+            with torch.inference_mode():
+                sample_tokens(logits, [RequestSampling()] * rows, [0] * rows, [width] * rows, invariant)
         return graphs
 
     def memory_info(self) -> dict[str, float]:

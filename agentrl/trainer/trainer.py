@@ -181,14 +181,8 @@ class MegatronTrainer:
         if cfg.true_on_policy or gpu_deterministic:  # π_old and the loss's logprobs in the batch-invariant
             from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs  # engine's kernels
 
-            # the gradient: the default forward's, except where runs must repeat bit for bit (autograd
-            # through the batch-invariant forward, with a deterministic attention backward)
             self.logprobs = TrueOnPolicyLogprobs(  # type: ignore[assignment]
-                self.arch,
-                cfg.tp,
-                cfg.pp,
-                gradient_from=None if gpu_deterministic else self.logprobs,
-                deterministic_backward=gpu_deterministic,
+                self.arch, cfg.tp, cfg.pp, deterministic_backward=gpu_deterministic
             )
         if gpu_deterministic:  # cuBLAS picks one workspace layout per stream: same sums every run
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

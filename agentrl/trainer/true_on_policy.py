@@ -9,17 +9,11 @@ forward is then the same computation as the engine's prefill, which equals its d
 gives π_old and the loss's logprobs equal to the rollout's for the same weights and tokens: mismatch KL
 0, every TIS weight 1, PPO-KL 0 on the first step. Dense models, TP = PP = 1.
 
-The gradient takes one of two routes:
-
-* ``gradient_from`` (the trainer's default): the logprobs' values are the batch-invariant forward's,
-  run without autograd, and their gradient is the default forward's (:class:`ModelLogprobs` on the
-  same weights and tokens, megatron's layers and kernels), as if its values had been the exact ones.
-  The default forward differs from the exact one by rounding only, so the two gradients differ by as
-  much; the step costs one default training step plus one forward in the engine's kernels.
-* without it, autograd runs through the batch-invariant forward itself (on a GPU each Triton op has a
-  torch backward; with ``deterministic_backward`` the attention's is torch's math kernel, which, unlike
-  the flash backward, sums in one order): the route of the deterministic mode, whose runs must repeat
-  bit for bit.
+Gradients flow to the parameters through the same graph: on a GPU each Triton op has a torch backward,
+and with ``deterministic_backward`` (the deterministic mode, whose runs must repeat bit for bit) the
+attention's is torch's math kernel, which, unlike the flash backward, sums in one order. The forward
+reads megatron's fused projections (``linear_qkv``, ``linear_fc1``) as they are, so backward produces
+each one's weight gradient in one product.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
-from agentrl.trainer.logprobs import ModelLogprobs, _kernel, _softmax_stats
+from agentrl.trainer.logprobs import _kernel, _softmax_stats
 from agentrl.trainer.model import ModelArch
 
 Tensor = torch.Tensor
@@ -45,18 +39,6 @@ def _gpt(model: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(model, "decoder") and hasattr(model, "module"):
         model = model.module  # DDP / Float16Module wrappers
     return model
-
-
-class _ExactValues(torch.autograd.Function):
-    """The exact logprobs as values; the gradient goes to the default forward's logprobs."""
-
-    @staticmethod
-    def forward(ctx, differentiable: Tensor, exact: Tensor) -> Tensor:  # type: ignore[override]
-        return exact.to(differentiable.dtype).clone()
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        return g, None
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -99,8 +81,7 @@ def _head_logprobs(hidden: Tensor, targets: Tensor, norm: Tensor, head: Tensor, 
 class TrueOnPolicyLogprobs:
     """``(logprob, entropy)`` per token of a megatron GPT model, the logprob computed as the batch-invariant
     embedded engine computes it; a drop-in for :class:`~agentrl.trainer.logprobs.ModelLogprobs` (``of``).
-    With ``gradient_from``, the gradient (and the entropy) come from that default forward; without
-    autograd, only the logprob is computed (the entropy is None)."""
+    Without autograd only the logprob is computed (the entropy is None)."""
 
     HEAD_CHUNK = 4096  # token rows per LM-head chunk
 
@@ -109,13 +90,11 @@ class TrueOnPolicyLogprobs:
         arch: ModelArch,
         tp: int = 1,
         pp: int = 1,
-        gradient_from: ModelLogprobs | None = None,
         deterministic_backward: bool = False,
     ) -> None:
         if tp != 1 or pp != 1:
             raise ValueError("trainer.true_on_policy: needs tp = 1 and pp = 1")
         self.arch = arch
-        self.gradient_from = gradient_from
         self.deterministic_backward = deterministic_backward  # the attention backward by torch's math kernel
         self.inv_freq = rope_inv_freq(arch.rope_theta, arch.head_dim)
         self.scale = arch.head_dim**-0.5  # the HF attention's own scaling
@@ -183,12 +162,7 @@ class TrueOnPolicyLogprobs:
     def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor | None]:
         """Of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]`` layout (a packed one
         runs padded: the same logprobs at every real token)."""
-        if self.gradient_from is None or not torch.is_grad_enabled():
-            return self(model, mb.tokens, mb.targets)
-        with torch.no_grad():
-            exact, _ = self(model, mb.tokens, mb.targets)
-        lp, ent = self.gradient_from.of(model, mb)
-        return _ExactValues.apply(lp, exact), ent
+        return self(model, mb.tokens, mb.targets)
 
 
 __all__ = ["TrueOnPolicyLogprobs", "rope_inv_freq"]
