@@ -181,6 +181,26 @@ def test_kl_and_entropy_terms_in_loss() -> None:
 
 
 # ---- off-policy correction -----------------------------------------------------------------------
+def test_same_version_mismatch_leaves_out_the_policys_lag() -> None:
+    """Over the tokens sampled with π_old's own weights the mismatch is numerics alone; the tokens of an
+    older version add the policy's lag to the overall figures only."""
+    old = T([[0.0, 0.0, 0.0, 0.0, 0.0]])
+    mu = T([[0.0, 0.05, math.log(0.5), math.log(4.0), 0.0]])  # tokens 2, 3: sampled a version earlier
+    mask = T([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    same = torch.tensor([[True, True, False, False, True]])
+    m = MetricSums()
+    off_policy_weights(old, mu, mask, cfg(tis="token"), m, same_version=same)
+    means, maxes = m.means(), m.maxes
+    assert means["same_version_token_frac"] == pytest.approx(0.5)  # 2 of the 4 scored tokens
+    assert means["mismatch_kl_same_version"] == pytest.approx((math.exp(-0.05) - 1 + 0.05) / 2, rel=1e-3)
+    assert float(maxes["mismatch_logprob_abs_diff_max_same_version"]) == pytest.approx(0.05, rel=1e-5)
+    assert float(maxes["mismatch_logprob_abs_diff_max"]) == pytest.approx(math.log(4.0), rel=1e-6)
+    assert means["mismatch_kl"] > 100 * means["mismatch_kl_same_version"]
+    m2 = MetricSums()
+    off_policy_weights(old, mu, mask, cfg(tis="token"), m2)
+    assert not any("same_version" in k for k in (*m2.sums, *m2.maxes))
+
+
 def test_token_tis_hand_computed() -> None:
     old = T([[0.0, 0.0, 0.0, 0.0]])
     mu = T([[math.log(0.5), math.log(2.0), 0.0, math.log(0.1)]])  # ρ = π_old/μ = 2, 0.5, 1, 10

@@ -89,6 +89,8 @@ async def test_trainer_logprobs_equal_the_engines_bit_for_bit(
             m = tr.train_step(trajs)
             assert m["mismatch_kl"] == 0.0 and m["mismatch_k1"] == 0.0
             assert m["mismatch_logprob_abs_diff_max"] == 0.0
+            assert m["same_version_token_frac"] == 1.0  # every token sampled with the trainer's weights
+            assert m["mismatch_kl_same_version"] == 0.0 and m["mismatch_logprob_abs_diff_max_same_version"] == 0.0
             assert m["ppo_kl"] == 0.0  # π_old recomputed: equal to the update's first forward
             assert m["tis_weight_mean"] == 1.0 and m["tis_clip_frac"] == 0.0
             # the updated weights go to the engine (fp32 on disk: the same bits)

@@ -57,6 +57,7 @@ class MicroBatch:
     packed: PackedTokens | None = None  # the model input, when packed
     routed_experts: torch.Tensor | None = None  # MoE routing replay: [b, s, layers, k] int, -1 = none
     padding_mask: torch.Tensor | None = None  # MoE: [b, s] True at padding (left out of the balancing loss)
+    versions: torch.Tensor | None = None  # [b, s] int: the policy version of each target token, -1 elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +79,7 @@ class MicroBatch:
             None if self.packed is None else self.packed.to(device),
             mv(self.routed_experts),
             mv(self.padding_mask),
+            mv(self.versions),
         )  # type: ignore[arg-type]
 
 
@@ -152,6 +154,7 @@ def make_micro_batch(
     mask = torch.zeros(b, s)
     mu = torch.zeros(b, s)
     adv = torch.zeros(b, s)
+    versions = torch.full((b, s), -1, dtype=torch.long)
     for row, i in enumerate(index):
         t = trajs[i]
         full = t.prompt_ids + t.response_ids
@@ -163,8 +166,10 @@ def make_micro_batch(
         mask[row, p - 1 : p - 1 + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
         mu[row, p - 1 : p - 1 + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
         adv[row, p - 1 : p - 1 + r] = advantages[i]
+        if len(t.policy_versions) == r:
+            versions[row, p - 1 : p - 1 + r] = torch.tensor(t.policy_versions, dtype=torch.long)
     mu = mu * mask
-    mb = MicroBatch(tokens, targets, mask, mu, adv * mask, list(index))
+    mb = MicroBatch(tokens, targets, mask, mu, adv * mask, list(index), versions=versions)
     if pack:
         ar = [torch.arange(n) for n in lengths]
         mb.packed = PackedTokens(

@@ -242,8 +242,12 @@ def off_policy_weights(
     loss_mask: Tensor,
     cfg: LossConfig,
     metrics: MetricSums | None = None,
+    same_version: Tensor | None = None,
 ) -> OffPolicyWeights:
-    """TIS weights and MIS / rejection masks; logs the mismatch metrics into ``metrics``."""
+    """TIS weights and MIS / rejection masks; logs the mismatch metrics into ``metrics``. ``same_version``
+    [B, T] bool marks the tokens sampled with the weights π_old is computed with: over them the mismatch
+    is the engine's and the trainer's numerics alone (``*_same_version``), where over all tokens it also
+    holds the policy's lag behind the trainer."""
     mask = loss_mask.to(old_logprobs.dtype)
     with torch.no_grad():
         if cfg.off_policy == "bypass":
@@ -290,6 +294,12 @@ def off_policy_weights(
             metrics.add("mismatch_kl", ((torch.exp(-d) - 1 + d) * mask).sum(), n_tok)  # k3 of KL(μ‖π_old)
             metrics.add("mismatch_k1", d.sum(), n_tok)
             metrics.max("mismatch_logprob_abs_diff_max", d.abs().amax() if d.numel() else 0.0)
+            if same_version is not None:
+                same = mask * same_version.to(mask.dtype)
+                ds = d * same
+                metrics.add("mismatch_kl_same_version", ((torch.exp(-ds) - 1 + ds) * same).sum(), same.sum())
+                metrics.max("mismatch_logprob_abs_diff_max_same_version", ds.abs().amax() if ds.numel() else 0.0)
+                metrics.add("same_version_token_frac", same.sum(), n_tok)
             metrics.add("tis_clip_frac", clipped.sum(), n_tok)
             metrics.add("tis_weight_mean", (weights * mask).sum(), n_tok)
             metrics.add("masked_frac", (mask - keep).sum(), n_tok)
@@ -346,11 +356,13 @@ def policy_loss(
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     metrics: MetricSums | None = None,
+    same_version: Tensor | None = None,
 ) -> Tensor:
     """The micro-batch loss (already scaled by the global denominators); see the module docstring.
 
     ``old_logprobs`` is π_old (decoupled) — in bypass mode pass the rollout logprobs as
-    ``old_logprobs``, or leave it equal to ``rollout_logprobs``.
+    ``old_logprobs``, or leave it equal to ``rollout_logprobs``. ``same_version``: see
+    :func:`off_policy_weights`.
     """
     mask = loss_mask.to(logprobs.dtype)
     metrics = metrics if metrics is not None else MetricSums()
@@ -367,7 +379,7 @@ def policy_loss(
     if cfg.off_policy == "bypass" and rollout_logprobs is not None:
         old_logprobs = rollout_logprobs
     mu = rollout_logprobs if rollout_logprobs is not None else old_logprobs
-    opw = off_policy_weights(old_logprobs, mu, loss_mask, cfg, metrics)
+    opw = off_policy_weights(old_logprobs, mu, loss_mask, cfg, metrics, same_version)
     keep = opw.keep
 
     log_ratio = (logprobs - old_logprobs) * mask

@@ -212,6 +212,9 @@ class MegatronTrainer:
         self.step = 0  # train_step calls completed
         self.optimizer_steps = 0
         self.policy_version = 0  # weight syncs done; the engines' weights carry this version
+        # the policy version when the weights last changed (an optimizer step, a checkpoint load): while it
+        # is below policy_version the trainer holds the weights of that version
+        self._changed_at: int | None = None
         self.weight_sync = EngineWeightSync(self.rank, self.device, cfg.weight_sync_bucket_mb << 20)
         # rank 0's figures of its last weight push (TensorPushStats or BroadcastStats; None before one)
         self.last_sync_stats: Any = None
@@ -376,6 +379,8 @@ class MegatronTrainer:
         self._check_onloaded()
         t_start = time.perf_counter()
         cfg, lcfg = self.cfg, self.cfg.loss
+        changed = self._changed_at
+        held = self.policy_version if changed is None or changed < self.policy_version else None
         usable, dropped = select_usable(trajectories, sft=lcfg.mode == "sft")
         staleness = check_staleness(usable, self.policy_version, max_staleness)
         resp_mask = response_mask(usable)
@@ -431,13 +436,14 @@ class MegatronTrainer:
                     dp_sum = 1 if self.use_megatron_optim else self.dp_size  # megatron's DDP averages over dp
                     set_aux_loss_scale(1.0 / (len(mini.micro_batches) * dp_sum), self.device)
                 loss, gnorm = self.optim.update(
-                    mini.micro_batches, self._micro_loss(mini.denom, metrics, recorded)
+                    mini.micro_batches, self._micro_loss(mini.denom, metrics, recorded, held)
                 )
                 if self.arch.moe is not None:
                     aux = pop_aux_loss(len(mini.micro_batches))
                     if aux is not None:
                         aux_losses.append(aux)
                 self.optimizer_steps += 1
+                self._changed_at = self.policy_version
                 losses.append(loss)
                 grad_norms.append(gnorm)
                 tokens_processed += sum(int((mb.tokens != self.pad_id).sum()) for mb in mini.micro_batches)
@@ -476,10 +482,15 @@ class MegatronTrainer:
         return out
 
     def _micro_loss(
-        self, denom: Denominators, metrics: MetricSums, recorded: list[Any] | None = None
+        self,
+        denom: Denominators,
+        metrics: MetricSums,
+        recorded: list[Any] | None = None,
+        held: int | None = None,
     ) -> MicroLoss:
         """The policy loss of one micro-batch of a mini-batch with global counts ``denom``; π_old taken
-        from the update's own forward is appended to ``recorded`` when given."""
+        from the update's own forward is appended to ``recorded`` when given. ``held``: the policy version
+        of the weights π_old comes from (None: weights no engine has had), for the same-version mismatch."""
 
         def loss(mb: MicroBatch, lp_ent: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             lp, ent = lp_ent
@@ -497,6 +508,7 @@ class MegatronTrainer:
                 entropy=ent,
                 ref_logprobs=mb.ref_logprobs,
                 metrics=metrics,
+                same_version=None if held is None or mb.versions is None else mb.versions == held,
             )
 
         return loss
@@ -642,6 +654,7 @@ class MegatronTrainer:
         self.step, self.optimizer_steps, self.policy_version = load_checkpoint(
             path, self.module, self.optim, self.rank
         )
+        self._changed_at = self.policy_version  # the engines get these weights at the next sync
 
     def shutdown(self) -> None:
         """Release the weight-sync group (if still open), megatron's parallel state and the process group.
