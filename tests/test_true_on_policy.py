@@ -19,7 +19,7 @@ from agentrl.embedded.sampling import RequestSampling
 from agentrl.types import Trajectory
 
 
-def _trainer(model_dir: Path, true_on_policy: bool):
+def _trainer(model_dir: Path, true_on_policy: bool, pack: bool = False):
     warnings.filterwarnings("ignore")
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
@@ -33,6 +33,8 @@ def _trainer(model_dir: Path, true_on_policy: bool):
             model_path=str(model_dir),
             lr=1e-2,
             micro_batch_size=3,
+            pack_sequences=pack,
+            max_tokens_per_micro_batch=160 if pack else None,
             true_on_policy=true_on_policy,
             old_logprobs="recompute",  # π_old from its own forward, compared with the rollout's μ
             loss=LossConfig(tis="token"),
@@ -70,17 +72,19 @@ def _max_gap(trainer, trajs: list[Trajectory]) -> float:
     )
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen2-packed"])
 async def test_trainer_logprobs_equal_the_engines_bit_for_bit(
     tiny_model_factory, arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """qwen2-packed: micro-batches of whole sequences end to end (a token budget of 160), run packed."""
+    arch, pack = arch.removesuffix("-packed"), arch.endswith("-packed")
     if arch == "qwen3":  # the LM head in chunks of 37 token rows (recomputed in backward): the same bits
         from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
 
         monkeypatch.setattr(TrueOnPolicyLogprobs, "HEAD_CHUNK", 37)
     model = tiny_model_factory(arch)
     engine = EmbeddedEngine(model, max_batch_size=8, batch_invariant=True, prefix_cache_slots=8, max_prefill_tokens=32)
-    tr = _trainer(model, true_on_policy=True)
+    tr = _trainer(model, true_on_policy=True, pack=pack)
     try:
         for step in range(2):
             trajs = await _episodes(engine, 9, tr.policy_version, seed=10 * step)
@@ -144,5 +148,42 @@ def test_gradient_through_the_exact_forward_is_the_defaults_up_to_rounding(tiny_
         default = torch.autograd.grad(default_lp.sum(), params)
         for a, b in zip(through, default, strict=True):
             assert torch.allclose(a, b, rtol=1e-3, atol=1e-5 * b.abs().max().item())
+    finally:
+        tr.shutdown()
+
+
+def test_a_packed_micro_batch_gives_the_padded_bits(tiny_model_dir: Path) -> None:
+    """A packed micro-batch (sequences of unequal length end to end) runs packed: the logprobs at every
+    real token are the padded run's bits, zeros at padding, and the gradient matches up to rounding."""
+    from agentrl.trainer.batch import make_micro_batch
+
+    tr = _trainer(tiny_model_dir, true_on_policy=True)
+    try:
+        g = torch.Generator().manual_seed(1)
+        trajs = []
+        for i, n in enumerate((7, 30, 18, 52)):
+            t = Trajectory(task_id=str(i), group_id="g", prompt_ids=torch.randint(3, 500, (5,), generator=g).tolist())
+            t.append_model_tokens(torch.randint(3, 500, (n,), generator=g).tolist(), [0.0] * n, 0)
+            trajs.append(t)
+        adv = [torch.zeros(len(t.response_ids)) for t in trajs]
+        padded = make_micro_batch(trajs, [0, 1, 2, 3], adv)
+        packed = make_micro_batch(trajs, [0, 1, 2, 3], adv, pack=True)
+        assert packed.packed is not None and packed.packed.tokens.shape[1] < padded.tokens.numel()
+        real = torch.zeros(padded.tokens.shape, dtype=torch.bool)
+        for row, t in enumerate(trajs):
+            real[row, : len(t.prompt_ids) + len(t.response_ids) - 1] = True
+        with torch.no_grad():
+            a, _ = tr.logprobs.of(tr.model, padded)
+            b, none = tr.logprobs.of(tr.model, packed)
+        assert none is None
+        assert torch.equal(a[real], b[real]) and not b[~real].any()
+        params = [p for p in tr.model.parameters() if p.requires_grad]
+        lp_a, ent_a = tr.logprobs.of(tr.model, padded)
+        lp_b, ent_b = tr.logprobs.of(tr.model, packed)
+        assert torch.equal(lp_a[real], lp_b[real]) and torch.allclose(ent_a[real], ent_b[real], atol=1e-5)
+        ga = torch.autograd.grad(lp_a[real].sum(), params)
+        gb = torch.autograd.grad(lp_b[real].sum(), params)
+        for x, y in zip(ga, gb, strict=True):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6 * y.abs().max().item())
     finally:
         tr.shutdown()

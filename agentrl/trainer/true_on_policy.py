@@ -101,12 +101,13 @@ class TrueOnPolicyLogprobs:
         self._tables: dict[tuple[str, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def _rope(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [n', head_dim] of positions ``0..n'-1``, n' >= n."""
         key = (str(device), dtype)
         have = self._tables.get(key)
         if have is None or have[0].shape[0] < n:  # element-wise tables: a longer one agrees on its prefix
             have = bi.rope_tables(self.inv_freq, max(n, 2048), device, dtype)
             self._tables[key] = have
-        return have[0][:n], have[1][:n]
+        return have
 
     def _layer(self, layer: torch.nn.Module) -> tuple:
         """One layer's tensors in the order of :func:`agentrl.batch_invariant.pre_attention` /
@@ -125,44 +126,75 @@ class TrueOnPolicyLogprobs:
     def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
         """``tokens``/``targets`` [b, s], right-padded, positions ``0..s-1`` on every row. Autograd runs
         through this forward; without autograd the entropy is None."""
+        b, s = tokens.shape
+        positions = torch.arange(s, device=tokens.device).expand(b, s)
+        return self._forward(model, tokens.reshape(-1), targets.reshape(-1), positions.reshape(-1), (b, s), None)
+
+    def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor | None]:
+        """Of a :class:`~agentrl.trainer.batch.MicroBatch`, in its padded ``[b, s]`` layout. A packed one
+        runs packed: the projections, norms and the LM head over its real tokens only, attention per
+        sequence (each scattered into its row of the padded layout); the same bits at every real token,
+        since every op but attention works row by row, and zeros at padding."""
+        pk = mb.packed
+        if pk is None:
+            return self(model, mb.tokens, mb.targets)
+        return self._forward(
+            model, pk.tokens.reshape(-1), pk.targets.reshape(-1), pk.positions.reshape(-1), tuple(mb.tokens.shape),
+            pk.index,
+        )  # fmt: skip
+
+    def _forward(
+        self,
+        model: torch.nn.Module,
+        tokens: Tensor,
+        targets: Tensor,
+        positions: Tensor,
+        shape: tuple[int, int],
+        index: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(logprob, entropy)`` [b, s] of token rows ``tokens``/``targets``/``positions`` [n]: the ``b × s``
+        grid itself (``index`` None) or the grid's cells ``index`` (a packed micro-batch)."""
         gpt, arch = _gpt(model), self.arch
         if not hasattr(gpt.decoder, "layers") or any(hasattr(la.mlp, "experts") for la in gpt.decoder.layers):
             raise ValueError("trainer.true_on_policy: dense models only")
-        b, s = tokens.shape
-        emb = gpt.embedding.word_embeddings.weight
-        x = F.embedding(tokens, emb)
+        b, s = shape
+        x = F.embedding(tokens, gpt.embedding.word_embeddings.weight)  # [n, hidden]
         cos, sin = self._rope(s, x.device, x.dtype)
+        cos, sin = cos[positions], sin[positions]  # a row per token
         qpos = torch.arange(s, device=x.device).expand(b, s)
         eps, heads, kv, d = arch.rms_norm_eps, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+
+        def grid(t: Tensor) -> Tensor:  # token rows -> [b, s, ...] (zeros in the cells no token fills)
+            if index is None:
+                return t.view(b, s, *t.shape[1:])
+            return t.new_zeros(b * s, *t.shape[1:]).index_copy(0, index, t).view(b, s, *t.shape[1:])
+
         for layer in gpt.decoder.layers:
             w = self._layer(layer)
             q, k, v = bi.pre_attention(x, w, cos, sin, eps, heads, kv, d)
             o = bi.attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), qpos, self.scale, deterministic_backward=self.deterministic_backward
-            )
-            x = bi.post_attention(x, o, w, eps)
+                grid(q), grid(k).transpose(1, 2), grid(v).transpose(1, 2), qpos, self.scale,
+                deterministic_backward=self.deterministic_backward,
+            ).view(b * s, -1)  # fmt: skip
+            x = bi.post_attention(x, o if index is None else o.index_select(0, index), w, eps)
         head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
         norm, head = gpt.decoder.final_layernorm.weight, head[: arch.vocab_size]
-        hidden, tgt = x.reshape(b * s, -1), targets.reshape(-1).clamp(min=0)
+        tgt, n = targets.clamp(min=0), x.shape[0]
         # the head runs in chunks of rows (row-invariant ops: the same bits as all at once), each
         # recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
+        chunks = range(0, n, self.HEAD_CHUNK)
         if not torch.is_grad_enabled():
-            lp = [
-                bi.token_logprobs(bi.lm_head(hidden[i : i + self.HEAD_CHUNK], norm, eps, head), tgt[i : i + self.HEAD_CHUNK])
-                for i in range(0, b * s, self.HEAD_CHUNK)
-            ]
-            return torch.cat(lp).view(b, s), None
-        lp, ent = [], []
-        for i in range(0, b * s, self.HEAD_CHUNK):
-            out = _head_logprobs(hidden[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)
-            lp.append(out[0])
-            ent.append(out[1])
-        return torch.cat(lp).view(b, s), torch.cat(ent).view(b, s)
+            lp = torch.cat([bi.token_logprobs(bi.lm_head(x[i : i + self.HEAD_CHUNK], norm, eps, head), tgt[i : i + self.HEAD_CHUNK]) for i in chunks])  # fmt: skip
+            return self._grid(lp, shape, index), None
+        outs = [_head_logprobs(x[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps) for i in chunks]
+        lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        return self._grid(lp, shape, index), self._grid(ent, shape, index)
 
-    def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor | None]:
-        """Of a :class:`~agentrl.trainer.batch.MicroBatch` in its padded ``[b, s]`` layout (a packed one
-        runs padded: the same logprobs at every real token)."""
-        return self(model, mb.tokens, mb.targets)
+    @staticmethod
+    def _grid(values: Tensor, shape: tuple[int, int], index: Tensor | None) -> Tensor:
+        if index is None:
+            return values.view(shape)
+        return values.new_zeros(shape[0] * shape[1]).index_copy(0, index, values).view(shape)
 
 
 __all__ = ["TrueOnPolicyLogprobs", "rope_inv_freq"]
