@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -215,9 +216,7 @@ def _rope_tables(lead: list[int], d: int, cos: Tensor, sin: Tensor) -> tuple[Ten
         span.pop(0)
     if cos.shape == sin.shape and (not span or lead[len(lead) - len(span) :] == span):
         return cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
-    t = 1
-    for n in lead:
-        t *= n
+    t = math.prod(lead)
     return cos.expand(*lead, d).reshape(t, d).contiguous(), sin.expand(*lead, d).reshape(t, d).contiguous()
 
 

@@ -31,6 +31,12 @@ class PackedTokens:
     max_seqlen: int
     index: torch.Tensor
 
+    def unpack(self, rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """``rows`` [t, ...] (one per packed position) in the padded layout ``shape`` = (b, s): [b, s, ...],
+        zeros where no packed position falls."""
+        grid = rows.new_zeros(shape[0] * shape[1], *rows.shape[1:])
+        return grid.index_copy(0, self.index, rows).view(*shape, *rows.shape[1:])
+
     def to(self, device: torch.device) -> PackedTokens:
         return PackedTokens(
             self.tokens.to(device, non_blocking=True),

@@ -303,12 +303,8 @@ class ModelLogprobs:
         )
         with _TokenRope(_gpt(model).rotary_pos_emb, pk.positions.reshape(-1), pk.max_seqlen).active():
             lp, ent = self._forward(model, pk.tokens, pk.targets, pk.positions, params)
-        n = mb.tokens.numel()
-
-        def unpack(x: Tensor) -> Tensor:
-            return x.new_zeros(n).index_copy(0, pk.index, x.reshape(-1)).view(mb.tokens.shape)
-
-        return unpack(lp), unpack(ent)
+        shape = tuple(mb.tokens.shape)
+        return pk.unpack(lp.reshape(-1), shape), pk.unpack(ent.reshape(-1), shape)
 
     def _forward(
         self,

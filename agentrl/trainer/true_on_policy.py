@@ -85,13 +85,7 @@ class TrueOnPolicyLogprobs:
 
     HEAD_CHUNK = 4096  # token rows per LM-head chunk
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: int = 1,
-        pp: int = 1,
-        deterministic_backward: bool = False,
-    ) -> None:
+    def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1, deterministic_backward: bool = False) -> None:
         if tp != 1 or pp != 1:
             raise ValueError("trainer.true_on_policy: needs tp = 1 and pp = 1")
         self.arch = arch
@@ -128,7 +122,7 @@ class TrueOnPolicyLogprobs:
         through this forward; without autograd the entropy is None."""
         b, s = tokens.shape
         positions = torch.arange(s, device=tokens.device).expand(b, s)
-        return self._forward(model, tokens.reshape(-1), targets.reshape(-1), positions.reshape(-1), (b, s), None)
+        return self._forward(model, tokens.reshape(-1), targets.reshape(-1), positions.reshape(-1), (b, s))
 
     def of(self, model: torch.nn.Module, mb: Any) -> tuple[Tensor, Tensor | None]:
         """Of a :class:`~agentrl.trainer.batch.MicroBatch`, in its padded ``[b, s]`` layout. A packed one
@@ -139,8 +133,7 @@ class TrueOnPolicyLogprobs:
         if pk is None:
             return self(model, mb.tokens, mb.targets)
         return self._forward(
-            model, pk.tokens.reshape(-1), pk.targets.reshape(-1), pk.positions.reshape(-1), tuple(mb.tokens.shape),
-            pk.index,
+            model, pk.tokens.reshape(-1), pk.targets.reshape(-1), pk.positions.reshape(-1), tuple(mb.tokens.shape), pk
         )  # fmt: skip
 
     def _forward(
@@ -150,10 +143,10 @@ class TrueOnPolicyLogprobs:
         targets: Tensor,
         positions: Tensor,
         shape: tuple[int, int],
-        index: Tensor | None,
+        packed: Any = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``(logprob, entropy)`` [b, s] of token rows ``tokens``/``targets``/``positions`` [n]: the ``b × s``
-        grid itself (``index`` None) or the grid's cells ``index`` (a packed micro-batch)."""
+        grid itself, or with ``packed`` (:class:`~agentrl.trainer.batch.PackedTokens`) its packed tokens."""
         gpt, arch = _gpt(model), self.arch
         if not hasattr(gpt.decoder, "layers") or any(hasattr(la.mlp, "experts") for la in gpt.decoder.layers):
             raise ValueError("trainer.true_on_policy: dense models only")
@@ -165,9 +158,7 @@ class TrueOnPolicyLogprobs:
         eps, heads, kv, d = arch.rms_norm_eps, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
 
         def grid(t: Tensor) -> Tensor:  # token rows -> [b, s, ...] (zeros in the cells no token fills)
-            if index is None:
-                return t.view(b, s, *t.shape[1:])
-            return t.new_zeros(b * s, *t.shape[1:]).index_copy(0, index, t).view(b, s, *t.shape[1:])
+            return t.view(b, s, *t.shape[1:]) if packed is None else packed.unpack(t, shape)
 
         for layer in gpt.decoder.layers:
             w = self._layer(layer)
@@ -176,7 +167,7 @@ class TrueOnPolicyLogprobs:
                 grid(q), grid(k).transpose(1, 2), grid(v).transpose(1, 2), qpos, self.scale,
                 deterministic_backward=self.deterministic_backward,
             ).view(b * s, -1)  # fmt: skip
-            x = bi.post_attention(x, o if index is None else o.index_select(0, index), w, eps)
+            x = bi.post_attention(x, o if packed is None else o.index_select(0, packed.index), w, eps)
         head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
         norm, head = gpt.decoder.final_layernorm.weight, head[: arch.vocab_size]
         tgt, n = targets.clamp(min=0), x.shape[0]
@@ -185,16 +176,9 @@ class TrueOnPolicyLogprobs:
         chunks = range(0, n, self.HEAD_CHUNK)
         if not torch.is_grad_enabled():
             lp = torch.cat([bi.token_logprobs(bi.lm_head(x[i : i + self.HEAD_CHUNK], norm, eps, head), tgt[i : i + self.HEAD_CHUNK]) for i in chunks])  # fmt: skip
-            return self._grid(lp, shape, index), None
+            return grid(lp), None
         outs = [_head_logprobs(x[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps) for i in chunks]
-        lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
-        return self._grid(lp, shape, index), self._grid(ent, shape, index)
-
-    @staticmethod
-    def _grid(values: Tensor, shape: tuple[int, int], index: Tensor | None) -> Tensor:
-        if index is None:
-            return values.view(shape)
-        return values.new_zeros(shape[0] * shape[1]).index_copy(0, index, values).view(shape)
+        return grid(torch.cat([o[0] for o in outs])), grid(torch.cat([o[1] for o in outs]))
 
 
 __all__ = ["TrueOnPolicyLogprobs", "rope_inv_freq"]
