@@ -141,11 +141,10 @@ async def _run(tok: Any, timing_seed: int, steps: int = 5) -> tuple[list[list[Tr
         filter_zero_variance=True,  # dropped groups are replaced, in draw order
         shuffle=True,
         seed=7,
-        deterministic=True,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=12),
     )
     tasks = [{"id": f"t{i}", "prompt": f"task {i}"} for i in range(40)]
-    orch = Orchestrator(cfg, engine, tok, ParityEnv, tasks)
+    orch = Orchestrator(cfg, engine, tok, ParityEnv, tasks, deterministic=True)
     await orch.start()
     batches = []
     for _ in range(steps):

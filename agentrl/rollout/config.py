@@ -92,12 +92,7 @@ class RolloutConfig(ConfigModel):
         True, description="shuffle tasks per epoch (when the orchestrator wraps a plain task list)"
     )
     epochs: int | None = Field(None, ge=1, description="passes over the dataset (None: cycle forever)")
-    seed: int = Field(0, description="shuffle seed; with deterministic, also the base of the request seeds")
-    deterministic: bool = Field(
-        False,
-        description="batches and their policy versions a function of the step, seeded requests "
-        "(agentrl.rollout.lockstep); episodes still run concurrently",
-    )
+    seed: int = Field(0, description="shuffle seed; in a deterministic run, also the base of the request seeds")
     record_outcomes: bool = Field(False, description="keep a per-draw outcome log (tests, audits)")
     return_routed_experts: bool = Field(
         False,

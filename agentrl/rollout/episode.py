@@ -72,8 +72,10 @@ class EpisodeRunner:
         env_factory: Callable[[], Env],
         controller: StalenessController,
         engine_open: asyncio.Event,
+        deterministic: bool = False,
     ) -> None:
         self.cfg = config
+        self.deterministic = deterministic  # the run's switch: seeded requests
         self.engine = engine
         self.chat = chat
         self.env_factory = env_factory
@@ -143,8 +145,8 @@ class EpisodeRunner:
                 m.tool(dt)
                 if res.info:
                     traj.info.update(res.info)
-                # per env step (after assistant turn i), for the tool calls of the episode dumps
-                traj.info.setdefault("env_step_s", []).append(round(dt, 6))
+                # the calls the env ran for this action, on its turn (what episode dumps show)
+                traj.turns[-1].tool_calls = list(getattr(res, "tool_calls", None) or [])
                 if res.reward is not None:
                     traj.reward = float(res.reward)
                 if res.terminated:
@@ -219,7 +221,7 @@ class EpisodeRunner:
             if max_new <= 0:
                 return ids, lps, vers
             update = {"max_new_tokens": max_new, "stop": stop}
-            if self.cfg.deterministic and sampling.sampling_seed is None:  # same draws whenever it runs
+            if self.deterministic and sampling.sampling_seed is None:  # same draws whenever it runs
                 turn = traj.num_turns
                 update["sampling_seed"] = request_seed(self.cfg.seed, draw.uid, traj.sample_index, turn)
             sp = sampling.model_copy(update=update)

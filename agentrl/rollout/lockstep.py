@@ -1,4 +1,4 @@
-"""Deterministic mode (``rollout.deterministic``): what reaches the trainer, and under which policy
+"""Deterministic mode (the run's ``deterministic`` switch): what reaches the trainer, and under which policy
 version, is a function of the step, never of timing.
 
 Two things decide a training batch in the default (free-running) mode, and both depend on timing: which

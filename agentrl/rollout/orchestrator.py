@@ -99,6 +99,7 @@ class Orchestrator:
         dataset: DatasetCursor | Sequence[dict[str, Any]] | Iterable[dict[str, Any]],
         buffer: TrajectoryBuffer | None = None,
         metrics: MetricsSink | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.cfg = config
         self.engine = engine_client
@@ -137,11 +138,11 @@ class Orchestrator:
         self._buffered: dict[str, Draw] = {}  # accepted into the buffer, not yet handed to the trainer
         self._episode_slots = 0  # episodes reserved by running groups (concurrency cap)
         # deterministic mode: batch membership and versions by the step (agentrl.rollout.lockstep)
-        self.lockstep = LockstepSchedule(c.batch_size, c.max_staleness) if config.deterministic else None
+        self.lockstep = LockstepSchedule(c.batch_size, c.max_staleness) if deterministic else None
         self._engine_open = asyncio.Event()  # cleared while a weight update pauses the engines
         self._engine_open.set()
         self.episodes = EpisodeRunner(
-            config, engine_client, self.chat, env_factory, self.controller, self._engine_open
+            config, engine_client, self.chat, env_factory, self.controller, self._engine_open, deterministic
         )
         self.agents: AgentRunner | None = None  # set by check_verifier when the env is an agent
         self._paused = False

@@ -40,6 +40,7 @@ class OrchestratorSpec:
     engine_timeout: float = 600.0
     api_key: str | None = None
     router: bool = False  # engine_urls are sglang-routers (EngineClient's router mode)
+    deterministic: bool = False  # the run's switch (agentrl.rollout.lockstep, seeded requests)
 
     def __call__(self) -> Orchestrator:
         from transformers import AutoTokenizer
@@ -48,7 +49,9 @@ class OrchestratorSpec:
             self.engine_urls, api_key=self.api_key, timeout=self.engine_timeout, router=self.router
         )
         tok = AutoTokenizer.from_pretrained(self.model_dir)
-        return Orchestrator(self.config, client, tok, self.env_factory, self.dataset)
+        return Orchestrator(
+            self.config, client, tok, self.env_factory, self.dataset, deterministic=self.deterministic
+        )
 
 
 class RolloutWorker:
