@@ -179,8 +179,16 @@ def summary_rows(result: dict[str, Any], history: History, out: Path, plot: str)
             + " s",
         ),
         ("tasks trained / dropped", f"{acc.get('trained', 0)} / {acc.get('dropped', 0)}"),
-        ("outputs", f"{out}/ (metrics.jsonl, tb/, {plot}, checkpoints/)"),
+        ("outputs", f"{out}/ ({', '.join(run_outputs(out, plot))})"),
     ]
+
+
+def run_outputs(out: Path, plot: str) -> list[str]:
+    """What the run wrote under ``out`` that the summary names: the metrics, TensorBoard logs (only when
+    the tensorboard package wrote them), the plot and checkpoints, as they exist; ``summary.json`` is
+    written right after the summary is printed."""
+    names = ["metrics.jsonl", "tb/", plot, "checkpoints/"]
+    return [n for n in names if (out / n.rstrip("/")).exists()] + ["summary.json"]
 
 
 def print_summary(rows: list[tuple[str, str]]) -> None:

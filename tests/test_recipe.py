@@ -25,6 +25,7 @@ from agentrl.recipe import (
     make_recipe,
     read_tasks,
     resolve_recipe,
+    summary_rows,
 )
 from agentrl.run_config import RunConfig
 from agentrl.types import Status, Trajectory
@@ -168,8 +169,20 @@ def test_finish_plots_and_prints_the_summary(tmp_path: Path, capsys: pytest.Capt
     assert (tmp_path / "reward.png").stat().st_size > 1000
     out = capsys.readouterr().out
     for row in (r"held-out reward before +0\.250", r"held-out reward after +0\.500", r"final train reward +0\.200",
-                r"tasks trained / dropped +4 / 0", rf"outputs +{tmp_path}/ \(metrics.jsonl, tb/, reward.png"):  # fmt: skip
+                r"tasks trained / dropped +4 / 0", rf"outputs +{tmp_path}/ \(reward.png, summary.json\)\n"):  # fmt: skip
         assert re.search(row, out), (row, out)
+
+
+def test_the_summary_names_only_the_outputs_written(tmp_path: Path) -> None:
+    result = {"steps": 1, "policy_version": 1, "wall_s": 1.0}
+    outputs = dict(summary_rows(result, [], tmp_path, "reward.png"))["outputs"]
+    assert outputs == f"{tmp_path}/ (summary.json)"  # nothing written yet: no TensorBoard logs claimed
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "tb").mkdir()  # what the TensorBoard writer makes when the package is installed
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "reward.png").write_bytes(b"")
+    outputs = dict(summary_rows(result, [], tmp_path, "reward.png"))["outputs"]
+    assert outputs == f"{tmp_path}/ (metrics.jsonl, tb/, reward.png, checkpoints/, summary.json)"
 
 
 # ---- end to end: a non-search env and its verifier through the default recipe -------------------------
