@@ -228,3 +228,39 @@ ray: {{num_cpus: 2}}
         set(summary["eval_after"]) == {"eval/reward", "eval/failed"} and summary["accounting"]["trained"] >= 4
     )
     assert (out / "reward.png").is_file() and "recipe: default" in (out / "config.yaml").read_text()
+
+
+# ---- the quick start: openai-SDK agent, base install only ----------------------------------------------
+def test_the_quick_start_needs_only_the_base_install() -> None:
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"openai\b", d) for d in deps), (
+        "examples/openai_agent.py imports openai: a base dependency"
+    )
+
+
+@pytest.mark.slow
+def test_the_quick_start_says_it_is_a_smoke_run(tmp_path: Path) -> None:
+    """The README's quick start as shown (one step here): it says that its reward is not expected to move,
+    shows the token-exact figure it checks, and names the run that learns."""
+    config = ROOT / "examples" / "openai_agent.yaml"
+    argv = [
+        str(ROOT / "train_async.py"),
+        "--config",
+        str(config),
+        f"output_dir={tmp_path / 'run'}",
+        "steps=1",
+    ]
+    proc = subprocess.run(
+        [sys.executable, *argv, "ray.num_cpus=2"],
+        cwd=tmp_path,  # the recipe builds its tiny model under ./.cache
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.stdout.count("smoke run: 1 steps of a randomly initialised model") == 2, proc.stdout
+    gap = re.search(r"token-exact: max \|engine logprob - trainer logprob\| over the run (\S+) ", proc.stdout)
+    assert gap and float(gap.group(1)) < 1e-4, proc.stdout
+    assert "The run that learns: python train_async.py" in proc.stdout
