@@ -93,6 +93,8 @@ def trajectories(tr, step: int, perturb: bool, sft: bool):
 
 
 def run_config(name: str, model_dir: str, kw: dict, lines: list[str], workdir: str) -> None:
+    from _trainer_helpers import sync_to_disk
+
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
@@ -110,7 +112,7 @@ def run_config(name: str, model_dir: str, kw: dict, lines: list[str], workdir: s
     p(f"logprobs {digest(tr.compute_logprobs(probe))}")
     p(f"hf_state_dict {digest(tr.hf_state_dict())}")
     ckpt = Path(workdir) / f"ckpt_{name}"
-    v = asyncio.run(tr.sync_weights_from_disk(None, str(Path(workdir) / f"hf_{name}")))
+    v = asyncio.run(sync_to_disk(tr, str(Path(workdir) / f"hf_{name}")))
     p(f"sync_weights_from_disk version {v}")
     d = tr.save_checkpoint(ckpt)
     p(f"checkpoint dir {d.name} latest {MegatronTrainer.latest_checkpoint(ckpt).name}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 from agentrl.cluster import free_port
 from agentrl.types import Trajectory
@@ -37,7 +38,9 @@ def offset_rollout_logprobs(trajs: list[Trajectory], logprobs: list[list[float]]
         ]
 
 
-def moe_expert_parallel_worker(rank: int, world: int, port: int, model_dir: str, out: str, grouped: bool) -> None:
+def moe_expert_parallel_worker(
+    rank: int, world: int, port: int, model_dir: str, out: str, grouped: bool
+) -> None:
     """One rank of an MoE trainer with expert parallelism ``world`` (SequentialMLP or grouped experts): one
     train step; rank 0 saves the metrics, the HF weights gathered over the ranks, the count of its
     SequentialMLP experts and the shapes of its stacked expert weights."""
@@ -64,7 +67,9 @@ def moe_expert_parallel_worker(rank: int, world: int, port: int, model_dir: str,
     metrics = tr.train_step(trajs)
     weights = tr.hf_state_dict()  # gathered over the expert-parallel ranks
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "local_experts": experts, "stacked": stacked}, out)
+        torch.save(
+            {"metrics": metrics, "weights": weights, "local_experts": experts, "stacked": stacked}, out
+        )
     tr.shutdown()
 
 
@@ -76,6 +81,16 @@ def dist_env(rank: int, world_size: int, port: int) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+async def sync_to_disk(tr: Any, out_dir: str) -> int:
+    """A weight sync of trainer ``tr`` in disk mode with no engine: the HF dir is written, the version
+    goes up by one (collective). Returns the new version."""
+    await tr.connect_engines("disk", None, out_dir=out_dir)
+    try:
+        return await tr.sync_weights()
+    finally:
+        await tr.disconnect_engines()
 
 
 def run_training_job(model_dir: str, ckpt_dir: str, total_steps: int, out: str, resume: bool) -> None:
@@ -112,7 +127,7 @@ def run_training_job(model_dir: str, ckpt_dir: str, total_steps: int, out: str, 
         if tr.step % 2 == 0:
             import asyncio
 
-            asyncio.run(tr.sync_weights_from_disk(None, f"{ckpt_dir}/hf_latest"))
+            asyncio.run(sync_to_disk(tr, f"{ckpt_dir}/hf_latest"))
         tr.save_checkpoint(ckpt_dir)
         print(f"CKPT {tr.step}", flush=True)
     torch.save(

@@ -93,9 +93,9 @@ async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Pa
         assert metrics["mismatch_kl"] <= 1e-8
 
         # distributed broadcast (gloo); small buckets -> several update_weights_from_distributed calls
-        await trainer.init_weight_sync_group(client, num_engine_ranks=1, bucket_bytes=64 << 10)
-        assert await trainer.sync_weights_distributed(client) == 1
-        assert trainer.last_sync_stats.num_buckets > 1
+        await trainer.connect_engines("distributed", client, bucket_bytes=64 << 10)
+        assert await trainer.sync_weights() == 1
+        assert trainer.last_sync_stats["num_buckets"] > 1
         fresh = await _rollouts(client, 4, version=1, seed=7)
         assert {t.info["weight_version"] for t in fresh} == {"1"}
         assert _max_abs_diff(trainer, fresh) <= 1e-4
@@ -109,19 +109,26 @@ async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Pa
         base_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t.response_ids)[:, None]).squeeze(-1)
         assert (base_lp - torch.tensor(t.rollout_logprobs)).abs()[torch.tensor(t.loss_mask) == 1].max() > 1e-3
 
+        # one way to the engines at a time; both ends leave the group together (cleanly, no abort)
+        with pytest.raises(RuntimeError, match="already connected"):
+            await trainer.connect_engines("disk", client, out_dir=tmp_path / "hf_v2")
+        assert await trainer.disconnect_engines(timeout=30) is True
+
         # from disk
         trainer.train_step(fresh)
-        assert await trainer.sync_weights_from_disk(client, tmp_path / "hf_v2") == 2
+        await trainer.connect_engines("disk", client, out_dir=tmp_path / "hf_v2")
+        assert await trainer.sync_weights() == 2
+        assert (tmp_path / "hf_v2" / "model.safetensors").is_file()
         again = await _rollouts(client, 4, version=2, seed=11)
         assert {t.info["weight_version"] for t in again} == {"2"}
         assert _max_abs_diff(trainer, again) <= 1e-4
         assert trainer.train_step(again)["ppo_kl"] == 0.0
+        assert await trainer.disconnect_engines() is True
 
-        # both ends leave the group together (cleanly, no abort); the engine can then join a new one
-        assert await trainer.close_weight_sync_group(timeout=30) is True
-        await trainer.init_weight_sync_group(client, num_engine_ranks=1)
-        assert await trainer.sync_weights_distributed(client) == 3
+        # the engine can join a new broadcast group after leaving the first
+        await trainer.connect_engines("distributed", client)
+        assert await trainer.sync_weights() == 3
     finally:
-        await trainer.close_weight_sync_group()
+        await trainer.disconnect_engines()
         await client.close()
         server.stop()

@@ -41,7 +41,8 @@ class TrainerConfig(ConfigModel):
 
     model_path: str = Field(..., description="HF model directory the weights (and shape) are loaded from")
     mcore_path: str | None = Field(
-        None, description="optional Megatron dir (agentrl.convert hf-to-mcore) to load instead of model_path's weights"
+        None,
+        description="optional Megatron dir (agentrl.convert hf-to-mcore) to load instead of model_path's weights",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -50,7 +51,9 @@ class TrainerConfig(ConfigModel):
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     pp: int = Field(1, ge=1, description="pipeline-parallel size (GPU only)")
     ep: int = Field(
-        1, ge=1, description="expert-parallel size (MoE models; divides the data-parallel size and the expert count)"
+        1,
+        ge=1,
+        description="expert-parallel size (MoE models; divides the data-parallel size and the expert count)",
     )
     vocab_divisible_by: int = Field(
         1, ge=1, description="pad the vocabulary to a multiple of tp * this (128 is GPU-friendly)"
@@ -122,12 +125,6 @@ class TrainerConfig(ConfigModel):
         "engine's batch-invariant kernels and reduction order (agentrl.batch_invariant), so for the same "
         "weights and tokens they equal the engine's logprobs bit for bit (mismatch KL 0, TIS weights 1); "
         "backward uses ordinary kernels. The run's engines then serve batch-invariant. tp = pp = 1",
-    )
-    deterministic: bool = Field(
-        False,
-        description="set from the run's deterministic switch: on a GPU the logprobs come from the true "
-        "on-policy forward (batch-invariant kernels) and its attention backward runs torch's math kernel, "
-        "since the flash backward accumulates dq in a varying order; on CPU nothing changes",
     )
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per train_step (per epoch)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")

@@ -1,22 +1,25 @@
-"""The trainer as Ray actors: one actor per rank, each a :class:`MegatronTrainer` in its own process.
+"""The trainer as Ray actors: :class:`TrainerGroup`, the typed async surface the driver awaits, over one
+actor per rank, each a :class:`MegatronTrainer` in its own process.
 
-``ray`` is imported lazily (GPU images may lack it). Usage (TP=1 on CPU, as ``train_async.py`` does)::
+``ray`` is imported lazily (GPU images may lack it). Usage (TP=1 on CPU)::
 
     group = TrainerGroup(TrainerConfig(model_path=...), world_size=1)
-    metrics = group.train_step(trajectories)          # every rank gets the same list; rank 0's metrics
-    group.sync_weights_from_disk(engine_urls, out_dir) # or init_weight_sync_group + sync_weights_distributed
-    group.save_checkpoint(dir); group.shutdown()
+    await group.connect_engines("disk", engine_urls, out_dir="run/weights")  # or "tensor", "distributed"
+    metrics = await group.train_step(trajectories)  # every rank gets the same list; rank 0's metrics
+    version = await group.sync_weights()
+    await group.save_checkpoint(dir); await group.shutdown()
 
-Every call fans out to all ranks (they are collectives) and returns rank 0's answer.
+Every collective call fans out to all ranks and returns rank 0's answer. A rank's actor
+(:class:`TrainerWorker`) only forwards: the verbs and their meaning are the trainer's own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import inspect
 import os
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from agentrl.cluster import free_port
 from agentrl.trainer.config import TrainerConfig
@@ -27,7 +30,13 @@ class TrainerWorker:
     """The body of one rank's actor (plain class; :class:`TrainerGroup` wraps it with ``ray.remote``)."""
 
     def __init__(
-        self, cfg: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int
+        self,
+        cfg: dict[str, Any],
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        deterministic: bool = False,
     ) -> None:
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
@@ -44,113 +53,54 @@ class TrainerWorker:
         sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]
         from agentrl.trainer.trainer import MegatronTrainer
 
-        self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg))
-        # Every call that talks to the engines (the syncs of each step, the broadcast group) runs on one
-        # event loop with one EngineClient per engine list, kept for the actor's life: a new loop and
-        # connection per sync cost time on every step. Plain methods that run the loop, not async methods:
-        # an async method would turn the actor into an async actor whose methods run in Ray's own loop.
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg), deterministic=deterministic)
+        # The trainer's async verbs (the engines' calls) run on one event loop with one EngineClient per
+        # engine list, kept for the actor's life: a new loop and connection per sync cost time on every
+        # step. Plain methods that run the loop, not async methods: an async method would turn the actor
+        # into an async actor whose methods run in Ray's own loop.
+        self._loop = asyncio.new_event_loop()
         self._clients: dict[tuple[str, ...], Any] = {}
-        self._group_urls: list[str] | None = None  # the engines of the open broadcast group
 
-    def train_step(
-        self, trajectories: list[dict[str, Any]], max_staleness: int | None = None, record_logprobs: bool = False
-    ) -> dict[str, float]:
-        trajs = [Trajectory.from_dict(t) for t in trajectories]
-        return self.trainer.train_step(trajs, max_staleness, record_logprobs)
+    def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``trainer.<verb>(*args, **kwargs)``, a coroutine run to completion on this actor's loop; for an
+        attribute (``policy_version``, ``last_sync_stats``), its value."""
+        if verb.startswith("_"):
+            raise AttributeError(f"{verb!r} is not a trainer verb")
+        attr = getattr(self.trainer, verb)
+        if not callable(attr):
+            return attr
+        out = attr(*args, **kwargs)
+        return self._loop.run_until_complete(out) if inspect.iscoroutine(out) else out
 
-    def last_logprobs(self) -> dict[str, Any]:
-        return self.trainer.last_logprobs()
-
-    def compute_logprobs(self, trajectories: list[dict[str, Any]]) -> list[list[float]]:
-        return self.trainer.compute_logprobs([Trajectory.from_dict(t) for t in trajectories])
-
-    def policy_version(self) -> int:
-        return self.trainer.policy_version
-
-    def save_hf(self, out_dir: str) -> str | None:
-        out = self.trainer.save_hf(out_dir)
-        return None if out is None else str(out)
-
-    def _with_engines(self, engine_urls: list[str], call: Any) -> Any:
-        """Run ``call(client)`` to completion on this actor's loop, ``client`` its EngineClient for
-        ``engine_urls`` (None on other ranks than 0, and for no engines)."""
-        from agentrl.engine.client import EngineClient
-
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
+    def connect_engines(self, mode: str, engine_urls: list[str], **kwargs: Any) -> None:
+        """``trainer.connect_engines`` with rank 0's EngineClient for ``engine_urls`` (None elsewhere)."""
         client = None
         if self.trainer.rank == 0 and engine_urls:
+            from agentrl.engine.client import EngineClient
+
             client = self._clients.get(tuple(engine_urls))
             if client is None:
                 client = self._clients[tuple(engine_urls)] = EngineClient(engine_urls)
-        return self._loop.run_until_complete(call(client))
+        self.call("connect_engines", mode, client, **kwargs)
 
-    def sync_weights_from_disk(
-        self, engine_urls: list[str], out_dir: str, abort_all_requests: bool = False
-    ) -> int:
-        call = lambda c: self.trainer.sync_weights_from_disk(c, out_dir, abort_all_requests)  # noqa: E731
-        return self._with_engines(engine_urls, call)
-
-    def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
-        return self._with_engines(engine_urls, self.trainer.sync_weights_from_tensor)
-
-    def last_sync_stats(self) -> dict[str, float]:
-        stats = self.trainer.last_sync_stats
-        return {} if stats is None else {k: float(v) for k, v in dataclasses.asdict(stats).items()}
-
-    def offload(self) -> dict[str, float]:
-        return self.trainer.offload()
-
-    def release_cached_memory(self) -> None:
-        self.trainer.release_cached_memory()
-
-    def onload(self) -> dict[str, float]:
-        return self.trainer.onload()
-
-    def init_weight_sync_group(
-        self,
-        engine_urls: list[str],
-        num_engine_ranks: int,
-        master_address: str = "127.0.0.1",
-        master_port: int | None = None,
-        backend: str | None = None,
-    ) -> None:
-        self._group_urls = engine_urls  # the group keeps its client: later calls use the same one
-        group = self.trainer.init_weight_sync_group
-        self._with_engines(engine_urls, lambda c: group(c, num_engine_ranks, master_address, master_port, backend))
-
-    def sync_weights_distributed(self) -> int:
-        if self._group_urls is None:
-            raise RuntimeError("sync_weights_distributed before init_weight_sync_group")
-        return self._with_engines(self._group_urls, self.trainer.sync_weights_distributed)
-
-    def save_checkpoint(self, ckpt_dir: str) -> str:
-        return str(self.trainer.save_checkpoint(ckpt_dir))
-
-    def load_checkpoint(self, path: str) -> int:
-        self.trainer.load_checkpoint(path)
-        return self.trainer.step
-
-    def close_weight_sync_group(self, timeout: float = 30.0) -> bool:
-        """Leave the broadcast group with the engines (they are told to leave concurrently), bounded."""
-        if self._group_urls is None:
-            return True
-        return self._with_engines(self._group_urls, lambda _: self.trainer.close_weight_sync_group(timeout))
-
-    def shutdown(self) -> None:
-        self.close_weight_sync_group()
-        if self._loop is not None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let go of the engines (bounded by about ``2 * timeout``), close the clients, stop the rank."""
+        try:
+            self.call("disconnect_engines", timeout)
+        finally:
             for client in self._clients.values():
                 self._loop.run_until_complete(client.close())
             self._clients.clear()
             self._loop.close()
-            self._loop = None
-        self.trainer.shutdown()
+            self.trainer.shutdown()
 
 
 class TrainerGroup:
-    """``world_size`` Ray actors (``num_gpus_per_rank`` each; 0 on CPU) forming one trainer."""
+    """``world_size`` Ray actors (``num_gpus_per_rank`` each; 0 on CPU) forming one trainer.
+
+    ``deterministic``: the run's deterministic switch, passed to every rank (see :class:`MegatronTrainer`).
+    ``placement_group``: schedule rank i on that Ray placement group's bundle ``bundle_indices[i]``
+    (default: bundle i), e.g. to put a trainer rank on the GPU of the engine it shares it with."""
 
     def __init__(
         self,
@@ -159,92 +109,132 @@ class TrainerGroup:
         num_gpus_per_rank: float = 0.0,
         num_cpus_per_rank: float = 1.0,
         master_addr: str = "127.0.0.1",
+        *,
+        deterministic: bool = False,
+        placement_group: Any = None,
+        bundle_indices: list[int] | None = None,
     ) -> None:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if bundle_indices is not None and placement_group is None:
+            raise ValueError("bundle_indices needs a placement_group")
+        bundles = list(range(world_size)) if bundle_indices is None else list(bundle_indices)
+        if len(bundles) != world_size:
+            raise ValueError(f"bundle_indices names {len(bundles)} bundles for {world_size} ranks")
         self._ray = ray
         port = free_port()
         actor_cls = ray.remote(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank)(TrainerWorker)
-        self.actors = [
-            actor_cls.remote(cfg.model_dump(mode="json"), r, world_size, master_addr, port)
-            for r in range(world_size)
-        ]
-        ray.get([a.policy_version.remote() for a in self.actors])  # surface construction errors here
+        self.actors = []
+        for r in range(world_size):
+            where: dict[str, Any] = {}
+            if placement_group is not None:
+                where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundles[r]
+                )
+            actor = actor_cls.options(**where).remote(
+                cfg.model_dump(mode="json"), r, world_size, master_addr, port, deterministic
+            )
+            self.actors.append(actor)
+        ray.get([a.call.remote("policy_version") for a in self.actors])  # surface construction errors here
 
-    def _all(self, method: str, *args: Any) -> Any:
-        return self._ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
+    async def _all(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``verb`` on every rank (collectives need them all); rank 0's answer."""
+        return (await asyncio.gather(*[a.call.remote(verb, *args, **kwargs) for a in self.actors]))[0]
 
-    def train_step(
-        self, trajectories: list[Trajectory], max_staleness: int | None = None, record_logprobs: bool = False
+    async def _rank0(self, verb: str, *args: Any) -> Any:
+        """``verb`` on rank 0 alone (what it holds by itself: counters, figures)."""
+        return await self.actors[0].call.remote(verb, *args)
+
+    async def _shared(self, trajectories: list[Trajectory]) -> Any:
+        """The batch in Ray's object store once, for every rank (pickled off the event loop)."""
+        return await asyncio.to_thread(self._ray.put, trajectories)
+
+    async def train_step(
+        self, batch: list[Trajectory], max_staleness: int | None = None, record_logprobs: bool = False
     ) -> dict[str, float]:
         """One update on every rank; ``max_staleness`` (η) is asserted on the batch when given;
         ``record_logprobs``: keep the trainer's logprobs of the batch for :meth:`last_logprobs`."""
-        return self._all("train_step", [t.to_dict() for t in trajectories], max_staleness, record_logprobs)
+        return await self._all("train_step", await self._shared(batch), max_staleness, record_logprobs)
 
-    def last_logprobs(self) -> dict[str, Any]:
+    async def compute_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """Per-response-token logprobs of the current weights, per trajectory."""
+        return await self._all("compute_logprobs", await self._shared(trajectories))
+
+    async def last_logprobs(self) -> dict[str, Any]:
         """The trainer's logprobs of the last recorded step (``MegatronTrainer.last_logprobs``)."""
-        return self._ray.get(self.actors[0].last_logprobs.remote())
+        return await self._rank0("last_logprobs")
 
-    def compute_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
-        return self._all("compute_logprobs", [t.to_dict() for t in trajectories])
+    async def policy_version(self) -> int:
+        return await self._rank0("policy_version")
 
-    def policy_version(self) -> int:
-        return self._all("policy_version")
-
-    def save_hf(self, out_dir: str) -> str | None:
-        return self._all("save_hf", out_dir)
-
-    def sync_weights_from_disk(
-        self, engine_urls: list[str], out_dir: str, abort_all_requests: bool = False
-    ) -> int:
-        return self._all("sync_weights_from_disk", engine_urls, out_dir, abort_all_requests)
-
-    def sync_weights_from_tensor(self, engine_urls: list[str]) -> int:
-        """Hand the weights to engines on this machine in memory (``/update_weights_from_tensor``)."""
-        return self._all("sync_weights_from_tensor", engine_urls)
-
-    def last_sync_stats(self) -> dict[str, float]:
-        """Rank 0's figures of its last weight push (tensors, bytes, seconds; empty before the first)."""
-        return self._ray.get(self.actors[0].last_sync_stats.remote())
-
-    def offload(self) -> dict[str, float]:
-        """Every rank moves its weights, gradients and optimizer state to host memory; rank 0's figures."""
-        return self._all("offload")
-
-    def release_cached_memory(self) -> None:
-        """Every rank hands the blocks its allocator caches (a step's activations) back to the driver."""
-        self._all("release_cached_memory")
-
-    def onload(self) -> dict[str, float]:
-        """Every rank brings its state back to the device; rank 0's figures."""
-        return self._all("onload")
-
-    def init_weight_sync_group(
+    async def connect_engines(
         self,
+        mode: Literal["disk", "tensor", "distributed"],
         engine_urls: list[str],
-        num_engine_ranks: int,
+        *,
+        out_dir: str | None = None,
+        num_engine_ranks: int | None = None,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         backend: str | None = None,
+        bucket_bytes: int | None = None,
     ) -> None:
-        self._all(
-            "init_weight_sync_group", engine_urls, num_engine_ranks, master_address, master_port, backend
+        """How :meth:`sync_weights` reaches the engines at ``engine_urls`` (``MegatronTrainer.connect_engines``;
+        ``num_engine_ranks`` default: one per URL). ``distributed`` opens the broadcast group now."""
+        kwargs = dict(
+            out_dir=out_dir,
+            num_engine_ranks=len(engine_urls) if num_engine_ranks is None else num_engine_ranks,
+            master_address=master_address,
+            master_port=master_port,
+            backend=backend,
+            bucket_bytes=bucket_bytes,
         )
+        await asyncio.gather(*[a.connect_engines.remote(mode, engine_urls, **kwargs) for a in self.actors])
 
-    def sync_weights_distributed(self) -> int:
-        return self._all("sync_weights_distributed")
+    async def sync_weights(self) -> int:
+        """Push the weights to the connected engines; the new policy version."""
+        return await self._all("sync_weights")
 
-    def save_checkpoint(self, ckpt_dir: str) -> str:
-        return self._all("save_checkpoint", ckpt_dir)
+    async def disconnect_engines(self, timeout: float = 30.0) -> bool:
+        """Let go of the engines, bounded; True when it ended cleanly (:meth:`shutdown` does it too)."""
+        return await self._all("disconnect_engines", timeout)
 
-    def load_checkpoint(self, path: str) -> int:
-        return self._all("load_checkpoint", path)
+    async def last_sync_stats(self) -> dict[str, float]:
+        """Rank 0's figures of its last weight push (``gather_seconds`` and the mode's: ``pack_seconds``
+        and ``seconds`` in memory, buckets over a broadcast; empty before the first)."""
+        return await self._rank0("last_sync_stats")
 
-    def shutdown(self, timeout: float = 120.0) -> None:
-        """Close the weight-sync group with the engines, then stop every rank; bounded by ``timeout``
-        (each rank's own teardown is bounded too); the actors are killed whatever happened."""
+    async def offload(self) -> dict[str, float]:
+        """Every rank moves its weights, gradients and optimizer state to host memory; rank 0's figures."""
+        return await self._all("offload")
+
+    async def onload(self) -> dict[str, float]:
+        """Every rank brings its state back to the device; rank 0's figures."""
+        return await self._all("onload")
+
+    async def release_cached_memory(self) -> None:
+        """Every rank hands the blocks its allocator caches (a step's activations) back to the driver."""
+        await self._all("release_cached_memory")
+
+    async def save_checkpoint(self, ckpt_dir: str) -> str:
+        """Every rank writes its part; the step dir."""
+        return str(await self._all("save_checkpoint", ckpt_dir))
+
+    async def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Every rank restores its part (``ckpt_dir``: a step dir or the root); the restored step."""
+        return await self._all("load_checkpoint", ckpt_dir)
+
+    async def save_hf(self, out_dir: str) -> str | None:
+        """The weights as an HF dir (rank 0 writes); the dir."""
+        out = await self._all("save_hf", out_dir)
+        return None if out is None else str(out)
+
+    async def shutdown(self, timeout: float = 120.0) -> None:
+        """Let go of the engines (every rank, bounded), then stop every rank; all of it bounded by
+        ``timeout``, and the actors are killed whatever happened."""
         try:
-            self._ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout)
+            await asyncio.wait_for(asyncio.gather(*[a.shutdown.remote() for a in self.actors]), timeout)
         finally:
             for a in self.actors:
                 self._ray.kill(a)

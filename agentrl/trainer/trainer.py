@@ -18,13 +18,17 @@ its slice):
    micro-batches with losses scaled by the mini-batch's global token / sequence counts, TP-aware
    gradient-norm clipping, AdamW, LR schedule) and returns averaged metrics.
 
-Its parts live beside it: process world and RNGs in :mod:`~agentrl.trainer.distributed`, steps 1-3 in
-:mod:`~agentrl.trainer.batch`, the optimizer paths (plain torch AdamW on CPU; megatron-core DDP +
-distributed optimizer + pipeline schedule on GPU, see :mod:`agentrl.trainer.mcore_compat`) in
-:mod:`~agentrl.trainer.optim`, weight sync to engines in :mod:`~agentrl.trainer.weight_sync` and
-checkpoints in :mod:`~agentrl.trainer.checkpoint`.
+Weights reach the engines in three verbs: ``connect_engines(mode, client, ...)`` once (``disk``,
+``tensor`` or ``distributed``), ``sync_weights()`` after each step (version += 1), ``disconnect_engines()``
+at the end.
 
-Ray: :mod:`agentrl.trainer.ray_actor` wraps this class, one actor per rank.
+Its parts live beside it: process world and RNGs in :mod:`~agentrl.trainer.distributed`, the model and
+its compile warm-up in :mod:`~agentrl.trainer.build`, steps 1-3 in :mod:`~agentrl.trainer.batch`, the
+optimizer paths (plain torch AdamW on CPU; megatron-core DDP + distributed optimizer + pipeline schedule
+on GPU, see :mod:`agentrl.trainer.mcore_compat`) in :mod:`~agentrl.trainer.optim`, the weight sync modes
+in :mod:`~agentrl.trainer.weight_sync` and checkpoints in :mod:`~agentrl.trainer.checkpoint`.
+
+Ray: :class:`agentrl.trainer.ray_actor.TrainerGroup` runs one instance per rank, one actor each.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -50,6 +54,7 @@ from agentrl.trainer.batch import (
     select_usable,
     split_micro_batches,
 )
+from agentrl.trainer.build import build_rank_model, compile_warmup
 from agentrl.trainer.checkpoint import (
     TrainerCounters,
     latest_checkpoint,
@@ -57,7 +62,7 @@ from agentrl.trainer.checkpoint import (
     load_local_state,
     save_checkpoint,
 )
-from agentrl.trainer.colocate import TrainerOffload, push_tensors
+from agentrl.trainer.colocate import TrainerOffload
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.distributed import (
     all_reduce_scalar,
@@ -68,24 +73,14 @@ from agentrl.trainer.distributed import (
     seed_everything,
     set_rng_state,
 )
-from agentrl.trainer.hf_checkpoint import load_mcore_shard
 from agentrl.trainer.logprobs import ModelLogprobs
 from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
 from agentrl.trainer.mcore_compat import apply_cpu_patches
-from agentrl.trainer.model import (
-    ModelArch,
-    build_gpt_model,
-    hf_to_mcore_shards,
-    load_hf_state_dict,
-    save_hf_dir,
-)
-from agentrl.trainer.moe import expert_layout, pop_aux_loss, routed_tensor, set_aux_loss_scale
+from agentrl.trainer.model import ModelArch, save_hf_dir
+from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
 from agentrl.trainer.optim import MicroLoss, build_optimizer
-from agentrl.trainer.weight_sync import EngineWeightSync, gather_hf_state_dict
+from agentrl.trainer.weight_sync import EngineSync, connect_engine_sync, gather_hf_state_dict
 from agentrl.types import Trajectory
-
-# the compile warm-up's two batches, sequence lengths: the second has other lengths and more sequences
-WARMUP_LENGTHS = ((384, 384), (200, 330, 460, 590, 720))
 
 __all__ = [
     "MegatronTrainer",
@@ -102,12 +97,17 @@ __all__ = [
 
 
 class MegatronTrainer:
-    """One rank of the trainer. Construct it on every rank of the torch.distributed world."""
+    """One rank of the trainer. Construct it on every rank of the torch.distributed world.
 
-    def __init__(self, cfg: TrainerConfig) -> None:
+    ``deterministic``: the run's deterministic switch. On a GPU the logprobs then come from the true
+    on-policy forward (batch-invariant kernels) and its attention backward runs torch's math kernel, since
+    the flash backward accumulates dq in a varying order; on CPU nothing changes."""
+
+    def __init__(self, cfg: TrainerConfig, deterministic: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
         self.cfg = cfg
+        self.deterministic = deterministic
         self.device = resolve_device(cfg)
         if self.device.type == "cpu":
             apply_cpu_patches()
@@ -155,7 +155,9 @@ class MegatronTrainer:
             )
         if cfg.ep > 1 and (cfg.max_tokens_per_micro_batch is not None or cfg.pack_sequences):
             # the MoE token all-gather over expert-parallel ranks needs equal micro-batch shapes on each
-            raise ValueError("ep > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences)")
+            raise ValueError(
+                "ep > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences)"
+            )
         if cfg.moe.routing_replay and (cfg.pp > 1 or cfg.recompute_activations):
             # recomputation would route the backward's forward again, outside the replayed micro-batch
             raise ValueError("moe.routing_replay needs pp = 1 and no recompute_activations")
@@ -177,7 +179,7 @@ class MegatronTrainer:
             cfg.logprob_chunk_tokens,
             self.compile_kernels,
         )
-        gpu_deterministic = cfg.deterministic and self.device.type == "cuda"
+        gpu_deterministic = deterministic and self.device.type == "cuda"
         if cfg.true_on_policy or gpu_deterministic:  # π_old and the loss's logprobs in the batch-invariant
             from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs  # engine's kernels
 
@@ -186,10 +188,11 @@ class MegatronTrainer:
             )
         if gpu_deterministic:  # cuBLAS picks one workspace layout per stream: same sums every run
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        model = self._build_model()
-        self._load_initial_weights(model)
-        model.to(self.device)
-        self.ref_model = self._build_ref_model() if cfg.loss.kl_coef > 0 else None
+        how = (self.params_dtype, self.compile_kernels, self.grouped_experts, self.device)
+        model = build_rank_model(cfg, self.arch, ps, *how)
+        self.ref_model = (
+            build_rank_model(cfg, self.arch, ps, *how, frozen=True) if cfg.loss.kl_coef > 0 else None
+        )
         self.optim = build_optimizer(
             cfg,
             model,
@@ -215,99 +218,14 @@ class MegatronTrainer:
         # the policy version when the weights last changed (an optimizer step, a checkpoint load): while it
         # is below policy_version the trainer holds the weights of that version
         self._changed_at: int | None = None
-        self.weight_sync = EngineWeightSync(self.rank, self.device, cfg.weight_sync_bucket_mb << 20)
-        # rank 0's figures of its last weight push (TensorPushStats or BroadcastStats; None before one)
-        self.last_sync_stats: Any = None
+        self._engines: EngineSync | None = None  # the weight sync mode connect_engines chose
+        # rank 0's figures of its last weight push (the mode's, plus gather_seconds; empty before one)
+        self.last_sync_stats: dict[str, float] = {}
         self._offload: TrainerOffload | None = None  # the state while it is off the device
         # compiled layers: compile now, not in the first train step (not with pipelines or experts,
         # whose forward runs through other paths)
         warm = cfg.compile_layers and self.device.type == "cuda" and cfg.pp == 1 and self.arch.moe is None
-        self.warmup_seconds = self._compile_warmup() if warm else 0.0
-
-    # ---- construction ---------------------------------------------------------------------------
-    def _compile_warmup(self, shapes: tuple[tuple[int, ...], ...] = WARMUP_LENGTHS) -> float:
-        """A forward and backward over made-up micro-batches of two shapes, so that compiled layers are
-        compiled before the first train step: the first with static shapes, the second (other lengths,
-        more sequences) making the token dimension and the sequence count dynamic, as the first steps'
-        changing batches would. Gradients are dropped; weights, optimizer state and RNGs are not touched.
-        Returns the seconds it took."""
-        t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(0)
-        vocab = min(self.arch.vocab_size, 1000)
-        for lengths in shapes:
-            trajs = []
-            for i, n in enumerate(lengths):
-                prompt = torch.randint(vocab, (n // 2,), generator=g).tolist()
-                response = torch.randint(vocab, (n - n // 2,), generator=g).tolist()
-                t = Trajectory(task_id="warmup", group_id="warmup", prompt_ids=prompt, sample_index=i)
-                t.append_model_tokens(response, [0.0] * len(response), 0)
-                t.reward = float(i % 2)
-                trajs.append(t)
-            mask = response_mask(trajs)
-            plan = plan_mini_batches(
-                trajs, batch_advantages(trajs, mask, self.cfg.loss), mask, 1, self.cfg.micro_batch_size,
-                self.cfg.max_tokens_per_micro_batch, self.dp_rank, self.dp_size, self.pad_id,
-                pack=self.cfg.pack_sequences,
-            )  # fmt: skip
-            self.model.train()
-            for mb in plan[0].micro_batches:
-                lp, ent = self.logprobs.of(self.model, mb.to(self.device))
-                (lp.float().sum() + (0.0 if ent is None else ent.float().sum())).backward()
-        if self.use_megatron_optim:
-            self.model.zero_grad_buffer()
-        self.model.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
-
-    def _build_model(self) -> torch.nn.Module:
-        return build_gpt_model(
-            self.arch,
-            tp=self.cfg.tp,
-            pp=self.cfg.pp,
-            pp_rank=self.pp_rank,
-            params_dtype=self.params_dtype,
-            vocab_divisible_by=self.cfg.vocab_divisible_by,
-            recompute=self.cfg.recompute_activations,
-            fused_swiglu=self.compile_kernels,
-            compile_layers=self.cfg.compile_layers,
-            ep=self.cfg.ep,
-            moe_aux_loss_coef=self.cfg.moe.aux_loss_coef,
-            grouped_experts=self.grouped_experts,
-        )
-
-    def _local_shard(self) -> dict[str, torch.Tensor]:
-        key: tuple[int, ...] = (self.pp_rank, self.tp_rank)
-        ep_rank = self.ps.get_expert_model_parallel_rank() if self.cfg.ep > 1 else 0
-        if self.cfg.ep > 1:
-            key = (*key, ep_rank)
-        if self.cfg.mcore_path is not None:  # a Megatron dir holds one tensor per expert
-            c = self.cfg
-            shard = load_mcore_shard(c.mcore_path, self.pp_rank, self.tp_rank, c.tp, c.pp, ep_rank, c.ep)
-            return expert_layout(shard, self.grouped_experts)
-        hf = load_hf_state_dict(self.cfg.model_path)
-        return hf_to_mcore_shards(
-            hf,
-            self.arch,
-            self.cfg.tp,
-            self.cfg.pp,
-            self.cfg.vocab_divisible_by,
-            ranks=[key],
-            ep=self.cfg.ep,
-            grouped_experts=self.grouped_experts,
-        )[key]
-
-    def _load_initial_weights(self, module: torch.nn.Module) -> None:
-        load_local_state(module, self._local_shard())
-
-    def _build_ref_model(self) -> torch.nn.Module:
-        ref = self._build_model()
-        self._load_initial_weights(ref)
-        ref.to(self.device)
-        ref.eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        return ref
+        self.warmup_seconds = compile_warmup(self) if warm else 0.0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -432,7 +350,8 @@ class MegatronTrainer:
         for _ in range(cfg.ppo_epochs):
             for mini in plan:
                 self.model.train()
-                if self.arch.moe is not None:  # the load-balancing loss: a mean over micro-batches and dp ranks
+                # the load-balancing loss: a mean over micro-batches and dp ranks
+                if self.arch.moe is not None:
                     dp_sum = 1 if self.use_megatron_optim else self.dp_size  # megatron's DDP averages over dp
                     set_aux_loss_scale(1.0 / (len(mini.micro_batches) * dp_sum), self.device)
                 loss, gnorm = self.optim.update(
@@ -449,7 +368,9 @@ class MegatronTrainer:
                 tokens_processed += sum(int((mb.tokens != self.pad_id).sum()) for mb in mini.micro_batches)
         train_seconds = time.perf_counter() - t_train
         self.step += 1
-        self._last_logprobs = None if recorded is None else self._gather_logprobs(trajectories, usable, recorded)
+        self._last_logprobs = (
+            None if recorded is None else self._gather_logprobs(trajectories, usable, recorded)
+        )
 
         out = reduce_metrics(metrics, self.ps, cfg.pp, self.device)
         dp_group = self.ps.get_data_parallel_group()
@@ -583,56 +504,52 @@ class MegatronTrainer:
         dist.barrier()
         return out
 
-    async def sync_weights_from_disk(
-        self, client: Any, out_dir: str | Path, abort_all_requests: bool = False
-    ) -> int:
-        """Save HF weights to ``out_dir`` and make the engines load them; version += 1. Collective."""
-        await asyncio.to_thread(self.save_hf, out_dir)
-        self.policy_version += 1
-        await self.weight_sync.load_from_disk(client, out_dir, self.policy_version, abort_all_requests)
-        return self.policy_version
-
-    async def sync_weights_from_tensor(self, client: Any) -> int:
-        """Hand the HF weights to engines on this machine in memory (CUDA IPC handles or shared memory,
-        ``/update_weights_from_tensor``); version += 1. Collective; rank 0 talks to the engines."""
-        t0 = time.perf_counter()
-        hf = await asyncio.to_thread(self.hf_state_dict, self.device)
-        gathered = time.perf_counter() - t0
-        self.policy_version += 1
-        if self.rank == 0 and client is not None:
-            self.last_sync_stats = await push_tensors(client, hf, self.policy_version)
-            self.last_sync_stats.gather_seconds = gathered
-        del hf
-        await asyncio.to_thread(dist.barrier)
-        return self.policy_version
-
-    async def init_weight_sync_group(
+    async def connect_engines(
         self,
+        mode: Literal["disk", "tensor", "distributed"],
         client: Any,
+        *,
+        out_dir: str | Path | None = None,
         num_engine_ranks: int = 1,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         backend: str | None = None,
-        group_name: str = "agentrl_weight_sync",
         bucket_bytes: int | None = None,
     ) -> None:
-        """Rank 0 opens the broadcast group with the engines (see :mod:`agentrl.trainer.weight_sync`)."""
-        await self.weight_sync.open(
-            client, num_engine_ranks, master_address, master_port, backend, group_name, bucket_bytes
-        )
+        """Choose how :meth:`sync_weights` reaches the engines behind ``client`` (an EngineClient on rank 0,
+        None elsewhere; disk mode with None writes the HF dir only): ``disk`` writes ``out_dir``,
+        ``tensor`` hands them over in memory, ``distributed`` opens the broadcast group with the engines
+        now (``num_engine_ranks``, ``master_*``, ``backend``, ``bucket_bytes``; see
+        :mod:`agentrl.trainer.weight_sync`). Every rank calls it."""
+        if self._engines is not None:
+            raise RuntimeError("engines already connected: disconnect_engines() first")
+        self._engines = await connect_engine_sync(
+            mode, client, self.rank, self.device, self.cfg.model_path, out_dir=out_dir,
+            num_engine_ranks=num_engine_ranks, master_address=master_address, master_port=master_port,
+            backend=backend, bucket_bytes=bucket_bytes or self.cfg.weight_sync_bucket_mb << 20,
+        )  # fmt: skip
 
-    async def sync_weights_distributed(self, client: Any = None) -> int:
-        """Broadcast the HF weights to the engines in buckets; version += 1. Collective over ranks."""
-        hf = await asyncio.to_thread(self.hf_state_dict, self.weight_sync.gather_device)
+    async def sync_weights(self) -> int:
+        """Push the current weights to the connected engines: every rank gathers the HF-named weights,
+        the version goes up by one, rank 0 pushes them, then a barrier. Collective; the new version."""
+        if self._engines is None:
+            raise RuntimeError("connect_engines() first")
+        t0 = time.perf_counter()
+        hf = await asyncio.to_thread(self.hf_state_dict, self._engines.gather_device)
+        gathered = time.perf_counter() - t0
         self.policy_version += 1
         if self.rank == 0:
-            self.last_sync_stats = await self.weight_sync.push(hf, self.policy_version)
+            stats = await self._engines.push(hf, self.policy_version)
+            self.last_sync_stats = {**stats, "gather_seconds": gathered}
+        del hf  # freed before the barrier: a colocated engine may need the memory
         await asyncio.to_thread(dist.barrier)
         return self.policy_version
 
-    async def close_weight_sync_group(self, timeout: float = 30.0) -> bool:
-        """Leave the broadcast group together with the engines, bounded (see ``WeightBroadcaster.close``)."""
-        return await self.weight_sync.close(timeout)
+    async def disconnect_engines(self, timeout: float = 30.0) -> bool:
+        """Let go of the engines, bounded (a broadcast group is left together with them, see
+        ``WeightBroadcaster.close``); True when it ended cleanly or nothing was connected."""
+        engines, self._engines = self._engines, None
+        return True if engines is None else await engines.close(timeout)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
@@ -640,7 +557,8 @@ class MegatronTrainer:
         ``ckpt_dir/latest`` names it (see :mod:`agentrl.trainer.checkpoint`). Collective."""
         self._check_onloaded()
         progress = TrainerCounters(self.step, self.optimizer_steps, self.policy_version)
-        config = self.cfg.model_dump(mode="json")
+        # what the weights were trained under: the config and the numerics switch the trainer got
+        config = {**self.cfg.model_dump(mode="json"), "deterministic": self.deterministic}
         return save_checkpoint(
             ckpt_dir, self.module, self.optim, progress, config, self.rank, self.world_size
         )
@@ -649,21 +567,23 @@ class MegatronTrainer:
     def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
         return latest_checkpoint(ckpt_dir)
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Restore everything :meth:`save_checkpoint` wrote (``path``: a step dir or the root)."""
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore everything :meth:`save_checkpoint` wrote (``path``: a step dir or the root); returns
+        the restored step."""
         self.step, self.optimizer_steps, self.policy_version = load_checkpoint(
             path, self.module, self.optim, self.rank
         )
         self._changed_at = self.policy_version  # the engines get these weights at the next sync
+        return self.step
 
     def shutdown(self) -> None:
-        """Release the weight-sync group (if still open), megatron's parallel state and the process group.
+        """Let go of the engines (if still connected), megatron's parallel state and the process group.
 
-        The group should have been closed with :meth:`close_weight_sync_group` first, which tells the
-        engines to leave too; here it is left without them, so it may end in an abort after the timeout.
+        Call :meth:`disconnect_engines` first, on the event loop the engines' client lives on: here a
+        broadcast group is left on a loop of its own, which may end in an abort after the timeout.
         """
-        if self.weight_sync.is_open:
-            asyncio.run(self.close_weight_sync_group())
+        if self._engines is not None:
+            asyncio.run(self.disconnect_engines())
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
         if dist.is_initialized():

@@ -1,7 +1,18 @@
-"""Pushing trainer weights to inference engines by distributed broadcast (SGLang's protocol, sender side).
+"""Getting trainer weights to inference engines: one class per ``weight_sync`` mode, behind one small
+interface (:class:`EngineSync`: where the HF-named weights must be gathered, ``push``, ``close``).
 
-Protocol (``/work``'s reference: SGLang's native API; the receiver is any SGLang server or the embedded
-engine, both built on :mod:`agentrl.engine.dist`):
+* ``disk`` (:class:`DiskSync`): rank 0 writes an HF dir; the engines load it (``/update_weights_from_disk``).
+* ``tensor`` (:class:`TensorSync`): in memory to engines on the trainer's machine
+  (``/update_weights_from_tensor``, :func:`agentrl.trainer.colocate.push_tensors`).
+* ``distributed`` (:class:`BroadcastSync`): a broadcast over a process group shared with the engines
+  (:class:`WeightBroadcaster`, SGLang's protocol, sender side; below).
+
+Tensors are HF-named full (unsharded) weights: every trainer rank assembles them
+(:func:`gather_hf_state_dict`, collective over TP and PP) on the mode's ``gather_device``; rank 0 alone
+talks to the engines. :func:`connect_engine_sync` builds a mode's side for one rank.
+
+Broadcast protocol (SGLang's native API; the receiver is any SGLang server or the embedded engine, both
+built on :mod:`agentrl.engine.dist`):
 
 1. ``init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
    backend}`` on every engine, *concurrently* with the trainer joining the same group as rank 0
@@ -11,28 +22,26 @@ engine, both built on :mod:`agentrl.engine.dist`):
    on every engine, concurrently with rank 0 broadcasting each tensor of the bucket, in ``names``
    order, one ``broadcast(src=0)`` per tensor (the receiver allocates ``empty(shape, dtype)`` and
    receives into it). ``weight_version`` goes with the last bucket only, so an engine never reports the
-   new version while holding half-updated weights.
-
-Tensors are HF-named full (unsharded) weights; gloo needs them on CPU, NCCL on the GPU. Every trainer
-rank assembles them (:func:`gather_hf_state_dict`, collective over TP and PP); rank 0 alone talks to the
-engines (:class:`EngineWeightSync`), by broadcast or by pointing them at an HF dir written to disk.
+   new version while holding half-updated weights. gloo sends from the CPU, NCCL from the GPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 from agentrl.cluster import free_port
-from agentrl.trainer.model import ModelArch, mcore_to_hf
+from agentrl.trainer.colocate import push_tensors
+from agentrl.trainer.model import ModelArch, mcore_to_hf, save_hf_dir
 from agentrl.trainer.moe import is_expert_param
 
 log = logging.getLogger("agentrl.weight_sync")
@@ -238,65 +247,119 @@ def gather_hf_state_dict(
     return mcore_to_hf(shards, arch)
 
 
-class EngineWeightSync:
-    """One trainer rank's side of weight sync with the engines. Rank 0 does the talking: it holds the
-    broadcast group (a :class:`WeightBroadcaster`) and tells the engines to load an HF dir from disk;
-    on other ranks every call is a no-op. The caller owns the weight version."""
+SyncMode = Literal["disk", "tensor", "distributed"]
 
-    def __init__(self, rank: int, device: torch.device, bucket_bytes: int = 512 << 20) -> None:
-        self.rank = rank
-        self.device = device
-        self.bucket_bytes = bucket_bytes
-        self.broadcaster: WeightBroadcaster | None = None
-        self.backend: str | None = None  # of the broadcast group, once opened (rank 0)
 
-    @property
-    def is_open(self) -> bool:
-        return self.broadcaster is not None
+class EngineSync(Protocol):
+    """One way of getting a trainer's weights to the engines (a ``weight_sync`` mode), on one rank: every
+    rank gathers the HF-named weights onto ``gather_device``, rank 0 alone pushes them."""
 
-    @property
-    def gather_device(self) -> torch.device | str:
-        """Where the weights to broadcast must be: the GPU for NCCL, else the CPU."""
-        if self.device.type == "cpu" or (self.backend or "gloo") == "gloo":
-            return "cpu"
-        return self.device
+    gather_device: torch.device | str  # where the full HF-named weights must be gathered for the push
 
-    async def load_from_disk(
-        self, client: Any, out_dir: str | Path, weight_version: int, abort_all_requests: bool = False
-    ) -> None:
-        """Make the engines load the HF dir ``out_dir`` as ``weight_version`` (rank 0; no client: no-op)."""
-        if self.rank == 0 and client is not None:
-            await client.update_weights_from_disk(
-                str(out_dir), weight_version=str(weight_version), abort_all_requests=abort_all_requests
-            )
-
-    async def open(
-        self,
-        client: Any,
-        num_engine_ranks: int = 1,
-        master_address: str = "127.0.0.1",
-        master_port: int | None = None,
-        backend: str | None = None,
-        group_name: str = "agentrl_weight_sync",
-        bucket_bytes: int | None = None,
-    ) -> None:
-        """Open the broadcast group with the engines (rank 0; backend default: NCCL on GPU, else gloo)."""
-        if self.rank != 0:
-            return
-        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self.broadcaster = WeightBroadcaster(client, group_name, bucket_bytes or self.bucket_bytes)
-        self.backend = backend
-        await self.broadcaster.connect(master_address, master_port or free_port(), num_engine_ranks, backend)
-
-    async def push(self, hf: dict[str, torch.Tensor], weight_version: int) -> BroadcastStats:
-        """Broadcast ``hf`` to the engines in buckets as ``weight_version`` (rank 0, after :meth:`open`)."""
-        if self.broadcaster is None:
-            raise RuntimeError("init_weight_sync_group() first")
-        return await self.broadcaster.push(list(hf.items()), str(weight_version))
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Hand ``hf`` to the engines as weight version ``version`` (rank 0); returns its figures."""
+        ...
 
     async def close(self, timeout: float = 30.0) -> bool:
-        """Leave the broadcast group together with the engines, bounded (see :meth:`WeightBroadcaster.close`)."""
+        """Let go of the engines, bounded; True when it ended cleanly."""
+        ...
+
+
+class DiskSync:
+    """``disk``: rank 0 writes the weights as an HF dir to ``out_dir`` and the engines load it
+    (``/update_weights_from_disk``); without a client the dir is only written."""
+
+    gather_device = "cpu"
+
+    def __init__(self, client: Any, out_dir: str | Path, model_path: str | Path) -> None:
+        self.client = client
+        self.out_dir = out_dir
+        self.model_path = model_path  # the HF dir whose config and tokenizer files go beside the weights
+
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(save_hf_dir, hf, self.out_dir, self.model_path)
+        if self.client is not None:
+            await self.client.update_weights_from_disk(
+                str(self.out_dir), weight_version=str(version), abort_all_requests=False
+            )
+        return {"seconds": time.perf_counter() - t0}
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        return True
+
+
+class TensorSync:
+    """``tensor``: the weights, gathered on the trainer's device, go to engines on the same machine in
+    memory (``/update_weights_from_tensor`` with CUDA IPC handles, or shared memory on the CPU; see
+    :func:`agentrl.trainer.colocate.push_tensors`)."""
+
+    def __init__(self, client: Any, device: torch.device) -> None:
+        self.client = client
+        self.gather_device = device
+
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        stats = await push_tensors(self.client, hf, version)
+        return {k: float(v) for k, v in dataclasses.asdict(stats).items()}
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        return True
+
+
+class BroadcastSync:
+    """``distributed``: rank 0 broadcasts the weights in buckets over a process group it shares with the
+    engines (:class:`WeightBroadcaster`; NCCL from the GPU, gloo from the CPU). Other ranks hold no group
+    (``broadcaster`` None) and gather on the CPU."""
+
+    def __init__(self, broadcaster: WeightBroadcaster | None, gather_device: torch.device | str) -> None:
+        self.broadcaster = broadcaster
+        self.gather_device = gather_device
+
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        if self.broadcaster is None:
+            raise RuntimeError("only rank 0 of the trainer broadcasts weights")
+        stats = await self.broadcaster.push(list(hf.items()), str(version))
+        return {k: float(v) for k, v in dataclasses.asdict(stats).items()}
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        """Leave the group together with the engines, bounded (see :meth:`WeightBroadcaster.close`)."""
         if self.broadcaster is None:
             return True
         broadcaster, self.broadcaster = self.broadcaster, None
         return await broadcaster.close(timeout)
+
+
+async def connect_engine_sync(
+    mode: SyncMode,
+    client: Any,
+    rank: int,
+    device: torch.device,
+    model_path: str | Path,
+    *,
+    out_dir: str | Path | None = None,
+    num_engine_ranks: int = 1,
+    master_address: str = "127.0.0.1",
+    master_port: int | None = None,
+    backend: str | None = None,
+    bucket_bytes: int = 512 << 20,
+) -> EngineSync:
+    """Trainer rank ``rank``'s side of ``mode`` with the engines behind ``client`` (an EngineClient on
+    rank 0; other ranks pass None and never talk to the engines). ``distributed`` opens the broadcast
+    group now: rank 0 joins it while every engine does (backend default: NCCL on a GPU, else gloo)."""
+    if mode == "disk":
+        if out_dir is None:
+            raise ValueError("weight sync from disk needs out_dir (where the HF dir is written)")
+        return DiskSync(client if rank == 0 else None, out_dir, model_path)
+    if mode not in ("tensor", "distributed"):
+        raise ValueError(f"unknown weight sync mode {mode!r}: disk, tensor or distributed")
+    if rank == 0 and client is None:
+        raise ValueError(f"weight sync {mode!r} needs the engines' client on rank 0")
+    if mode == "tensor":
+        return TensorSync(client if rank == 0 else None, device)
+    if rank != 0:
+        return BroadcastSync(None, "cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    broadcaster = WeightBroadcaster(client, bucket_bytes=bucket_bytes)
+    await broadcaster.connect(master_address, master_port or free_port(), num_engine_ranks, backend)
+    # the weights to broadcast must be where the backend sends from: the GPU for NCCL, else the CPU
+    return BroadcastSync(broadcaster, "cpu" if device.type == "cpu" or backend == "gloo" else device)
