@@ -61,7 +61,11 @@ def build_trainer(run_dir: Path, device: str | None = None) -> tuple[Any, dict[s
         raise SystemExit(f"{run_dir}/trajectories/run.json names no trainer config")
     from agentrl.trainer.trainer import MegatronTrainer, TrainerConfig
 
-    cfg = TrainerConfig.model_validate(info["trainer"])
+    recorded = dict(info["trainer"])
+    # the run's deterministic switch; runs recorded before it left the trainer config carry it there
+    legacy = recorded.pop("deterministic", False)
+    deterministic = bool(info.get("deterministic", legacy))
+    cfg = TrainerConfig.model_validate(recorded)
     if device is not None:
         cfg = cfg.model_copy(update={"device": device})
     if cfg.tp * cfg.pp > 1:
@@ -75,7 +79,7 @@ def build_trainer(run_dir: Path, device: str | None = None) -> tuple[Any, dict[s
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    return MegatronTrainer(cfg), info
+    return MegatronTrainer(cfg, deterministic=deterministic), info
 
 
 def replay(

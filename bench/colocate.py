@@ -160,18 +160,23 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
             )
 
         await asyncio.to_thread(train)  # the first step compiles; not timed
+
+        async def sync(mode: str, **where: Any) -> float:  # the sync alone is timed, not the connect
+            await trainer.connect_engines(mode, client, **where)
+            t0 = time.perf_counter()
+            await trainer.sync_weights()
+            seconds = time.perf_counter() - t0
+            await trainer.disconnect_engines()
+            return seconds
+
         disk, tensor = [], []
         for _ in range(a.repeats):
-            t0 = time.perf_counter()
-            await trainer.sync_weights_from_disk(client, work / f"hf_{name}")
-            disk.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            await trainer.sync_weights_from_tensor(client)
-            tensor.append(time.perf_counter() - t0)
+            disk.append(await sync("disk", out_dir=work / f"hf_{name}"))
+            tensor.append(await sync("tensor"))
         res["sync_disk_s"] = statistics.median(disk)
         res["sync_tensor_s"] = statistics.median(tensor)
-        res["sync_tensor_pack_s"] = trainer.last_sync_stats.pack_seconds
-        res["sync_bytes"] = trainer.last_sync_stats.num_bytes
+        res["sync_tensor_pack_s"] = trainer.last_sync_stats["pack_seconds"]
+        res["sync_bytes"] = int(trainer.last_sync_stats["num_bytes"])
         res["disk_over_tensor"] = res["sync_disk_s"] / res["sync_tensor_s"]
 
         # colocated steps: train_async's order with engine_sleep and trainer_offload
@@ -184,6 +189,7 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
             return out
 
         await asyncio.to_thread(trainer.offload)
+        await trainer.connect_engines("tensor", client)
         for i in range(a.repeats):
             if i == a.repeats - 1:
                 mem.append(await memory("generate: engine awake, trainer offloaded", client, server.pid))
@@ -193,9 +199,10 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
             if i == a.repeats - 1:
                 mem.append(await memory("train: engine released, trainer onloaded", client, server.pid))
             await timed("engine_resume_weights_s", client.resume_memory_occupation(["weights"]))
-            await timed("weight_sync_tensor_s", trainer.sync_weights_from_tensor(client))
+            await timed("weight_sync_tensor_s", trainer.sync_weights())
             await timed("trainer_offload_s", asyncio.to_thread(trainer.offload))
             await timed("engine_resume_kv_s", client.resume_memory_occupation(["kv_cache"]))
+        await trainer.disconnect_engines()
         res["colocated_step_phases_s"] = {k: round(statistics.median(v), 4) for k, v in phases.items()}
         res["memory"] = mem
         await asyncio.to_thread(trainer.onload)

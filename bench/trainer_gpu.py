@@ -174,9 +174,11 @@ async def weight_sync(
     )
     client = EngineClient(server.url, timeout=3600)
     try:
+        await trainer.connect_engines("disk", client, out_dir=work / "hf_sync")
         t0 = time.perf_counter()
-        await trainer.sync_weights_from_disk(client, work / "hf_sync")
+        await trainer.sync_weights()
         out["sync_disk_s"] = time.perf_counter() - t0
+        await trainer.disconnect_engines()
 
         same_gpu = (
             trainer.device.type != "cuda"
@@ -185,14 +187,14 @@ async def weight_sync(
         )
         backend = "gloo" if same_gpu else "nccl"
         t0 = time.perf_counter()
-        await trainer.init_weight_sync_group(client, num_engine_ranks=1, backend=backend)
+        await trainer.connect_engines("distributed", client, backend=backend)
         out["sync_group_init_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        version = await trainer.sync_weights_distributed(client)
+        version = await trainer.sync_weights()
         out["sync_distributed_s"] = time.perf_counter() - t0
         out["sync_distributed_backend"] = backend
-        out["sync_distributed_buckets"] = trainer.last_sync_stats.num_buckets
-        out["sync_bytes"] = trainer.last_sync_stats.num_bytes
+        out["sync_distributed_buckets"] = int(trainer.last_sync_stats["num_buckets"])
+        out["sync_bytes"] = int(trainer.last_sync_stats["num_bytes"])
         out["disk_over_distributed"] = out["sync_disk_s"] / out["sync_distributed_s"]
 
         # consistency after the broadcast: engine μ vs trainer π on sampled tokens
@@ -213,10 +215,10 @@ async def weight_sync(
         out["logprob_abs_diff_max"] = max(diffs)
         out["logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
         t0 = time.perf_counter()
-        out["sync_group_closed_cleanly"] = await trainer.close_weight_sync_group(timeout=60)
+        out["sync_group_closed_cleanly"] = await trainer.disconnect_engines(timeout=60)
         out["sync_group_close_s"] = time.perf_counter() - t0
     finally:
-        await trainer.close_weight_sync_group(timeout=60)
+        await trainer.disconnect_engines(timeout=60)
         await client.close()
         server.stop()
     return out

@@ -253,8 +253,12 @@ def _trainer_job(model_dir: str, out: str, offload: bool) -> None:
         a = EmbeddedEngine(model_dir, max_batch_size=2)
         b = EmbeddedEngine(model_dir, max_batch_size=2)
         async with served(a) as ca, served(b) as cb:
-            await tr.sync_weights_from_tensor(ca)
-            await tr.sync_weights_from_disk(cb, f"{out}.hf")
+            await tr.connect_engines("tensor", ca)
+            await tr.sync_weights()
+            await tr.disconnect_engines()
+            await tr.connect_engines("disk", cb, out_dir=f"{out}.hf")
+            await tr.sync_weights()
+            await tr.disconnect_engines()
             result["tensor"] = {n: p.detach().clone() for n, p in a.model.state_dict().items()}
             result["disk"] = {n: p.detach().clone() for n, p in b.model.state_dict().items()}
             result["versions"] = (a.weight_version, b.weight_version)
@@ -298,15 +302,6 @@ def test_trainer_offload_keeps_steps_bit_identical_and_tensor_sync_equals_disk(
 
 
 # ------------------------------------------------------------------------- the trainer's onload, ahead
-def _train_async():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_async", Path(TESTS).parent / "train_async.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class _Trainer:
     """Records when each onload ran (and that none ran before the offload it follows ended)."""
 
@@ -314,14 +309,15 @@ class _Trainer:
         self.onloads: list[float] = []
         self.offloaded = offloaded
 
-    def onload(self) -> dict[str, float]:
+    async def onload(self) -> dict[str, float]:
         assert self.offloaded is None or self.offloaded.done(), "onload before the offload ended"
         self.onloads.append(time.monotonic())
         return {}
 
 
 async def test_onload_ahead_starts_at_its_lead_or_when_the_batch_is_in() -> None:
-    OnloadAhead = _train_async().OnloadAhead
+    from agentrl.colocation import OnloadAhead
+
     assert OnloadAhead(enabled=False).start(_Trainer(), None) is None
     ahead = OnloadAhead(enabled=True)
     assert ahead.lead is None and ahead.start(_Trainer(), None) is None  # nothing measured yet
@@ -358,4 +354,4 @@ async def test_onload_ahead_starts_at_its_lead_or_when_the_batch_is_in() -> None
     assert not trainer.onloads
     offloading.set_result(0.2)
     await asyncio.wait_for(onloading, 5)
-    assert len(trainer.onloads) == 1 and offloading.result() == 0.2  # still there for gpu_to_trainer
+    assert len(trainer.onloads) == 1 and offloading.result() == 0.2  # still there for Handover.to_trainer

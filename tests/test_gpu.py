@@ -99,20 +99,20 @@ async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> No
             server = start_embedded_server(tiny_model_dir, device="cuda", dtype="bfloat16", env=env)
             client = EngineClient(server.url, timeout=120)
             try:
-                await trainer.init_weight_sync_group(client, num_engine_ranks=1, backend="nccl")
-                version = await trainer.sync_weights_distributed(client)
+                await trainer.connect_engines("distributed", client, backend="nccl")
+                version = await trainer.sync_weights()
                 fresh = await _sample(client, 4, version)
                 assert {t.info["weight_version"] for t in fresh} == {str(version)}
                 assert _max_gap(trainer, fresh) <= 2e-2
                 if engine_dies_first:
                     server.stop()  # the engine's end is gone without a destroy
                 t0 = time.monotonic()
-                clean = await trainer.close_weight_sync_group(timeout=20)
+                clean = await trainer.disconnect_engines(timeout=20)
                 took = time.monotonic() - t0
                 assert clean is (not engine_dies_first)
                 assert took < 60, f"leaving the group took {took:.0f} s"
             finally:
-                await trainer.close_weight_sync_group(timeout=20)
+                await trainer.disconnect_engines(timeout=20)
                 await client.close()
                 server.stop()
     finally:

@@ -102,8 +102,12 @@ async def test_ipc_weight_update_equals_disk_update_bit_for_bit(tiny_model_dir: 
     ca, cb = EngineClient(a.url, timeout=300), EngineClient(b.url, timeout=300)
     try:
         trainer.train_step(_batch(trainer.arch.vocab_size, 0, 0))  # weights other than the engines' own
-        await trainer.sync_weights_from_tensor(ca)
-        await trainer.sync_weights_from_disk(cb, tmp_path / "hf")
+        await trainer.connect_engines("tensor", ca)
+        await trainer.sync_weights()
+        await trainer.disconnect_engines()
+        await trainer.connect_engines("disk", cb, out_dir=tmp_path / "hf")
+        await trainer.sync_weights()
+        await trainer.disconnect_engines()
         from transformers import AutoModelForCausalLM
 
         names = [n for n, _ in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()]
