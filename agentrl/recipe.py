@@ -310,3 +310,73 @@ def make_recipe(cfg: RunConfig) -> Recipe:
             "(load the config with agentrl.recipe.load_run_config)"
         )
     return cls(cfg)  # type: ignore[call-arg]  # a recipe class takes its config
+
+
+# ---- what `python train_async.py --help` shows after the flags ------------------------------------------
+def _examples_dir() -> Path | None:
+    """Where the example configs are (the repository's examples/, or the installed agentrl.examples)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("agentrl.examples")  # locates it without importing the examples
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it (as a user types it), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _config_line(path: Path) -> tuple[str, str]:
+    """(recipe, first sentence of the header comment) of an example run config."""
+    import yaml
+
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
+    recipe = data.get("recipe", "default") if isinstance(data, dict) else "default"
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    sentence = " ".join(header).split(". ")[0].split(": ")[0].rstrip(".")
+    return str(recipe), sentence
+
+
+def describe_for_help(
+    default_config: str | Path | None = None, examples_dir: Path | None = None, width: int = 100
+) -> str:
+    """The text after the flags of ``python train_async.py --help`` (argparse's ``epilog``; keep its line
+    breaks with ``RawDescriptionHelpFormatter``): where every config field is described, the registered
+    recipes, and the example run configs, each with what it runs and its recipe; ``default_config`` (the
+    config the job reads without ``--config``) is marked."""
+    import textwrap
+
+    examples_dir = examples_dir or _examples_dir()
+    docs = examples_dir.parent / "docs" / "reference" / "config.md" if examples_dir else None
+    reference = _shown(docs) if docs is not None and docs.is_file() else "docs/reference/config.md"
+    lines = [
+        "config: a YAML file (--config) plus key=value overrides; every field with its type, default and",
+        f"  description: {reference}",
+        f"recipes (the config's recipe key): registered {', '.join(recipes.names())}; or any module:Class",
+        "  (a class with the hooks of agentrl.recipe.Recipe, e.g. a DefaultRecipe subclass)",
+    ]
+    configs = []
+    if examples_dir is not None:
+        configs = sorted(examples_dir.glob("*.yaml")) + sorted((examples_dir / "search_r1").glob("*.yaml"))
+    if configs:
+        lines.append("example configs (--config PATH):")
+    default = Path(default_config).resolve() if default_config else None
+    for path in configs:
+        try:
+            recipe, about = _config_line(path)
+        except Exception as err:  # a broken example must not break --help
+            recipe, about = "?", f"unreadable: {err}"
+        about += " (the default config)" if path.resolve() == default else ""
+        lines.append(f"  {_shown(path)}")
+        for text in (about, f"recipe {recipe}"):
+            lines += textwrap.wrap(text, width=width, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)

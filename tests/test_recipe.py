@@ -264,3 +264,28 @@ def test_the_quick_start_says_it_is_a_smoke_run(tmp_path: Path) -> None:
     gap = re.search(r"token-exact: max \|engine logprob - trainer logprob\| over the run (\S+) ", proc.stdout)
     assert gap and float(gap.group(1)) < 1e-4, proc.stdout
     assert "The run that learns: python train_async.py" in proc.stdout
+
+
+# ---- --help: where the config is described, the recipes, the example configs ---------------------------
+def test_the_help_text_names_the_reference_the_recipes_and_every_example_config() -> None:
+    default = ROOT / "examples" / "search_r1" / "config.yaml"
+    code = (
+        "import sys; from agentrl.recipe import describe_for_help; print(describe_for_help(sys.argv[1])); "
+        "bad = [m for m in sys.modules if m.startswith('agentrl.examples')]; assert not bad, bad"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(default)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr  # and it imported none of the examples
+    text = proc.stdout
+    assert "description: docs/reference/config.md\n" in text and (ROOT / "docs/reference/config.md").is_file()
+    assert "recipes (the config's recipe key): registered default;" in text
+    configs = sorted(ROOT.glob("examples/*.yaml")) + sorted(ROOT.glob("examples/search_r1/*.yaml"))
+    assert len(configs) >= 4
+    shown = re.findall(r"^  (examples/\S+\.yaml)$", text, re.MULTILINE)
+    assert shown == [str(p.relative_to(ROOT)) for p in configs]
+    demo = text.split("  examples/search_r1/config.yaml\n")[1].split("\n  examples/")[0]
+    assert (
+        "(the default config)" in demo and "recipe agentrl.examples.search_r1.recipe:SearchR1Recipe" in demo
+    )
+    assert text.count("(the default config)") == 1
