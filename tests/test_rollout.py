@@ -304,8 +304,8 @@ async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
         with pytest.raises(DataExhausted):
             await orch.buffer.get_batch(timeout=30)
         await orch.stop()
-        assert orch.m.failures["verifier"] == 6 and orch.m.counters["episode_retries"] == 3
-        assert orch.m.dropped["failed"] == 3
+        assert orch.m.failures["verifier"] == 6 and orch.m.counters["retries"] == 3
+        assert orch.m.dropped["failed:verifier"] == 3
         # no verifier anywhere: the run fails at start-up, before any episode
         orch = Orchestrator(
             cfg(group_size=1, batch_size=1), client, tok, lambda: NoRewardEnv(turns=1), tasks(1)
@@ -326,7 +326,7 @@ async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
             await orch.buffer.get_batch(timeout=30)
         await orch.stop()
         await client.close()
-        assert orch.m.failures["reward"] == 1 and orch.m.dropped["failed"] == 1
+        assert orch.m.failures["reward"] == 1 and orch.m.dropped["failed:reward"] == 1
 
 
 # ---------------------------------------------------------------- groups, filtering, failures
@@ -415,7 +415,7 @@ async def test_failure_isolation_and_group_policy(tok: Any, policy: str) -> None
     assert all(e.closed for e in made)  # env.close() ran for every episode, failed ones included
     bad_tasks = 3
     assert orch.m.failures["env"] == bad_tasks * 2 * 3  # 2 samples, 1 try + 2 retries each
-    assert orch.m.dropped["failed"] == bad_tasks, (
+    assert orch.m.dropped["failed:env"] == bad_tasks, (
         orch.outcomes,
         dict(orch.m.failures),
         dict(orch.m.counters),

@@ -103,5 +103,5 @@ async def test_faults_zero_lost_zero_duplicated(tiny_model_dir: Path) -> None:
     assert orch.m.failures["env"] > 0
     assert stats["failed"] + stats["hung"] > 0  # counters of the restarted process
     dropped_reasons = set(orch.m.dropped)
-    assert dropped_reasons <= {"failed"}, dropped_reasons
+    assert dropped_reasons <= {"failed:env", "failed:engine"}, dropped_reasons
     assert elapsed < 90

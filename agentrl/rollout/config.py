@@ -57,14 +57,18 @@ class RolloutConfig(ConfigModel):
     )
     failed_member_policy: Literal["drop_group", "drop_member"] = Field(
         "drop_group",
-        description="a group with a failed member (after retries): drop it whole, or train the rest",
+        description="a group with a member that failed after its retries: drop it whole (reason 'failed:<kind>', "
+        "counted in rollout/dropped_groups/failed:<kind>, the error logged), or train the rest (drop_member)",
     )
     min_group_size: int = Field(
         1, ge=1, description="with drop_member: drop the group when fewer members remain"
     )
     # ---- failures and retries -------------------------------------------------------------------------
     max_retries: int = Field(
-        2, ge=0, description="re-runs of a failed episode (env, tool, verifier or engine error)"
+        2,
+        ge=0,
+        description="re-runs of a failed episode (env, tool, verifier or engine error), each with a fresh env "
+        "(counted in rollout/retries); then failed_member_policy decides its group",
     )
     engine_retries: int = Field(
         8, ge=0, description="re-sends of one /generate after engine errors, before the episode fails"
@@ -92,7 +96,9 @@ class RolloutConfig(ConfigModel):
         True, description="shuffle tasks per epoch (when the orchestrator wraps a plain task list)"
     )
     epochs: int | None = Field(None, ge=1, description="passes over the dataset (None: cycle forever)")
-    seed: int = Field(0, description="shuffle seed; in a deterministic run, also the base of the request seeds")
+    seed: int = Field(
+        0, description="shuffle seed; in a deterministic run, also the base of the request seeds"
+    )
     record_outcomes: bool = Field(False, description="keep a per-draw outcome log (tests, audits)")
     return_routed_experts: bool = Field(
         False,

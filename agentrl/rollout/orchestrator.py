@@ -22,11 +22,15 @@ Weight updates (the trainer's loop)::
                                            # tokens and go on under v + 1 (mixed versions), or restart
 
 Failure isolation: an env, tool, verifier or engine error ends only that episode (status FAILED with
-the error), which is re-run up to ``max_retries`` times; ``/generate`` itself is re-sent up to
-``engine_retries`` times across engine restarts. ``failed_member_policy`` decides whether a group
-with a failed member is dropped or trained without it. Every drawn task is accounted for exactly once
-as trained, dropped (by reason) or in flight (running, buffered, or pending re-draw):
-:meth:`Orchestrator.accounting`.
+the error), which is re-run with a fresh env up to ``max_retries`` times (``rollout/retries``);
+``/generate`` itself is re-sent up to ``engine_retries`` times across engine restarts. When an
+episode's retries run out, ``failed_member_policy`` decides: ``drop_group`` drops its whole group with
+the reason ``failed:<kind>`` (``env``, ``engine``, ``verifier``, ... from the error; counted in
+``rollout/dropped_groups/failed:<kind>`` and logged with the error text), ``drop_member`` trains the
+rest (down to ``min_group_size``). Nothing is skipped silently: every drawn task is accounted for
+exactly once as trained, dropped (by reason) or in flight (running, buffered, or pending re-draw):
+:meth:`Orchestrator.accounting`; with ``record_outcomes`` each draw's outcome and every failed attempt's
+error text are kept too (``outcomes``, ``failed_attempts``).
 
 Checkpointing: :meth:`state_dict` holds the dataset cursor, every task in flight (re-drawn first on
 resume, with the same uid) and the counters; :meth:`load_state_dict(state, version)` restores them and
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -78,6 +83,16 @@ log = logging.getLogger(__name__)
 
 # Outcomes of a draw (what accounting() counts).
 TRAINED = "trained"
+
+
+def failure_kind(traj: Trajectory) -> str:
+    """What failed a trajectory, from its error text: ``env``, ``engine``, ``verifier``, ``reward``,
+    ``tokenizer``, ``agent``, ``stale`` (the prefix the episode runners write)."""
+    err = traj.error or ""
+    if err.startswith("no reward"):
+        return "reward"
+    m = re.match(r"[a-z_]+", err)
+    return m.group(0) if m else "unknown"
 
 
 @dataclass
@@ -151,6 +166,8 @@ class Orchestrator:
         self.drawn = 0
         self.trained = 0
         self.outcomes: list[tuple[str, str]] = []  # (uid, outcome) when config.record_outcomes
+        # (uid, sample index, attempt, error text) of every failed attempt, when config.record_outcomes
+        self.failed_attempts: list[tuple[str, int, int, str]] = []
         self.trained_uids: set[str] = set()
         self._verifier_checked = False
 
@@ -254,7 +271,7 @@ class Orchestrator:
             trajs = [t for rows in members for t in rows]
             kept, reason = self._judge(trajs)
             if kept is None:
-                self._drop(g.draw, reason)
+                self._drop(g.draw, reason, trajs)
                 return
             self._buffered[uid] = g.draw
             if self.lockstep is not None:  # held until its batch is complete, then in draw order
@@ -292,12 +309,13 @@ class Orchestrator:
         failed = [t for t in trajs if t.status == Status.FAILED]
         kept = trajs
         if failed:
+            reason = f"failed:{failure_kind(failed[0])}"
             if self.cfg.failed_member_policy == "drop_group":
-                return None, "failed"
+                return None, reason
             kept = [t for t in trajs if t.status != Status.FAILED]
             self.m.count("failed_members_removed", len(failed))
             if len(kept) < self.cfg.min_group_size:
-                return None, "failed"
+                return None, reason
         aborted = [t for t in kept if t.status == Status.ABORTED]
         if aborted:
             return None, "aborted"
@@ -317,13 +335,19 @@ class Orchestrator:
                 if not await self.buffer.put_group(grp):  # the schedule keeps every batch within η
                     raise RuntimeError(f"deterministic schedule: group {grp.uid} would be trained too stale")
 
-    def _drop(self, draw: Draw, reason: str) -> None:
+    def _drop(self, draw: Draw, reason: str, trajs: Sequence[Trajectory] = ()) -> None:
         if self.lockstep is not None:
             self.lockstep.dropped(draw.uid)  # the batch takes the next draw in its place
         self.m.drop(reason)
         self.controller.finish(accepted=False)  # frees its capacity: dropping never deadlocks
         if self.cfg.record_outcomes:
             self.outcomes.append((draw.uid, f"dropped:{reason}"))
+        n = self.m.dropped[reason]
+        if reason.startswith(("failed", "internal")) and n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: bounded
+            errors = sorted({t.error for t in trajs if t.status == Status.FAILED and t.error})
+            log.warning(
+                "group %s dropped (%s, %d so far): %s", draw.uid, reason, n, "; ".join(errors) or reason
+            )
 
     def _on_taken(self, groups: list[Group]) -> None:
         for grp in groups:
@@ -354,36 +378,43 @@ class Orchestrator:
         return [await self.episodes.run(draw, i, sampling, m, train)]
 
     async def _run_member(self, g: _GroupRun, i: int) -> list[Trajectory]:
+        """Sample ``i`` of the group: its episode, re-run (fresh env) while it fails and retries are left."""
         attempt = stale = 0
         while True:
+            gave_up = False
             try:
                 rows = await self._episode(g.draw, i, self.cfg.sampling, self.m, train=True)
             except Restart as why:
-                if why.args and why.args[0] == "too stale":
-                    stale += 1
-                    if stale > self.cfg.max_stale_restarts:
-                        # e.g. an engine that still reports old weights after an update
-                        self.m.failure("stale")
-                        return [
-                            Trajectory(
-                                task_id=g.draw.task_id,
-                                group_id=g.draw.uid,
-                                prompt_ids=[],
-                                sample_index=i,
-                                label=g.draw.task.get("label"),
-                                status=Status.FAILED,
-                                error=f"stale: restarted {stale - 1} times and still more than "
-                                f"{self.controller.max_staleness} versions behind version {self.controller.version} "
-                                "(does the engine report the updated weight_version?)",
-                            )
-                        ]
-                continue
-            if all(t.status != Status.FAILED for t in rows) or attempt >= self.cfg.max_retries:
+                if not (why.args and why.args[0] == "too stale"):
+                    continue
+                stale += 1
+                if stale <= self.cfg.max_stale_restarts:
+                    continue
+                # e.g. an engine that still reports old weights after an update; not retried
+                self.m.failure("stale")
+                rows = [
+                    Trajectory(
+                        task_id=g.draw.task_id,
+                        group_id=g.draw.uid,
+                        prompt_ids=[],
+                        sample_index=i,
+                        label=g.draw.task.get("label"),
+                        status=Status.FAILED,
+                        error=f"stale: restarted {stale - 1} times and still more than "
+                        f"{self.controller.max_staleness} versions behind version {self.controller.version} "
+                        "(does the engine report the updated weight_version?)",
+                    )
+                ]
+                gave_up = True
+            failed = [t for t in rows if t.status == Status.FAILED]
+            if self.cfg.record_outcomes:
+                self.failed_attempts += [(g.draw.uid, i, attempt, t.error or "") for t in failed]
+            if not failed or gave_up or attempt >= self.cfg.max_retries:
                 for t in rows:
                     t.info["attempts"] = attempt + 1
                 return rows
             attempt += 1
-            self.m.count("episode_retries")
+            self.m.count("retries")
 
     # ================================================================ weight updates
     async def pause_for_update(self) -> None:
