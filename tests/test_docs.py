@@ -86,7 +86,9 @@ def test_doc_files_have_code_blocks() -> None:
         langs = {b.lang for b in blocks(f)}
         assert langs, f"{f.relative_to(ROOT)} has no code block"
         unknown = langs - {"python", "yaml", "text", "bash"}
-        assert not unknown, f"{f.relative_to(ROOT)}: blocks of language {unknown}: use python, yaml, text or bash"
+        assert not unknown, (
+            f"{f.relative_to(ROOT)}: blocks of language {unknown}: use python, yaml, text or bash"
+        )
 
 
 @pytest.mark.parametrize("block", [b for b in all_blocks() if b.include], ids=lambda b: b.where)
@@ -102,7 +104,8 @@ def test_included_block_equals_its_file(block: Block) -> None:
 
 
 @pytest.mark.parametrize(
-    "doc", [f for f in DOC_FILES if any(b.lang == "python" for b in blocks(f))],
+    "doc",
+    [f for f in DOC_FILES if any(b.lang == "python" for b in blocks(f))],
     ids=lambda f: str(f.relative_to(ROOT)),
 )
 def test_python_blocks_run(doc: Path, tmp_path: Path) -> None:
@@ -142,7 +145,10 @@ def test_yaml_blocks_are_valid_run_configs(block: Block, tmp_path: Path) -> None
     load_run_config(cfg)  # raises ConfigError naming the bad field
 
 
-CMD_FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "reference" not in p.parts)]
+CMD_FILES = [
+    ROOT / "README.md",
+    *sorted(p for p in (ROOT / "docs").rglob("*.md") if "reference" not in p.parts),
+]
 FLAG = re.compile(r"^--?[A-Za-z][\w-]*")
 
 
@@ -187,7 +193,11 @@ def test_shell_commands_name_real_modules_and_files() -> None:
 
 def test_train_async_commands_are_valid_runs() -> None:
     """Every ``python train_async.py ...`` without placeholders parses and validates as the job would."""
-    runs = [(w, a[2:]) for w, a in _argvs() if a[1] == "train_async.py" and not PLACEHOLDER.search(" ".join(a[2:]))]
+    runs = [
+        (w, a[2:])
+        for w, a in _argvs()
+        if a[1] == "train_async.py" and not PLACEHOLDER.search(" ".join(a[2:]))
+    ]
     assert runs, "no python train_async.py command found in the docs"
     code = (
         "import json, sys; sys.path.insert(0, '.'); import train_async\n"
@@ -224,8 +234,12 @@ def test_command_line_flags_in_docs_exist() -> None:
         proc = subprocess.run(
             [sys.executable, *key, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
         )
-        assert proc.returncode == 0, f"{sorted(wheres)}: python {' '.join(key)} --help failed\n{proc.stderr[-2000:]}"
-        missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", proc.stdout))
+        assert proc.returncode == 0, (
+            f"{sorted(wheres)}: python {' '.join(key)} --help failed\n{proc.stderr[-2000:]}"
+        )
+        missing = sorted(
+            f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", proc.stdout)
+        )
         assert not missing, f"{sorted(wheres)}: python {' '.join(key)} has no {missing}"
 
 
@@ -245,7 +259,10 @@ def test_config_reference_is_current() -> None:
 
 def test_readme_commands_are_the_ones_ci_runs() -> None:
     bash = [b.code.strip() for b in blocks(ROOT / "README.md") if b.lang == "bash"]
-    install = "pip install torch==2.13.0 -e . && python train_async.py"
+    install = (
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -e . "
+        "&& python train_async.py"
+    )
     assert bash == [install, "./scripts/test.sh"], f"README bash blocks changed: {bash}"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "\n./scripts/test.sh" in ci, ".ci/run no longer runs ./scripts/test.sh, the README's test command"
@@ -253,7 +270,9 @@ def test_readme_commands_are_the_ones_ci_runs() -> None:
         "scripts/test.sh pins another torch than the README's install command"
     )
     for b in [b for f in DOC_FILES[1:] for b in blocks(f)]:
-        assert b.lang != "bash", f"{b.where}: a bash block CI does not run; use ```text (its commands are checked)"
+        assert b.lang != "bash", (
+            f"{b.where}: a bash block CI does not run; use ```text (its commands are checked)"
+        )
 
 
 def test_readme_env_verifier_and_run_work_as_shown() -> None:
@@ -269,11 +288,15 @@ def test_readme_env_verifier_and_run_work_as_shown() -> None:
     # the start-up check that failed for an env naming no verifier: this one scores itself
     assert resolve_verifier(cfg.rollout.verifier, env.verifier, type(env).__name__, env.scores_itself) is None
     task = {"label": 7, "lo": 1, "hi": 10}
-    assert asyncio.run(check_env(env, task, ["<guess>5</guess>", "<guess>9</guess>", "<guess>7</guess>"])) == []
+    assert (
+        asyncio.run(check_env(env, task, ["<guess>5</guess>", "<guess>9</guess>", "<guess>7</guess>"])) == []
+    )
     data = ROOT / cfg.data.path
     for split in (cfg.data.train_split, cfg.data.test_split):
         tasks = read_tasks(task_file(data, split))
-        assert tasks and all({"label", "lo", "hi"} <= set(t) and t["lo"] <= t["label"] <= t["hi"] for t in tasks)
+        assert tasks and all(
+            {"label", "lo", "hi"} <= set(t) and t["lo"] <= t["label"] <= t["hi"] for t in tasks
+        )
 
     assert resolve_verifier(None, AddEnv.verifier, "AddEnv", AddEnv.scores_itself) == "last_number"
     assert asyncio.run(check_env(AddEnv, {"prompt": "2 + 5?", "label": 7}, ["7"])) == []
