@@ -9,9 +9,9 @@ The user-facing folders ``envs/``, ``tools/``, ``sandboxes/`` and ``examples/`` 
 """
 
 from agentrl import _moved
-from agentrl.types import Status, Trajectory, Turn
+from agentrl.types import Status, ToolCallRecord, Trajectory, Turn
 
 _moved.install()
 
-__all__ = ["Status", "Trajectory", "Turn"]
+__all__ = ["Status", "ToolCallRecord", "Trajectory", "Turn"]
 __version__ = "0.1.0"

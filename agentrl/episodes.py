@@ -9,11 +9,13 @@ With ``rollout.dump`` on, ``train_async.py`` writes under ``<output_dir>/traject
 * ``tokens.json``: the text of every token id (what the viewer shows per token).
 
 A record is the :class:`~agentrl.types.Trajectory` (``to_dict``: token ids, loss mask, rollout logprobs,
-policy version per token, turns, reward and its parts, status and error, timings, info) plus:
-``kind``, ``step``, ``trained`` (a train record the trainer used: not failed, rewarded),
-``trainer_logprobs`` (π_old of the same response tokens, as the trainer computed them; ``null`` for
-eval records and for tokens it did not train), ``prompt_text``, ``messages`` (prompt, model text and
-observations in order) and ``tool_calls`` (each with the latency of the env step that ran it).
+policy version per token, turns with the tool calls the env ran for each model turn, reward and its parts,
+status and error, timings, info) plus: ``kind``, ``step``, ``trained`` (a train record the trainer used:
+not failed, rewarded), ``trainer_logprobs`` (π_old of the same response tokens, as the trainer computed
+them; ``null`` for eval records and for tokens it did not train), ``prompt_text`` and ``messages``
+(prompt, model text and observations in order). The tool calls are what the env reported
+(``StepResult.tool_calls``: name, arguments, result or error, latency), never re-parsed from the text,
+so an env with a call format of its own dumps its calls as they ran.
 
 Reading: :func:`read_dump` (one file), :func:`iter_steps` (a run, step by step), :func:`to_trajectory`.
 A corrupt or truncated file raises :class:`DumpError` naming the file and the line; with
@@ -38,7 +40,7 @@ from agentrl.config import ConfigModel
 from agentrl.types import Status, Trajectory
 
 DUMP_DIR = "trajectories"
-FORMAT = 1
+FORMAT = 2  # 2: tool calls as the env reported them, on the turns (1: one list parsed from the text)
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl\.gz$")
 _TRAJ_FIELDS = {f.name for f in fields(Trajectory)}
 Errors = Literal["raise", "skip"]
@@ -90,30 +92,6 @@ def step_path(run_dir: str | Path, step: int) -> Path:
 
 
 # ---- writing ---------------------------------------------------------------------------------------
-def tool_calls(traj: Trajectory) -> list[dict[str, Any]]:
-    """The tool calls in the model's turns (Hermes ``<tool_call>`` blocks, else a Search-R1 ``<search>``),
-    each with ``turn`` (the assistant turn, from 0) and ``latency_s``: the env step that ran it
-    (``info["env_step_s"]``, as the episode runner records it)."""
-    from agentrl.tools.parsers import HermesParser, parse_search_r1
-
-    latencies = traj.info.get("env_step_s") or []
-    parser = HermesParser()
-    out: list[dict[str, Any]] = []
-    turns = [t for t in traj.turns if t.role == "assistant"]
-    for i, turn in enumerate(turns):
-        latency = latencies[i] if i < len(latencies) else None
-        parsed = parser.parse(turn.text)
-        for call in parsed.calls:
-            out.append({"turn": i, "name": call.name, "arguments": call.arguments, "latency_s": latency})
-        for err in parsed.errors:
-            out.append({"turn": i, "name": None, "error": err, "latency_s": latency})
-        if not parsed.has_calls:
-            action = parse_search_r1(turn.text)
-            if action.kind == "search":
-                out.append({"turn": i, "name": "search", "arguments": {"query": action.content}, "latency_s": latency})
-    return out
-
-
 def episode_record(
     traj: Trajectory,
     kind: str,
@@ -133,7 +111,6 @@ def episode_record(
         "trainer_logprobs": trainer_logprobs,
         "prompt_text": prompt_text,
         "messages": messages,
-        "tool_calls": tool_calls(traj),
     }
 
 
@@ -200,13 +177,12 @@ class EpisodeDump:
             f.write("".join(json.dumps(r, default=str) + "\n" for r in records).encode())
         return path
 
-    def train(self, step: int, batch: Sequence[Trajectory], trainer: Any) -> Path | None:
+    def train(self, step: int, batch: Sequence[Trajectory], got: dict[str, Any]) -> Path | None:
         """Write step ``step``'s training batch, with the trainer's logprobs of the step it just ran
-        (``trainer.last_logprobs()``; it must have been asked to record them); None when the step is
-        not dumped."""
+        (``got``: what ``trainer.last_logprobs()`` answered; it must have been asked to record them);
+        None when the step is not dumped."""
         if not self.cfg.wants(step):
             return None
-        got = trainer.last_logprobs()
         if "trainer_threads" not in self.run_info:  # replay computes with the same thread count
             self.run_info["trainer_threads"] = got.get("threads")
             self._write_json("run.json", self.run_info)

@@ -4,7 +4,8 @@ A trajectory holds the prompt token ids and everything after them as one flat ``
 model-sampled tokens (``loss_mask`` 1) interleaved with observation tokens (``loss_mask`` 0) that the
 orchestrator tokenized once and appended. Per response token it keeps the rollout logprob and the policy
 version that produced it (observation tokens: logprob 0.0, version -1), so a trajectory interrupted by a
-weight update carries mixed versions. ``turns`` records which slice of ``response_ids`` each turn is.
+weight update carries mixed versions. ``turns`` records which slice of ``response_ids`` each turn is, and
+on a model turn the tool calls the env executed for it (:class:`ToolCallRecord`, as the env reported them).
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ _TOKEN_LISTS = frozenset({"prompt_ids", "response_ids", "loss_mask", "rollout_lo
 
 
 @dataclass
+class ToolCallRecord:
+    """One tool call as the env executed it: what was called with what, what came back, how long it took."""
+
+    name: str | None  # None: a call the env could not parse (``error`` says why); nothing ran
+    arguments: dict[str, Any] = field(default_factory=dict)
+    result: str | None = None  # the tool's output (None when the call failed)
+    error: str | None = None  # why the call failed (None when it succeeded)
+    latency_s: float | None = None  # wall time of the call itself (None: not measured)
+    id: str | None = None  # the call id, in formats that have one
+
+
+@dataclass
 class Turn:
     """One slice ``response_ids[start:end]``: a model action or an observation."""
 
@@ -38,6 +51,8 @@ class Turn:
     start: int
     end: int
     text: str = ""
+    # on an assistant turn: the calls the env executed for this action, in order (empty: none recorded)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -154,7 +169,7 @@ class Trajectory:
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
         d = dict(d)
         d["status"] = Status(d.get("status", "completed"))
-        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        d["turns"] = [_turn(t) for t in d.get("turns", [])]
         return cls(**d)
 
     def to_json(self) -> str:
@@ -163,3 +178,8 @@ class Trajectory:
     @classmethod
     def from_json(cls, s: str) -> Trajectory:
         return cls.from_dict(json.loads(s))
+
+
+def _turn(d: dict[str, Any]) -> Turn:
+    calls = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
+    return Turn(**{**d, "tool_calls": calls})

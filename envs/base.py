@@ -16,6 +16,12 @@ How the orchestrator appends an observation (it tokenizes the observation on its
 
 ``messages`` (optional) carries several observation messages at once, e.g. one tool message per call of
 a multi-call turn; ``observation`` then holds the same content joined, for consumers that want one text.
+
+``tool_calls`` (optional) says which tool calls the step executed, each a
+:class:`~agentrl.types.ToolCallRecord` (name, arguments, result or error, latency). The episode runner
+stores them on the model turn the step answered, and episode dumps and the viewer show them; the env is
+the only part that knows its call format, so nothing re-parses the model's text. An env that records
+none still works: its dumps show no calls.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+from agentrl.types import ToolCallRecord
 
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
 
@@ -42,6 +50,8 @@ class StepResult:
     observation_format: str = "message"
     # several observation messages (e.g. one per tool call); None: the single `observation` message
     messages: list[Message] | None = None
+    # the tool calls this step executed, in order (see the module docstring)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
 
 
 class Env(ABC):

@@ -5,7 +5,8 @@
 
 Like Gymnasium's ``env_checker``, but for the async, text-in/text-out contract of :mod:`agentrl.envs.base`:
 sync methods (which would block every other episode), wrong return types, messages without a role or
-content, a step that blocks the event loop, exceptions, an episode that never ends, and a failing close.
+content, tool-call records of the wrong type, a step that blocks the event loop, exceptions, an episode
+that never ends, and a failing close.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import inspect
 import time
 import traceback
 from typing import Any
+
+from agentrl.types import ToolCallRecord
 
 from .base import Env, StepResult
 
@@ -77,6 +80,15 @@ def _check_step(res: Any, i: int) -> list[str]:
         )
     if res.messages is not None:
         p += _check_messages(res.messages, f"{w} messages")
+    calls = res.tool_calls
+    if not isinstance(calls, list) or not all(isinstance(c, ToolCallRecord) for c in calls):
+        p.append(f"{w}: tool_calls must be a list of agentrl.types.ToolCallRecord, got {calls!r:.80}")
+    else:
+        for j, c in enumerate(calls):
+            if not isinstance(c.arguments, dict):
+                p.append(f"{w}: tool_calls[{j}].arguments must be a dict, got {type(c.arguments).__name__}")
+            if c.result is not None and not isinstance(c.result, str):
+                p.append(f"{w}: tool_calls[{j}].result must be str or None, got {type(c.result).__name__}")
     if not (res.terminated or res.truncated) and res.observation is None and not res.messages:
         p.append(
             f"{w}: the episode goes on but there is no observation; return terminated=True or an observation"

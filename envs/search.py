@@ -13,18 +13,21 @@ After ``max_turns`` searching turns the model gets one final turn in which searc
 Observations continue the assistant's own text (``observation_format="raw"``, as Search-R1 does); set
 ``observation_format="message"`` to send them as user messages instead. The action text must contain the
 stop string (SGLang ``no_stop_trim=True``); when an engine trimmed it, the open tag at the very end is
-closed again (``complete_trimmed_stop``).
+closed again (``complete_trimmed_stop``). Each search that ran is reported in ``StepResult.tool_calls``
+(a ``search`` call with its query, the passages or the failure, and its latency).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 import weakref
 from typing import Any, Literal
 
 from agentrl.tools.parsers import parse_search_r1
 from agentrl.tools.search import RetrievalClient
+from agentrl.types import ToolCallRecord
 
 from .base import Env, Message, StepResult
 from .registry import register_env
@@ -130,9 +133,16 @@ class SearchEnv(Env):
             raise ValueError(f"SearchEnv task needs a 'question' (str) or 'prompt'; got keys {sorted(task)}")
         return [{"role": "user", "content": format_prompt(question)}]
 
-    def _observe(self, text: str, info: dict[str, Any]) -> StepResult:
-        role = "user"
-        return StepResult(text, info=info, observation_role=role, observation_format=self.observation_format)
+    def _observe(
+        self, text: str, info: dict[str, Any], calls: list[ToolCallRecord] | None = None
+    ) -> StepResult:
+        return StepResult(
+            text,
+            info=info,
+            observation_role="user",
+            observation_format=self.observation_format,
+            tool_calls=calls or [],
+        )
 
     async def step(self, action_text: str) -> StepResult:
         t = self.turn
@@ -152,12 +162,15 @@ class SearchEnv(Env):
         if action.kind == "invalid":
             return self._observe(INVALID_ACTION, info)
         retriever = self._retriever or _shared_client(self.retrieval_url, self.topk, self.timeout)
+        call = ToolCallRecord("search", {"query": action.content})
+        t0 = time.monotonic()
         try:
-            docs = await retriever.search(action.content, self.topk)
+            docs = call.result = await retriever.search(action.content, self.topk)
         except Exception as err:  # the episode goes on; the model sees the failure, the info records it
-            info["tool_error"] = f"{type(err).__name__}: {err}"
+            info["tool_error"] = call.error = f"{type(err).__name__}: {err}"
             docs = f"Search failed: {type(err).__name__}: {err}"
+        call.latency_s = time.monotonic() - t0
         self.num_searches += 1
         info["num_searches"] = self.num_searches
         info["query"] = action.content
-        return self._observe(f"\n\n<information>{docs.strip()}</information>\n\n", info)
+        return self._observe(f"\n\n<information>{docs.strip()}</information>\n\n", info, [call])

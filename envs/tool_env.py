@@ -4,7 +4,8 @@ PythonToolEnv: the code-interpreter case (a sandboxed ``python`` tool, then an a
 Each model turn is parsed; every call runs (concurrently) and comes back as one ``tool`` message per
 call. Malformed calls, unknown tools, bad arguments, tool exceptions and timeouts all come back as error
 text for the model; nothing escapes the episode. A turn without any call is the final answer. The env
-passes the tools' OpenAI schemas as ``env.tools`` so the chat template can render them.
+passes the tools' OpenAI schemas as ``env.tools`` so the chat template can render them, and reports each
+call it ran (and each malformed one, with no name) in ``StepResult.tool_calls``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 from agentrl.sandboxes.base import Sandbox
 from agentrl.sandboxes.shared import shared_sandbox
-from agentrl.tools.base import Tool, ToolResult, ToolSet, truncate
+from agentrl.tools.base import Tool, ToolResult, ToolSet, call_record, truncate
 from agentrl.tools.parsers import HermesParser
+from agentrl.types import ToolCallRecord
 
 from .base import Env, Message, StepResult
 from .registry import register_env
@@ -72,8 +74,10 @@ class ToolEnv(Env):
         if self.turn >= self.max_turns:
             info["reason"] = "max_turns"
             return StepResult(None, truncated=True, info=info)
-        results = [ToolResult("parser", f"Error: {e}", True) for e in parsed.errors]
-        results += await self.toolset.execute_all(parsed.calls)
+        ran = await self.toolset.execute_all(parsed.calls)
+        results = [ToolResult("parser", f"Error: {e}", True) for e in parsed.errors] + ran
+        records = [ToolCallRecord(None, error=e) for e in parsed.errors]
+        records += [call_record(c, r) for c, r in zip(parsed.calls, ran, strict=True)]
         info["tool_calls"] = len(parsed.calls)
         info["tool_errors"] = sum(r.is_error for r in results)
         messages: list[Message] = []
@@ -87,7 +91,9 @@ class ToolEnv(Env):
                 msg["tool_call_id"] = r.call_id
             messages.append(msg)
         observation = "\n".join(m["content"] for m in messages)
-        return StepResult(observation, info=info, observation_role="tool", messages=messages)
+        return StepResult(
+            observation, info=info, observation_role="tool", messages=messages, tool_calls=records
+        )
 
 
 PYTHON_SYSTEM_PROMPT = (

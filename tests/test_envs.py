@@ -108,6 +108,14 @@ class NeedsArgs(Env):
         return StepResult(terminated=True)
 
 
+class BadCalls(Env):
+    async def reset(self, task):
+        return [{"role": "user", "content": "q"}]
+
+    async def step(self, action_text):
+        return StepResult(terminated=True, tool_calls=[{"name": "search"}])  # type: ignore[list-item]
+
+
 class Silent(Env):
     async def reset(self, task):
         return [{"role": "user", "content": "q"}]
@@ -140,6 +148,7 @@ class Silent(Env):
         (Raises, ["reset()/step() raised KeyError", "close() raised RuntimeError: close failed"]),
         (NeedsArgs, ["NeedsArgs() raised TypeError", "make every constructor argument optional"]),
         (Silent, ["there is no observation"]),
+        (BadCalls, ["tool_calls must be a list of agentrl.types.ToolCallRecord"]),
         (object(), ["does not subclass agentrl.envs.Env", "reset() is missing"]),
     ],
 )
@@ -208,12 +217,15 @@ async def test_search_env_episode_against_a_real_server():
             '\n\n<information>Doc 1(Title: "Paris") Paris is the capital and largest city of France.\nDoc 2(Title: '
         )
         assert r.observation.endswith("</information>\n\n") and r.observation.count("Doc ") == 3
+        [call] = r.tool_calls  # the search as it ran: query, passages, latency
+        assert (call.name, call.arguments, call.error) == ("search", {"query": "capital of France"}, None)
+        assert call.result is not None and call.result.strip() in r.observation and call.latency_s > 0
         r = await env.step("hmm, no tags")
-        assert r.observation == INVALID_ACTION
-        # max_turns=2 turns used: this is the final turn, where a search is no longer run
+        assert r.observation == INVALID_ACTION and r.tool_calls == []
+        # max_turns=2 turns used: this is the final turn, where a search is no longer run (nor recorded)
         n = len(srv.requests)
         r = await env.step("<search>more</search>")
-        assert r.truncated and r.observation is None and len(srv.requests) == n
+        assert r.truncated and r.observation is None and len(srv.requests) == n and r.tool_calls == []
     env = SearchEnv(retrieval_url="http://127.0.0.1:9")
     await env.reset({"question": "q"})
     r = await env.step("<answer> Paris </answer>")
@@ -264,6 +276,10 @@ async def test_search_env_variants():
         srv.fail_next = 10
         r = await env.step("<search>Rome</search>")  # server down: the model sees it, the episode goes on
         assert "Search failed" in r.observation and "tool_error" in r.info and not r.terminated
+        [call] = r.tool_calls
+        assert (
+            call.result is None and call.error == r.info["tool_error"] and call.arguments == {"query": "Rome"}
+        )
 
 
 # ---- ToolEnv / PythonToolEnv / MathEnv ------------------------------------------------------------
@@ -294,8 +310,19 @@ async def test_tool_env_round_trip_and_errors():
     assert "key: Field required" in contents[2] and "k: unexpected argument" in contents[2]
     assert "unknown tool 'nope'; available tools: lookup" in contents[3]
     assert r.info["tool_errors"] == 3 and r.observation == "\n".join(contents)
+    # every call as it ran, the malformed one (no name) first, as the messages are ordered
+    calls = r.tool_calls
+    assert [(c.name, c.arguments) for c in calls] == [
+        (None, {}),
+        ("lookup", {"key": "a"}),
+        ("lookup", {"k": 1}),
+        ("nope", {}),
+    ]
+    assert calls[0].error == contents[0].removeprefix("Error: ") and calls[0].latency_s is None
+    assert (calls[1].result, calls[1].error) == ("alpha", None) and calls[1].latency_s >= 0
+    assert [c.result for c in calls[2:]] == [None, None] and [c.error for c in calls[2:]] == contents[2:]
     r = await env.step("The answer is alpha.")
-    assert r.terminated and r.info["answer"] == "The answer is alpha."
+    assert r.terminated and r.info["answer"] == "The answer is alpha." and r.tool_calls == []
 
 
 async def test_tool_env_turn_limit():
@@ -355,3 +382,4 @@ async def test_envs_run_concurrently():
     t0 = time.perf_counter()
     rs = await asyncio.gather(*(episode(i) for i in range(50)))
     assert all(r.observation == "ok" for r in rs) and time.perf_counter() - t0 < 2.0
+    assert all(0.3 <= r.tool_calls[0].latency_s < 2.0 for r in rs)  # each call's own time

@@ -24,7 +24,7 @@ from agentrl.rewards.base import register_verifier
 from agentrl.rollout import ChatTokenizer, Orchestrator, RolloutConfig
 from agentrl.testing.envs import SyntheticEnv
 from agentrl.testing.stub_engine import stub_engine_in_process
-from agentrl.types import OBSERVATION_VERSION, Status, Trajectory
+from agentrl.types import OBSERVATION_VERSION, Status, ToolCallRecord, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +208,48 @@ async def test_raw_observation_and_stop_strings(tok: Any) -> None:
         "<information>doc</information>", add_special_tokens=False
     )
     assert all(sp.stop == ["</search>"] for _, sp, _ in client.calls)  # env stop strings are sent
+
+
+class OwnFormatEnv(Env):
+    """An env with a call format of its own: every action is one ``echo`` call, reported as it ran."""
+
+    scores_itself = True
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.n = 0
+        return [{"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.n += 1
+        call = ToolCallRecord(
+            "echo", {"text": action_text}, f"echo {self.n}", latency_s=0.01 * self.n, id=f"c{self.n}"
+        )
+        if self.n >= 3:
+            return StepResult(reward=1.0, terminated=True, tool_calls=[call])
+        return StepResult(observation=f"echo {self.n}", tool_calls=[call])
+
+
+async def test_env_tool_call_records_land_on_their_model_turn(tok: Any) -> None:
+    async with stub_engine_in_process(min_tokens=2, max_tokens=6) as (_, url):
+        client = EngineClient(url, timeout=10)
+        got = {}
+        for name, factory in (("own", OwnFormatEnv), ("none", RawEnv)):
+            orch = Orchestrator(cfg(group_size=1, batch_size=1), client, tok, factory, tasks(1))
+            await orch.start()
+            [got[name]] = await orch.buffer.get_batch(timeout=30)
+            await orch.stop()
+        await client.close()
+    t = got["own"]
+    assistant = [turn for turn in t.turns if turn.role == "assistant"]
+    assert len(assistant) == 3 and t.status == Status.COMPLETED
+    for i, turn in enumerate(assistant, 1):  # the env's record of the step that answered this turn
+        assert turn.tool_calls == [
+            ToolCallRecord("echo", {"text": turn.text}, f"echo {i}", latency_s=0.01 * i, id=f"c{i}")
+        ]
+    assert all(turn.tool_calls == [] for turn in t.turns if turn.role == "observation")
+    assert Trajectory.from_dict(t.to_dict()) == t
+    # an env that records no calls still runs; its turns simply carry none
+    assert got["none"].status == Status.COMPLETED and all(turn.tool_calls == [] for turn in got["none"].turns)
 
 
 # ---------------------------------------------------------------- limits

@@ -17,6 +17,7 @@ from agentrl.tools import (
     Tool,
     ToolCall,
     ToolSet,
+    call_record,
     format_docs,
     parse_docstring,
     python_tool,
@@ -160,6 +161,21 @@ async def test_toolset_unknown_tool_and_concurrency():
     assert loop.time() - t0 < 0.55  # concurrent
     assert [r.content for r in res[:2]] == ["waited 0.3", "waited 0.3"]
     assert res[2].is_error and "unknown tool 'nope'; available tools: move, wait" in res[2].content
+
+
+async def test_call_record_is_the_call_as_it_ran():
+    ts = ToolSet([move])
+    ok, bad = ToolCall("move", {"point": {"x": 1, "y": 2}}, id="c1"), ToolCall("move", {"point": 3})
+    r_ok, r_bad = await ts.execute_all([ok, bad])
+    rec = call_record(ok, r_ok)
+    assert (rec.name, rec.arguments, rec.id, rec.error) == ("move", {"point": {"x": 1, "y": 2}}, "c1", None)
+    assert rec.result == '{"x": 1.0, "mode": "abs", "steps": null}' and rec.latency_s == r_ok.duration >= 0
+    rec = call_record(bad, r_bad)
+    assert (
+        rec.result is None
+        and rec.error is not None
+        and rec.error.startswith("Error: invalid arguments for move")
+    )
 
 
 # ---- search ---------------------------------------------------------------------------------------

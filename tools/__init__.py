@@ -1,6 +1,6 @@
 """Tools: typed async callables with JSON schemas, tool-call parsers, and the built-in search and python tools."""
 
-from .base import Tool, ToolCall, ToolResult, ToolSet, parse_docstring, to_text, tool, truncate
+from .base import Tool, ToolCall, ToolResult, ToolSet, call_record, parse_docstring, to_text, tool, truncate
 from .parsers import HermesParser, ParseResult, SearchR1Action, parse_search_r1
 from .python import python_tool
 from .search import RetrievalClient, RetrievalError, format_docs, search_tool
@@ -15,6 +15,7 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "ToolSet",
+    "call_record",
     "format_docs",
     "parse_docstring",
     "parse_search_r1",

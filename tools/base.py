@@ -16,6 +16,7 @@
 arguments first and never raises: bad arguments, exceptions and timeouts come back as a
 :class:`ToolResult` with ``is_error=True`` and a message meant for the model. Outputs are cut to
 ``max_output_chars`` with a visible marker. A plain (sync) function is accepted and runs in a thread.
+An env reports a call it ran as ``call_record(call, result)`` (:class:`~agentrl.types.ToolCallRecord`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from agentrl.types import ToolCallRecord
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT_CHARS = 8000
@@ -54,6 +57,18 @@ class ToolResult:
     is_error: bool = False
     call_id: str | None = None
     duration: float = 0.0
+
+
+def call_record(call: ToolCall, result: ToolResult) -> ToolCallRecord:
+    """What an env reports of a call it ran (``StepResult.tool_calls``): the call, and its result or error."""
+    return ToolCallRecord(
+        name=call.name,
+        arguments=dict(call.arguments),
+        result=None if result.is_error else result.content,
+        error=result.content if result.is_error else None,
+        latency_s=result.duration,
+        id=call.id,
+    )
 
 
 def truncate(text: str, max_chars: int) -> str:

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from agentrl.episodes import DUMP_DIR, FORMAT, episode_record, step_path
-from agentrl.types import Status, Trajectory
+from agentrl.types import Status, ToolCallRecord, Trajectory
 
 WORDS = ["the", "search", "answer", "river", "city", "born", "year", "capital", "of", "is", "who", "what", "in"]
 
@@ -45,8 +45,11 @@ def synthetic_run(
             t.append_observation_tokens(obs, "<information>" + "".join(vocab[i] for i in obs) + "</information>")
             ids = [rng.randrange(len(vocab)) for _ in range(tokens_per_turn)]
             t.append_model_tokens(ids, [-rng.expovariate(2.0) for _ in ids], step - 1, "".join(vocab[i] for i in ids))
-            t.info["env_step_s"] = [rng.uniform(0.01, 0.2)]
-            t.turns[0].text = f"<search>{t.turns[0].text.strip()}</search>"
+            query = t.turns[0].text.strip()
+            t.turns[0].text = f"<search>{query}</search>"
+            t.turns[0].tool_calls = [
+                ToolCallRecord("search", {"query": query}, t.turns[1].text, latency_s=rng.uniform(0.01, 0.2))
+            ]
             u = rng.random()
             if u < 0.05:
                 t.status, t.error = Status.FAILED, "verifier: ValueError: label missing"

@@ -6,8 +6,8 @@
 The page shows the steps (mean reward each), the episodes of every step and group with their rewards
 and status, filters (train / eval, status such as failed or truncated, a reward range, task or group
 text), and one episode at a time: its prompt, model turns and observations told apart, the tool calls
-with their latencies, the reward parts and any error, and its tokens coloured by rollout logprob or by
-the engine-trainer mismatch ``|rollout logprob - trainer logprob|``.
+the env ran (arguments, result or error, latency), the reward parts and any error, and its tokens
+coloured by rollout logprob or by the engine-trainer mismatch ``|rollout logprob - trainer logprob|``.
 
 It stays fast at tens of thousands of episodes: the page embeds one compact row per episode (parsed at
 load), and each episode's detail as one line of JSON in a plain-text block that is parsed only when the
@@ -48,6 +48,20 @@ def _gap(rec: dict[str, Any]) -> float | None:
     return round(max(gaps), 6) if gaps else None
 
 
+RESULT_CHARS = 300  # of a call's result in the calls table (the observation turn shows it whole)
+
+
+def _calls(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tool calls of a record as the env reported them on its turns, each with ``turn`` (its model
+    turn, from 0) and its result cut to ``RESULT_CHARS``; a format-1 dump kept one list parsed from the text."""
+    assistant = [t for t in rec.get("turns", []) if t["role"] == "assistant"]
+    calls = [{"turn": i, **c} for i, t in enumerate(assistant) for c in t.get("tool_calls") or []]
+    for c in calls:
+        if isinstance(c.get("result"), str) and len(c["result"]) > RESULT_CHARS:
+            c["result"] = c["result"][:RESULT_CHARS] + " ..."
+    return calls or rec.get("tool_calls") or []
+
+
 def _json(obj: Any) -> str:
     # ASCII only, so the page's character offsets are the same in Python and JavaScript, and no "<" so
     # no text can close the <script> block it sits in
@@ -73,7 +87,7 @@ def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title
                 "lp": _round(rec.get("rollout_logprobs")) or [],
                 "tlp": _round(rec.get("trainer_logprobs")),
                 "v": rec.get("policy_versions") or [],
-                "calls": rec.get("tool_calls") or [],
+                "calls": _calls(rec),
                 "parts": rec.get("reward_parts") or {},
                 "error": rec.get("error"),
             }
