@@ -17,6 +17,15 @@ and true on-policy runs use) and reports its tokens/s beside the default's, and 
 unless ``--server-args`` sets one) and each round serves every concurrency on the default server, then on
 the batch-invariant one: the tokens/s are medians over the rounds and the ratio is the median of the
 rounds' paired ratios, so a drift of the host's load reaches both modes alike.
+
+``--backends embedded,sglang`` (or ``--backend sglang``, the same A/B) serves the same rounds (and the
+multi-turn episodes) on a real SGLang server too, one engine after the other on the same device, and
+reports both side by side with SGLang's own account of its configuration (``/get_server_info``: version,
+attention and sampling backends, CUDA graphs). SGLang gets ``--mem-fraction-static`` from
+``--sglang-mem-fraction``, ``--cuda-graph-max-bs`` from the largest concurrency and token ids only
+(``--skip-tokenizer-init``); ``--sglang-args '{"attention-backend": "fa3"}'`` passes more flags (JSON).
+Multi-turn prefill accounting comes from each answer's ``meta_info`` (``prompt_tokens - cached_tokens``),
+which both engines report.
 """
 
 from __future__ import annotations
@@ -93,34 +102,36 @@ async def engine_round(
 async def multi_turn_round(
     url: str, episodes: int, turns: int, prompt_len: int, obs_len: int, new_tokens: int, vocab: int
 ) -> dict[str, float]:
-    """``episodes`` agent episodes at once, ``turns`` turns each; returns tokens/s and prefill accounting."""
+    """``episodes`` agent episodes at once, ``turns`` turns each (each turn's prompt is the previous one +
+    its output + ``obs_len`` new tokens, so every turn after the first can reuse a cached prefix); returns
+    tokens/s and prefill accounting (tokens submitted, and computed: submitted less the cached tokens each
+    answer reports)."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
     async with EngineClient(url, timeout=3600) as client:
-        before = (await client.server_info())[0]
 
-        async def episode(e: int) -> tuple[int, int]:
+        async def episode(e: int) -> tuple[int, int, int]:
             seq = prompts(1, prompt_len, vocab, seed=10_000 + e)[0]
-            made = submitted = 0
+            made = submitted = cached = 0
             for t in range(turns):
                 if t:
                     seq = seq + prompts(1, obs_len, vocab, seed=20_000 + e * turns + t)[0]
                 submitted += len(seq)
                 out = await client.generate(seq, sp)
+                cached += int(out.meta.get("cached_tokens", 0))
                 seq = seq + out.output_ids
                 made += len(out.output_ids)
-            return made, submitted
+            return made, submitted, cached
 
         t0 = time.perf_counter()
         done = await asyncio.gather(*(episode(e) for e in range(episodes)))
         wall = time.perf_counter() - t0
-        after = (await client.server_info())[0]
-    computed = after.get("prefill_tokens", 0) - before.get("prefill_tokens", 0)
-    submitted = sum(s for _, s in done)
+    submitted = sum(s for _, s, _ in done)
+    computed = submitted - sum(c for _, _, c in done)
     return {
         "episodes": episodes,
         "turns": turns,
         "obs_len": obs_len,
-        "engine_tok_s": round(sum(m for m, _ in done) / wall, 1),
+        "engine_tok_s": round(sum(m for m, _, _ in done) / wall, 1),
         "prefill_tokens_submitted": submitted,
         "prefill_tokens_computed": computed,
         "computed_over_submitted": round(computed / submitted, 3) if submitted else None,
@@ -133,6 +144,23 @@ def launch(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: in
         model_dir, device=a.device, dtype=a.dtype, max_batch_size=max_batch, timeout=1800, log_file=log_file,
         extra_args=shlex.split(a.server_args) + extra,
     )  # fmt: skip
+
+
+SGLANG_INFO = ("version", "attention_backend", "sampling_backend", "disable_cuda_graph", "cuda_graph_max_bs",
+               "mem_fraction_static", "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size",
+               "max_running_requests", "enable_deterministic_inference", "dtype")  # fmt: skip
+
+
+def launch_sglang(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: int) -> Any:
+    """A real SGLang server for the bench (token ids only, graphs up to the largest concurrency)."""
+    from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
+
+    extra = {"cuda-graph-max-bs": max_batch, "dtype": a.dtype, **json.loads(a.sglang_args)}
+    cfg = SGLangConfig(
+        model_path=str(model_dir), port=0, mem_fraction_static=a.sglang_mem_fraction, skip_tokenizer_init=True,
+        extra_args=extra, log_file=str(log_file), startup_timeout=1800,
+    )  # fmt: skip
+    return SGLangLauncher(cfg).start()
 
 
 def interleaved(
@@ -153,7 +181,9 @@ def interleaved(
         for _ in range(a.rounds):
             for c in concs:
                 for server, mine in zip(servers, rates, strict=True):
-                    mine[c].append(asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab)))
+                    mine[c].append(
+                        asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab))
+                    )
         info = asyncio.run(_server_info(servers[0].url))
     finally:
         for server in servers:
@@ -220,15 +250,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-args", default="", help="extra flags for the engine server (quoted)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument(
-        "--deterministic", action="store_true", help="also serve the rounds with --batch-invariant and compare"
+        "--deterministic",
+        action="store_true",
+        help="also serve the rounds with --batch-invariant and compare",
     )
     p.add_argument(
-        "--rounds", type=int, default=1, help="with --deterministic: interleaved rounds of both servers (medians)"
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --deterministic: interleaved rounds of both servers (medians)",
+    )
+    p.add_argument(
+        "--backends", default="embedded", help="engines that serve the same workload: embedded,sglang"
+    )
+    p.add_argument("--backend", default=None, help="--backend sglang: the A/B, as --backends embedded,sglang")
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.7, help="SGLang's --mem-fraction-static")
+    p.add_argument(
+        "--sglang-args", default="{}", help='more SGLang flags, JSON: {"attention-backend": "fa3"}'
     )
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error("--rounds: must be at least 1")
     concs = [int(c) for c in a.concurrency.split(",")]
+    backends = (
+        ["embedded", a.backend] if a.backend else [b.strip() for b in a.backends.split(",") if b.strip()]
+    )
+    if not set(backends) <= {"embedded", "sglang"} or not backends:
+        p.error(f"--backends: embedded and/or sglang, not {backends}")
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     atexit.register(shutil.rmtree, tmp, True)  # also when a round fails or Ctrl-C stops the bench
@@ -237,9 +285,14 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
 
-    def serve(extra: list[str]) -> tuple[dict[int, tuple[int, float]], dict[str, float] | None, dict]:
+    def serve(
+        extra: list[str], backend: str = "embedded"
+    ) -> tuple[dict[int, tuple[int, float]], dict[str, float] | None, dict]:
         engine: dict[int, tuple[int, float]] = {}
-        server = launch(a, model_dir, tmp / "server.log", max(concs), extra)
+        if backend == "sglang":
+            server = launch_sglang(a, model_dir, tmp / "sglang.log", max(concs))
+        else:
+            server = launch(a, model_dir, tmp / "server.log", max(concs), extra)
         multi: dict[str, float] | None = None
         try:
             for c in concs:
@@ -256,12 +309,22 @@ def main(argv: list[str] | None = None) -> None:
         return engine, multi, info
 
     per_round: dict[int, list[float]] = {}
-    if a.deterministic and a.rounds > 1:
-        engine, invariant, per_round, info = interleaved(a, model_dir, tmp, concs, vocab)
-        multi = multi_invariant = None
-    else:
-        engine, multi, info = serve([])
-        invariant, multi_invariant, _ = serve(["--batch-invariant"]) if a.deterministic else ({}, None, {})
+    engine: dict[int, tuple[int, float]] = {}
+    multi = multi_invariant = multi_sglang = None
+    invariant: dict[int, tuple[int, float]] = {}
+    info: dict = {}
+    if "embedded" in backends:
+        if a.deterministic and a.rounds > 1:
+            engine, invariant, per_round, info = interleaved(a, model_dir, tmp, concs, vocab)
+        else:
+            engine, multi, info = serve([])
+            invariant, multi_invariant, _ = (
+                serve(["--batch-invariant"]) if a.deterministic else ({}, None, {})
+            )
+    sglang: dict[int, tuple[int, float]] = {}
+    sglang_info: dict = {}
+    if "sglang" in backends:
+        sglang, multi_sglang, sglang_info = serve([], "sglang")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
     hf = (
@@ -270,10 +333,19 @@ def main(argv: list[str] | None = None) -> None:
         else {c: hf_round(model, c, a.prompt_len, a.max_new_tokens, vocab, a.device) for c in concs}
     )
 
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for c in concs:
+        results[str(c)] = {"requests": 2 * c}
+        if c in sglang:
+            results[str(c)]["sglang_tok_s"] = round(sglang[c][0] / sglang[c][1], 1)
+        if c not in engine:
+            continue
         e_tok, e_s = engine[c]
-        results[str(c)] = {"engine_tok_s": round(e_tok / e_s, 1), "requests": 2 * c}
+        results[str(c)]["engine_tok_s"] = round(e_tok / e_s, 1)
+        if c in sglang:
+            results[str(c)]["ratio_sglang_over_embedded"] = round(
+                (sglang[c][0] / sglang[c][1]) / (e_tok / e_s), 3
+            )
         if c in invariant:
             i_tok, i_s = invariant[c]
             results[str(c)]["batch_invariant_tok_s"] = round(i_tok / i_s, 1)
@@ -299,8 +371,11 @@ def main(argv: list[str] | None = None) -> None:
                 "results": results,
                 "multi_turn": multi,
                 "multi_turn_batch_invariant": multi_invariant,
+                "multi_turn_sglang": multi_sglang,
+                "backends": backends,
                 "server_args": a.server_args,
                 "engine_info": {k: info.get(k) for k in ("engine", "context_len", "prefix_cache_slots")},
+                "sglang_config": {k: sglang_info.get(k) for k in SGLANG_INFO} if sglang_info else None,
                 "note": "engine: HTTP + continuous batching, 2*C requests with C in flight; hf: generate on batches of C",
             }
         )

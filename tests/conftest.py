@@ -54,6 +54,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # traversable like the system temp dir: the process sandbox runs commands as another uid in work dirs
     # it makes here (mkdtemp's 0700 would deny that uid its own script)
     SESSION_TMP.chmod(0o711)
+    config.addinivalue_line(
+        "markers",
+        "sglang: runs a real SGLang server (GPU); skips when SGLang is not installed, fails when it is but "
+        "does not work",
+    )
     os.environ["TMPDIR"] = str(SESSION_TMP)
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
     os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
@@ -66,7 +71,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _temp_entries() -> set[str]:
-    return {p.name for p in SESSION_TMP.iterdir() if p.name not in _KEPT and not p.name.endswith(_KEPT_SUFFIXES)}
+    return {
+        p.name for p in SESSION_TMP.iterdir() if p.name not in _KEPT and not p.name.endswith(_KEPT_SUFFIXES)
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -112,6 +119,17 @@ def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("qwen2")
 
 
+@pytest.fixture(scope="session")
+def sglang_required() -> None:
+    """Skip, with the reason, where SGLang is not installed (:func:`agentrl.engine.launcher.sglang_installed`:
+    its own directory from scripts/gpu_setup.sh --sglang, or this Python). Where it is, a test that cannot
+    start or use it fails."""
+    from agentrl.engine.launcher import sglang_installed
+
+    if not sglang_installed():
+        pytest.skip("SGLang is not installed (scripts/gpu_setup.sh --sglang, or pip install -e '.[sglang]')")
+
+
 def docker_required() -> bool:
     """CI sets AGENTRL_REQUIRE_DOCKER=1: then a missing Docker engine is a failure, not a skip."""
     return os.environ.get("AGENTRL_REQUIRE_DOCKER", "") not in ("", "0", "false")
@@ -125,7 +143,9 @@ def chromium() -> str:
 
     path = chromium_path()
     if path is None:
-        required = any(os.environ.get(k, "") not in ("", "0", "false") for k in ("AGENTRL_REQUIRE_CHROMIUM", "CI"))
+        required = any(
+            os.environ.get(k, "") not in ("", "0", "false") for k in ("AGENTRL_REQUIRE_CHROMIUM", "CI")
+        )
         msg = "no chromium executable (apt-get install chromium)"
         if required:
             pytest.fail(msg)

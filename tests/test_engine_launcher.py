@@ -1,6 +1,7 @@
 """SGLang launcher: the command line it builds from config, and the process lifecycle (health wait,
 fail-fast, stop without orphans, SIGKILL escalation, Ray actor) against tests/fixtures/fake_sglang.py,
-a stand-in for SGLang (SGLang itself cannot be installed on these machines)."""
+a stand-in for SGLang (SGLang itself cannot be installed on these machines; tests/test_gpu_sglang.py runs
+the real one)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from agentrl.engine.launcher import (
     SGLangRouterLauncher,
     remote_sglang_server,
     sglang_args_from_cli,
+    sglang_installed,
+    sglang_site,
 )
 
 STAND_IN = Path(__file__).parent / "fixtures" / "fake_sglang.py"
@@ -85,15 +88,78 @@ def test_command_line_from_config() -> None:
         "/venv/bin/python", "-m", "sglang.launch_server",
         "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "31000", "--tp-size", "2",
         "--mem-fraction-static", "0.8", "--api-key", "k",
+        "--attention-backend", "triton", "--sampling-backend", "pytorch",
         "--context-length", "4096", "--enable-metrics",
         "--json-model-override-args", '{"rope_scaling": null}',
         "--cuda-graph-bs", "1", "2", "4",
     ]  # fmt: skip
     minimal = SGLangLauncher(SGLangConfig(model_path="m", python="py")).command()
     assert minimal == ["py", "-m", "sglang.launch_server", "--model-path", "m", "--host", "127.0.0.1",
-                       "--port", "30000", "--tp-size", "1"]  # fmt: skip
+                       "--port", "30000", "--tp-size", "1",
+                       "--attention-backend", "triton", "--sampling-backend", "pytorch"]  # fmt: skip
     with pytest.raises(ValueError, match="duplicate"):
         SGLangLauncher(SGLangConfig(model_path="m", extra_args={"tp-size": 4})).command()
+    with pytest.raises(ValueError, match="duplicate"):  # agentrl's own flags are fields, set once
+        SGLangLauncher(SGLangConfig(model_path="m", extra_args={"enable_memory_saver": True})).command()
+
+
+def test_colocated_and_deterministic_flags(tmp_path: Path) -> None:
+    cfg = SGLangConfig(
+        model_path="m",
+        python="py",
+        memory_saver=True,
+        weights_cpu_backup=True,
+        deterministic=True,
+        attention_backend=None,
+        sampling_backend=None,
+        skip_tokenizer_init=True,
+    )
+    assert SGLangLauncher(cfg).command()[11:] == [
+        "--skip-tokenizer-init", "--enable-memory-saver", "--enable-weights-cpu-backup",
+        "--enable-deterministic-inference",
+    ]  # fmt: skip
+
+
+def test_tokenizer_init_skipped_only_without_a_tokenizer(tmp_path: Path) -> None:
+    """Auto: a model directory without tokenizer files gets --skip-tokenizer-init (token ids only); one with
+    them keeps its tokenizer, which SGLang needs to match stop strings."""
+    bare, full = tmp_path / "bare", tmp_path / "full"
+    bare.mkdir()
+    full.mkdir()
+    (full / "tokenizer.json").write_text("{}")
+    assert "--skip-tokenizer-init" in SGLangLauncher(SGLangConfig(model_path=str(bare))).command()
+    assert "--skip-tokenizer-init" not in SGLangLauncher(SGLangConfig(model_path=str(full))).command()
+    forced = SGLangConfig(model_path=str(full), skip_tokenizer_init=True)
+    assert "--skip-tokenizer-init" in SGLangLauncher(forced).command()
+
+
+def test_sglang_site_goes_on_the_servers_pythonpath_only(tmp_path: Path, monkeypatch) -> None:
+    """SGLang installed apart (scripts/gpu_setup.sh --sglang) reaches the server's PYTHONPATH, first; a
+    named directory without sglang in it is an error; CUDA_HOME comes from nvcc when unset."""
+    site = tmp_path / "site"
+    (site / "sglang").mkdir(parents=True)
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("AGENTRL_SGLANG_SITE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/inherited")
+    assert sglang_site() is None
+    env = SGLangLauncher(SGLangConfig(model_path="m", site_dir=str(site))).environment()
+    assert env["PYTHONPATH"] == f"{site}{os.pathsep}/inherited"
+    monkeypatch.setenv("AGENTRL_SGLANG_SITE", str(site))
+    assert sglang_site() == site and sglang_installed()
+    monkeypatch.setenv("AGENTRL_SGLANG_SITE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no sglang package"):
+        SGLangLauncher(SGLangConfig(model_path="m")).environment()
+    monkeypatch.delenv("AGENTRL_SGLANG_SITE")
+    default = tmp_path / "cache" / "sglang"
+    (default / "sglang").mkdir(parents=True)
+    assert sglang_site() == default  # where gpu_setup.sh --sglang installs by default
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("PATH", f"{nvcc.parent}{os.pathsep}{os.environ['PATH']}")
+    assert SGLangLauncher(SGLangConfig(model_path="m")).environment()["CUDA_HOME"] == str(tmp_path / "cuda")
 
 
 def test_sglang_cli_passthrough() -> None:

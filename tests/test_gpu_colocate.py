@@ -8,6 +8,7 @@
   parameter (two engine processes, the same trainer weights after a step).
 * The trainer's offload frees its state on the device and the next step runs after the onload; CPU Adam
   keeps the optimizer state off the GPU.
+* A process that used the memory saver in process exits with status 0 (its pools' last frees at exit).
 """
 
 from __future__ import annotations
@@ -201,3 +202,40 @@ def test_cpu_adam_frees_the_gpu_memory_of_adam(tiny_model_factory) -> None:
           f"CPU Adam {allocated[True] / 2**30:.2f} GiB, saved {saved / 2**30:.2f} GiB "
           f"({saved / params:.1f} bytes a parameter)")  # fmt: skip
     assert saved >= 8 * params, (saved, params)
+
+
+def test_engine_memory_virtual_in_process() -> None:
+    """The memory saver in this process (what an in-process engine does): a released tag's memory goes back
+    to the driver and comes back with the weights' content; the process's exit is checked by the next test."""
+    from agentrl.embedded.memory import EngineMemory
+
+    mem = EngineMemory(torch.device("cuda"), mode="virtual")
+    with mem.region("weights"):
+        w = torch.randn(64, 2**20, device="cuda")  # 256 MiB
+    mem.register("weights", [w])
+    want = w.sum().item()
+    free_before = _free_gb()
+    mem.release("weights")
+    assert _free_gb() - free_before > 0.2
+    mem.resume("weights")
+    assert w.sum().item() == want
+
+
+def test_memory_saver_process_exits_zero() -> None:
+    """A pytest run of the test above, in its own process, ends with status 0: the memory saver's pools are
+    freed at interpreter exit outside any region, which its allocator refuses ("only support interesting
+    region") with status 1 unless agentrl.embedded.memory allows those last frees."""
+    import subprocess
+
+    test = f"{Path(__file__)}::test_engine_memory_virtual_in_process"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    out = run.stdout + run.stderr
+    assert "1 passed" in out, out[-3000:]
+    assert "only support interesting region" not in out, out[-3000:]
+    assert run.returncode == 0, out[-3000:]

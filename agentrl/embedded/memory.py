@@ -20,6 +20,7 @@ ways:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import time
@@ -47,7 +48,19 @@ def _memory_saver() -> Any:
     saver.hook_mode = "torch"  # no LD_PRELOAD: a torch MemPool over its allocator
     with saver.region(tag="probe"):  # fails now, not at the first real allocation
         torch.empty(1, device="cuda")
+    atexit.register(_frees_allowed_at_exit, saver)
     return saver
+
+
+def _frees_allowed_at_exit(saver: Any) -> None:
+    """The memory saver's allocator refuses a free outside a region ("tms_torch_free ... only support
+    interesting region") and ends the process with status 1; the interpreter's exit frees its pools' blocks
+    outside any region, so a program that worked would exit 1. Mark the exiting thread as inside a region:
+    those last frees are ordinary frees of the saver's virtual memory."""
+    try:
+        saver._impl._binary_wrapper.cdll.tms_set_interesting_region(True)
+    except AttributeError as err:  # the saver's internals moved: the exit status may be 1 again
+        log.warning("cannot allow torch_memory_saver's frees at exit (%s)", err)
 
 
 class EngineMemory:

@@ -1,22 +1,33 @@
 """Launching real SGLang servers (and an sglang-router in front of several) from typed config.
 
 :class:`SGLangLauncher` turns an :class:`SGLangConfig` into ``python -m sglang.launch_server --model-path
-... --host 127.0.0.1 --port N --tp-size K [--mem-fraction-static F] [--api-key KEY] [pass-through ...]``,
-starts it in its own process group, waits for ``/health`` (failing fast, with the log tail, if the
-process exits) and stops it without orphans (SIGTERM to the group, SIGKILL after a grace period).
-:class:`SGLangRouterLauncher` does the same for ``python -m sglang_router.launch_router --worker-urls ...``.
-:func:`remote_sglang_server` runs a launcher inside a Ray actor that reserves the GPUs (Ray sets
-``CUDA_VISIBLE_DEVICES`` for the actor, and the server inherits it).
+... --host 127.0.0.1 --port N --tp-size K [--mem-fraction-static F] [--api-key KEY] [agentrl's flags]
+[pass-through ...]``, starts it in its own process group, waits for ``/health`` (failing fast, with the log
+tail, if the process exits) and stops it without orphans (SIGTERM to the group, SIGKILL after a grace
+period). :class:`SGLangRouterLauncher` does the same for ``python -m sglang_router.launch_router
+--worker-urls ...``. :func:`remote_sglang_server` runs a launcher inside a Ray actor that reserves the GPUs
+(Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor, and the server inherits it).
 
-Free-form SGLang flags pass through ``extra_args`` (``{"context-length": 8192, "enable-metrics": True}``
--> ``--context-length 8192 --enable-metrics``), or from ``--sglang-*`` command-line style arguments via
-:func:`sglang_args_from_cli` (``--sglang-context-length 8192``). SGLang itself is not a dependency of
-agentrl (install the ``sglang`` extra on GPU nodes); the tests exercise command lines and process
-lifecycles against a stand-in executable.
+The flags agentrl's own use of SGLang needs are fields with their reasons (:meth:`SGLangLauncher.command`):
+token ids in and out without a tokenizer where no stop string needs one, the raw model's logprobs, the
+triton attention backend and pytorch sampling (no JIT builds at start; flashinfer's ahead-of-time kernels
+are not bundled), and the memory saver a colocated engine releases its memory through. Free-form SGLang
+flags pass through ``extra_args`` (``{"context-length": 8192, "enable-metrics": True}`` -> ``--context-length
+8192 --enable-metrics``), or from ``--sglang-*`` command-line style arguments via
+:func:`sglang_args_from_cli` (``--sglang-context-length 8192``).
+
+SGLang itself is not a dependency of agentrl: ``pip install -e '.[sglang]'`` where an index is reachable,
+or, on a GPU machine without one, ``scripts/gpu_setup.sh --sglang`` installs it into a directory of its own
+that only the server processes get on ``PYTHONPATH`` (:func:`sglang_site`), so that SGLang's pins
+(transformers, tokenizers) never reach the trainer. The CPU tests exercise command lines and process
+lifecycles against a stand-in executable; tests/test_gpu_sglang.py runs real SGLang.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +47,49 @@ __all__ = [
     "ServerStartError",
     "remote_sglang_server",
     "sglang_args_from_cli",
+    "sglang_installed",
+    "sglang_site",
 ]
+
+SITE_ENV = "AGENTRL_SGLANG_SITE"
+
+
+def _default_site() -> Path:
+    """Where ``scripts/gpu_setup.sh --sglang`` installs SGLang unless told otherwise."""
+    return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl")) / "sglang"
+
+
+def sglang_site(site_dir: str | None = None) -> Path | None:
+    """The directory holding an SGLang installed apart from the main environment, or None.
+
+    The first of ``site_dir``, ``$AGENTRL_SGLANG_SITE`` and ``$AGENTRL_CACHE/sglang`` (default
+    ``~/.cache/agentrl/sglang``, where ``scripts/gpu_setup.sh --sglang`` puts it) that holds a ``sglang``
+    package. A directory named explicitly (argument or variable) that does not hold one is an error, not a
+    silent fallback."""
+    for named in (site_dir, os.environ.get(SITE_ENV) or None):
+        if named:
+            if not (Path(named) / "sglang").is_dir():
+                raise FileNotFoundError(
+                    f"no sglang package in {named} (install it: scripts/gpu_setup.sh --sglang)"
+                )
+            return Path(named)
+    default = _default_site()
+    return default if (default / "sglang").is_dir() else None
+
+
+def sglang_installed(site_dir: str | None = None) -> bool:
+    """Whether SGLang is there to launch: in its own directory (:func:`sglang_site`) or in this Python.
+    Nothing is imported (SGLang's import needs its own transformers, which this process may not have)."""
+    return sglang_site(site_dir) is not None or importlib.util.find_spec("sglang") is not None
+
+
+def cuda_home() -> str | None:
+    """``$CUDA_HOME``, else the CUDA install ``nvcc`` on ``PATH`` belongs to (SGLang builds its elementwise
+    kernels at first use through tvm-ffi, which needs it), else None."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    return str(Path(nvcc).resolve().parent.parent) if nvcc else None
 
 
 def _flag_args(extra: dict[str, Any]) -> list[str]:
@@ -103,8 +156,44 @@ class SGLangConfig(ConfigModel):
         default_factory=dict,
         description="pass-through flags: {'context-length': 8192, 'enable-metrics': true} (also --sglang-* keys)",
     )
+    skip_tokenizer_init: bool | None = Field(
+        None,
+        description="--skip-tokenizer-init: token ids in and out, no tokenizer in the server. SGLang then "
+        "refuses stop strings, so None (auto) skips it only when model_path holds no tokenizer; set false "
+        "for envs that stop on strings (Search-R1's </search>), true to save the detokenizer's work",
+    )
+    attention_backend: str | None = Field(
+        "triton",
+        description="--attention-backend: triton needs no JIT build at start and no FA3 library (not in the "
+        "offline bundle); None: SGLang's choice (fa3 on Hopper)",
+    )
+    sampling_backend: str | None = Field(
+        "pytorch", description="--sampling-backend: pytorch needs no flashinfer JIT build; None: SGLang's"
+    )
+    memory_saver: bool = Field(
+        False,
+        description="--enable-memory-saver: /release_memory_occupation and /resume_memory_occupation work "
+        "(a colocated engine gives its GPU memory to the trainer); set by colocated runs",
+    )
+    weights_cpu_backup: bool = Field(
+        False,
+        description="--enable-weights-cpu-backup: released weights come back with their content. Without it "
+        "they come back as garbage, which is fine when new weights are pushed after every resume (agentrl's "
+        "colocated step does), and saves a host copy of the weights",
+    )
+    deterministic: bool = Field(
+        False,
+        description="--enable-deterministic-inference: batch-invariant kernels, so a request's tokens do not "
+        "depend on what else the server batches (seeded requests repeat exactly)",
+    )
+    site_dir: str | None = Field(
+        None,
+        description=f"directory with SGLang installed apart (scripts/gpu_setup.sh --sglang), put first on the "
+        f"servers' PYTHONPATH; None: ${SITE_ENV}, else $AGENTRL_CACHE/sglang when it holds sglang, else "
+        "none (sglang must import in `python`)",
+    )
     python: str = Field(
-        default_factory=lambda: sys.executable, description="python that has sglang installed"
+        default_factory=lambda: sys.executable, description="python that runs sglang (with site_dir)"
     )
     module: str = Field("sglang.launch_server", description="module run with python -m")
     env: dict[str, str] = Field(
@@ -250,11 +339,22 @@ class SGLangLauncher(_Launcher):
             argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
         if c.api_key:
             argv += ["--api-key", c.api_key]
-        reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key"}
+        skip = c.skip_tokenizer_init
+        if skip is None:  # auto: a tokenizer only where there is one (it is what stop strings need)
+            skip = not _has_tokenizer(c.model_path)
+        flags: dict[str, Any] = {
+            "skip-tokenizer-init": skip,
+            "attention-backend": c.attention_backend,
+            "sampling-backend": c.sampling_backend,
+            "enable-memory-saver": c.memory_saver,
+            "enable-weights-cpu-backup": c.weights_cpu_backup,
+            "enable-deterministic-inference": c.deterministic,
+        }
+        reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key", *flags}
         clash = sorted(k for k in c.extra_args if str(k).lstrip("-").replace("_", "-") in reserved)
         if clash:
             raise ValueError(f"extra_args {clash} duplicate SGLangConfig fields; set those fields instead")
-        return argv + _flag_args(c.extra_args)
+        return argv + _flag_args(flags) + _flag_args(c.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = {}
@@ -262,7 +362,22 @@ class SGLangLauncher(_Launcher):
             # SGLang's default logprob is of the temperature-scaled distribution; agentrl's importance ratios
             # need the raw model's (the embedded engine returns those too).
             env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-        return {**env, **self.cfg.env}
+        site = sglang_site(self.cfg.site_dir)
+        if site is not None:  # SGLang's own packages first, for the server only
+            inherited = self.cfg.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), inherited) if p)
+        home = cuda_home()
+        if home is not None:
+            env["CUDA_HOME"] = home
+        return {**env, **{k: v for k, v in self.cfg.env.items() if k != "PYTHONPATH" or site is None}}
+
+
+def _has_tokenizer(model_path: str) -> bool:
+    """Whether a local model directory holds tokenizer files (a hub id: assume it does)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return True
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 class SGLangRouterLauncher(_Launcher):
@@ -337,5 +452,3 @@ def remote_sglang_server(cfg: SGLangConfig, num_gpus: float | None = None, **ray
     if ray_options:
         actor_cls = actor_cls.options(**ray_options)
     return actor_cls.remote(cfg.model_dump())
-
-

@@ -2,7 +2,9 @@
 the payload of SGLang's ``/update_weights_from_tensor``.
 
 SGLang's request carries ``serialized_named_tensors``, one string per tensor-parallel rank: the base64
-of a ``ForkingPickler`` pickle of ``[(name, tensor), ...]``. For CUDA tensors that pickle holds CUDA IPC
+of a ``ForkingPickler`` pickle (default protocol) of ``[(name, tensor), ...]``, which is what SGLang's
+``MultiprocessingSerializer.serialize(..., output_str=True)`` makes and what its restricted unpickler
+(torch and multiprocessing globals only) reads back. For CUDA tensors that pickle holds CUDA IPC
 handles (``torch.multiprocessing.reductions``), so the engine maps the trainer's GPU memory and copies
 from it on the device. :func:`pack_named_tensors` first lays every tensor into one contiguous buffer (one
 IPC handle for all of them, which the receiver opens once) and sends views of it; a real SGLang server
@@ -96,8 +98,11 @@ def pack_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> PackedTenso
             (name, flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
             for (name, t), off in zip(named, offsets, strict=True)
         ]
-        data = bytes(ForkingPickler.dumps(views, pickle.HIGHEST_PROTOCOL))
-        return PackedTensors(base64.b64encode(data).decode(), None, total, [flat, views])
+        # Exactly the bytes of SGLang's MultiprocessingSerializer.serialize(views, output_str=True): a
+        # ForkingPickler at the default protocol, then base64 (sglang need not be importable here).
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(views)
+        return PackedTensors(base64.b64encode(buf.getvalue()).decode(), None, total, [flat, views])
     if device.type != "cpu":
         raise ValueError(f"named tensors on {device}: only CUDA (IPC handles) and CPU (shared memory)")
     shm = shared_memory.SharedMemory(create=True, size=total)

@@ -1,0 +1,249 @@
+"""Real SGLang, launched by agentrl's launcher and driven by its client (``python -m pytest -m gpu
+tests/test_gpu_sglang.py``; SGLang from ``scripts/gpu_setup.sh --sglang`` or the ``sglang`` extra).
+
+* Token-in/token-out over two turns: the ids sent are the ids SGLang continues, the second turn reuses the
+  first turn's prefix (radix cache), and the logprobs returned are the raw model's (what the trainer
+  recomputes; a float32 HF forward of the same weights), not the temperature-scaled ones.
+* ``/release_memory_occupation`` and ``/resume_memory_occupation`` by tag (``--enable-memory-saver``): the
+  KV cache's memory goes back to the driver and returns; weights released without a CPU backup come back
+  right once new ones are pushed.
+* A request interrupted by a weight update (pause in abort mode, ``/update_weights_from_tensor`` with
+  CUDA IPC handles packed by agentrl, which never imports sglang) is resubmitted with its tokens and
+  continues under the new weights: nothing of the old weights' KV cache is reused.
+* On two GPUs: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (NCCL), trainer on
+  GPU 0, server on GPU 1.
+
+The model is a small random Qwen2 (4 layers, hidden 256, head dim 64, bf16) with a large initializer
+range, so that its next-token distributions are peaked and a temperature, or a stale weight, shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.engine.client import EngineClient
+from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
+from agentrl.engine.types import SamplingParams
+from agentrl.trainer.colocate import push_tensors
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.usefixtures("sglang_required")]
+
+SHAPE = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=4096, initializer_range=0.3,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two models of one shape: A (what the server loads) and B (the weights pushed to it)."""
+    from agentrl.models.tiny import build_tiny_model
+
+    return tuple(
+        build_tiny_model(
+            tmp_path_factory.mktemp(f"sglang_model_{s}"), arch="qwen2", seed=s, dtype="bfloat16", **SHAPE
+        )
+        for s in (0, 1)
+    )
+
+
+_HF: dict[Path, torch.nn.Module] = {}
+
+
+def _hf(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF:
+        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    return _HF[model_dir]
+
+
+@torch.no_grad()
+def reference_logprobs(model_dir: Path, ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= start, float32 forward of the (bf16) weights at ``temperature``."""
+    logits = _hf(model_dir)(torch.tensor([ids], device="cuda")).logits[0].float() / temperature
+    lp = torch.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1)
+    return lp.gather(1, torch.tensor(ids[start:], device="cuda")[:, None])[:, 0].tolist()
+
+
+def hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's HF-named weights on the GPU (bf16), as the trainer hands them over."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return {k: v.cuda() for k, v in model.state_dict().items()}
+
+
+def gaps(got: list[float], want: list[float]) -> list[float]:
+    assert len(got) == len(want)
+    return [abs(a - b) for a, b in zip(got, want, strict=True)]
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[Path, Path]):
+    cfg = SGLangConfig(
+        model_path=str(models[0]), port=0, mem_fraction_static=0.3, memory_saver=True,
+        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900,
+    )  # fmt: skip
+    with SGLangLauncher(cfg) as launcher:
+        yield launcher
+
+
+async def test_token_in_token_out_multi_turn(server: SGLangLauncher, models: tuple[Path, Path]) -> None:
+    prompt = ids(48, seed=1)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=24, ignore_eos=True, sampling_seed=7)
+    async with EngineClient(server.url, timeout=300) as client:
+        r1 = await client.generate(prompt, sp)
+        observation = ids(6, seed=2)
+        turn2 = prompt + r1.output_ids + observation
+        r2 = await client.generate(turn2, sp)
+        info = (await client.server_info())[0]
+    assert len(r1.output_ids) == len(r1.logprobs) == 24 and r1.finish_reason == "length"
+    assert len(r2.output_ids) == len(r2.logprobs) == 24 and r2.prompt_tokens == len(turn2)
+    assert r2.meta["cached_tokens"] >= len(prompt)  # the second turn continued the first turn's cached prefix
+    got = r1.logprobs + r2.logprobs
+    raw = reference_logprobs(models[0], prompt + r1.output_ids, len(prompt))
+    raw += reference_logprobs(models[0], turn2 + r2.output_ids, len(turn2))
+    scaled = reference_logprobs(models[0], prompt + r1.output_ids, len(prompt), temperature=0.7)
+    scaled += reference_logprobs(models[0], turn2 + r2.output_ids, len(turn2), temperature=0.7)
+    to_raw, to_scaled = gaps(got, raw), gaps(got, scaled)
+    print(
+        f"SGLang {info.get('version')} attention {info.get('attention_backend')} sampling "
+        f"{info.get('sampling_backend')}: |d logp| to the raw model mean {statistics.mean(to_raw):.4f} max "
+        f"{max(to_raw):.4f}; to the T=0.7 distribution mean {statistics.mean(to_scaled):.4f}"
+    )
+    assert info.get("attention_backend") == "triton" and info.get("sampling_backend") == "pytorch"
+    assert statistics.mean(to_raw) < 0.1 and max(to_raw) < 0.6  # bf16 serving against a float32 forward
+    assert statistics.mean(to_raw) < 0.3 * statistics.mean(to_scaled)  # the raw model's, not the scaled
+
+
+async def test_release_and_resume_memory_by_tag(server: SGLangLauncher, models: tuple[Path, Path]) -> None:
+    prompt = ids(40, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    free = lambda: torch.cuda.mem_get_info()[0] / 2**30  # noqa: E731 - the device's, seen from this process
+    total = torch.cuda.mem_get_info()[1] / 2**30
+    async with EngineClient(server.url, timeout=300) as client:
+        before = await client.generate(prompt, greedy)
+        awake = free()
+        await client.release_memory_occupation(["kv_cache"])
+        kv_released = free()
+        await client.resume_memory_occupation(["kv_cache"])
+        after_kv = await client.generate(prompt, greedy)
+        resumed = free()
+        await client.release_memory_occupation()  # everything: KV cache, weights, CUDA graphs
+        all_released = free()
+        await client.resume_memory_occupation()
+        # no --enable-weights-cpu-backup: the weights come back as garbage until new ones are pushed
+        await push_tensors(client, hf_weights(models[0]), weight_version=0)
+        after_push = await client.generate(prompt, greedy)
+    print(
+        f"free GiB: awake {awake:.1f}, KV cache released {kv_released:.1f}, all released {all_released:.1f}"
+    )
+    assert kv_released - awake > 0.5 * 0.3 * total  # most of the 0.3 share is KV cache, and it went back
+    assert abs(resumed - awake) < 0.05 * total
+    assert all_released >= kv_released - 0.5
+    assert after_kv.output_ids == before.output_ids  # weights kept; the KV cache recomputed
+    assert after_push.output_ids == before.output_ids
+    assert max(gaps(after_push.logprobs, before.logprobs)) < 1e-3
+
+
+async def test_update_interrupts_and_recomputes_without_stale_kv(
+    server: SGLangLauncher, models: tuple[Path, Path]
+) -> None:
+    """What the rollout does around a weight update, on real SGLang: pause (abort mode) returns the
+    in-flight request with the tokens so far; the update (flush_cache) drops the radix cache; the request
+    is resubmitted with its tokens and continues under the new weights, its prefix recomputed."""
+    prompt = ids(32, seed=4)
+    long = SamplingParams(temperature=1.0, max_new_tokens=3000, ignore_eos=True)
+    async with EngineClient(server.url, timeout=300) as client:
+        flight = asyncio.create_task(client.generate(prompt, long))
+        await asyncio.sleep(1.0)
+        await client.pause(mode="abort")
+        first = await flight
+        await push_tensors(client, hf_weights(models[1]), weight_version=1)
+        await client.continue_generation()
+        seq = prompt + first.output_ids
+        second = await client.generate(
+            seq, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+        )
+    assert first.finish_reason == "abort" and 0 < len(first.output_ids) < 3000, first.finish_reason
+    assert second.weight_version == "1"
+    assert second.meta["cached_tokens"] == 0  # nothing reused from the old weights' KV cache
+    before = gaps(first.logprobs, reference_logprobs(models[0], seq, len(prompt)))
+    under_new = gaps(second.logprobs, reference_logprobs(models[1], seq + second.output_ids, len(seq)))
+    under_old = gaps(second.logprobs, reference_logprobs(models[0], seq + second.output_ids, len(seq)))
+    print(
+        f"interrupted after {len(first.output_ids)} tokens; |d logp| before the update to A "
+        f"{statistics.mean(before):.4f}, after it to B {statistics.mean(under_new):.4f} (to A "
+        f"{statistics.mean(under_old):.4f})"
+    )
+    assert statistics.mean(before) < 0.1
+    assert statistics.mean(under_new) < 0.1 and max(under_new) < 0.6
+    assert statistics.mean(under_old) > 5 * statistics.mean(under_new)
+
+
+async def test_distributed_weight_update(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """NCCL broadcast from a trainer on GPU 0 to SGLang on GPU 1 (two processes cannot share one GPU in an
+    NCCL group); afterwards the server answers as the broadcast weights do."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the trainer's and the server's)")
+    from agentrl.cluster import free_port
+    from agentrl.engine.dist import init_custom_process_group, leave_process_group
+
+    torch.cuda.set_device(0)
+    cfg = SGLangConfig(
+        model_path=str(models[0]), port=0, mem_fraction_static=0.3, env={"CUDA_VISIBLE_DEVICES": "1"},
+        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900,
+    )  # fmt: skip
+    weights = hf_weights(models[1])
+    names = list(weights)
+    prompt = ids(40, seed=5)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    with SGLangLauncher(cfg) as launcher:
+        async with EngineClient(launcher.url, timeout=300) as client:
+            port = free_port()
+            _, pg = await asyncio.gather(
+                client.init_weights_update_group("127.0.0.1", port, 1, 2, "agentrl_test", "nccl"),
+                asyncio.to_thread(
+                    init_custom_process_group,
+                    "nccl",
+                    f"tcp://127.0.0.1:{port}",
+                    2,
+                    0,
+                    "agentrl_test",
+                    120.0,
+                    torch.device("cuda:0"),
+                ),
+            )
+
+            def broadcast() -> None:
+                for n in names:
+                    torch.distributed.broadcast(weights[n], src=0, group=pg)
+                torch.cuda.synchronize()
+
+            await asyncio.gather(
+                client.update_weights_from_distributed(
+                    names, [str(weights[n].dtype) for n in names], [list(weights[n].shape) for n in names],
+                    "agentrl_test", weight_version="1",
+                ),
+                asyncio.to_thread(broadcast),
+            )  # fmt: skip
+            out = await client.generate(prompt, sp)
+            left = await asyncio.gather(
+                client.destroy_weights_update_group("agentrl_test"), leave_process_group(pg)
+            )
+    assert out.weight_version == "1"
+    assert left[1], "the trainer's end of the group had to be aborted"
+    got = gaps(out.logprobs, reference_logprobs(models[1], prompt + out.output_ids, len(prompt)))
+    assert statistics.mean(got) < 0.1
