@@ -8,10 +8,7 @@ The user-facing folders ``envs/``, ``tools/``, ``sandboxes/`` and ``examples/`` 
 ``agentrl.envs``, ``agentrl.tools``, ``agentrl.sandboxes`` and ``agentrl.examples``.
 """
 
-from agentrl import _moved
 from agentrl.types import Status, ToolCallRecord, Trajectory, Turn
-
-_moved.install()
 
 __all__ = ["Status", "ToolCallRecord", "Trajectory", "Turn"]
 __version__ = "0.1.0"
