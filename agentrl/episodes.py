@@ -5,7 +5,7 @@ With ``rollout.dump`` on, ``train_async.py`` writes under ``<output_dir>/traject
 * ``step_000012.jsonl.gz``: one JSON record per line, the episodes of step 12's training batch
   (``"kind": "train"``, in the order the trainer got them) and, when an evaluation ran after that step,
   its episodes (``"kind": "eval"``; step 0 holds the evaluation before training);
-* ``run.json``: what a replay needs besides the episodes (the trainer's config, η, its thread count);
+* ``run.json``: what a retrain (:mod:`agentrl.retrain`) needs besides the episodes (the trainer's config, η, its thread count);
 * ``tokens.json``: the text of every token id (what the viewer shows per token).
 
 A record is the :class:`~agentrl.types.Trajectory` (``to_dict``: token ids, loss mask, rollout logprobs,
@@ -127,7 +127,7 @@ def episode_table(trajs: Sequence[Trajectory], max_chars: int = 2000) -> tuple[l
 
 class EpisodeDump:
     """Writes a run's dumps (see the module docstring). ``model_dir``: its tokenizer gives the prompt
-    text and ``tokens.json``; ``run_info``: what :mod:`agentrl.replay` needs (trainer config, η)."""
+    text and ``tokens.json``; ``run_info``: what :mod:`agentrl.retrain` needs (trainer config, η)."""
 
     def __init__(
         self,
@@ -183,7 +183,7 @@ class EpisodeDump:
         None when the step is not dumped."""
         if not self.cfg.wants(step):
             return None
-        if "trainer_threads" not in self.run_info:  # replay computes with the same thread count
+        if "trainer_threads" not in self.run_info:  # a retrain computes with the same thread count
             self.run_info["trainer_threads"] = got.get("threads")
             self._write_json("run.json", self.run_info)
         lps = got.get("logprobs") or [None] * len(batch)

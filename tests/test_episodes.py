@@ -1,8 +1,8 @@
-"""Episode dumps, replay, the viewer on a real run, and wandb (agentrl.episodes, agentrl.replay,
+"""Episode dumps, retraining a step, the viewer on a real run, and wandb (agentrl.episodes, agentrl.retrain,
 agentrl.viewer, agentrl.metrics).
 
 One real ``train_async.py`` run (tiny Search-R1 config, two steps, dumps on, a checkpoint per step, wandb
-offline) serves the run-level tests: what the dumps hold, a replayed step bit for bit, the wandb history
+offline) serves the run-level tests: what the dumps hold, a retrained step bit for bit, the wandb history
 against metrics.jsonl, and the viewer page of the run in headless Chromium. The reader's handling of
 corrupt and truncated files is tested on files written here.
 """
@@ -268,12 +268,12 @@ def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_replayed_step_is_bit_identical_to_the_original(run_dir: Path, tmp_path: Path) -> None:
+def test_retrained_step_is_bit_identical_to_the_original(run_dir: Path, tmp_path: Path) -> None:
     """Step 2 trained again from its dump and the checkpoint of step 1, with no engine and no env, gives
     the weights the run had after step 2, byte for byte."""
-    out = tmp_path / "replayed"
+    out = tmp_path / "retrained"
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrl.replay", "--run", str(run_dir), "--step", "2", "--save", str(out)],
+        [sys.executable, "-m", "agentrl.retrain", "--run", str(run_dir), "--step", "2", "--save", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -281,15 +281,15 @@ def test_replayed_step_is_bit_identical_to_the_original(run_dir: Path, tmp_path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert metrics["replayed_step"] == 2 and metrics["num_trajectories"] == 8
+    assert metrics["retrained_step"] == 2 and metrics["num_trajectories"] == 8
     before = _weights(run_dir / "checkpoints" / "step_00000001")
     original = _weights(run_dir / "checkpoints" / "step_00000002")
-    replayed = _weights(out / "step_00000002")
+    retrained = _weights(out / "step_00000002")
     tensors = [k for k, v in original.items() if isinstance(v, torch.Tensor)]
-    assert tensors and replayed.keys() == original.keys()
+    assert tensors and retrained.keys() == original.keys()
     assert any(before[k].numpy().tobytes() != original[k].numpy().tobytes() for k in tensors)  # it trained
     for k in tensors:  # the same bytes (torch.equal would pass -0.0 == 0.0)
-        assert replayed[k].numpy().tobytes() == original[k].numpy().tobytes(), f"{k} differs"
+        assert retrained[k].numpy().tobytes() == original[k].numpy().tobytes(), f"{k} differs"
     # the same loss as the run logged for its step 2
     logged = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("policy_version") == 2)
     assert metrics["loss"] == logged["trainer/loss"] and metrics["grad_norm"] == logged["trainer/grad_norm"]

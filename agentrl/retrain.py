@@ -1,14 +1,14 @@
-"""Replay: train from a run's episode dumps, with no engine and no env.
+"""Retrain: train a run's steps again from its episode dumps, with no engine and no env.
 
-    python -m agentrl.replay --run runs/x --step 12                # step 12 again, from checkpoint 11
-    python -m agentrl.replay --run runs/x --step 12 --compare      # ... and check it against checkpoint 12
-    python -m agentrl.replay --run runs/x --steps 3:8 --save out/  # steps 3 to 8 in a row, then save
+    python -m agentrl.retrain --run runs/x --step 12                # step 12 again, from checkpoint 11
+    python -m agentrl.retrain --run runs/x --step 12 --compare      # ... and check it against checkpoint 12
+    python -m agentrl.retrain --run runs/x --steps 3:8 --save out/  # steps 3 to 8 in a row, then save
 
 The trainer is built in this process (one rank) from the config the run recorded
 (``trajectories/run.json``), restored from the checkpoint written after the step before the first one
-replayed (``<run>/checkpoints/step_00000011``; step 1 starts from the initial weights), and fed each
+retrained (``<run>/checkpoints/step_00000011``; step 1 starts from the initial weights), and fed each
 step's dumped training batch (the ``train`` records, in the order the trainer got them). On CPU, with the
-thread count the run's trainer used, a replayed step's update is the original's bit for bit. Each step
+thread count the run's trainer used, a retrained step's update is the original's bit for bit. Each step
 prints one JSON line of the trainer's metrics. What it is for: debugging the trainer (a loss change, a
 numerics question) on the exact batches of a run, and reproducing one step.
 """
@@ -45,7 +45,7 @@ def checkpoint_before(run_dir: Path, step: int) -> Path | None:
     path = run_dir / "checkpoints" / f"step_{step - 1:08d}"
     if not path.is_dir():
         raise SystemExit(
-            f"{path} does not exist: replaying step {step} needs the checkpoint of step {step - 1} "
+            f"{path} does not exist: retraining step {step} needs the checkpoint of step {step - 1} "
             "(checkpoint.interval: 1 keeps one per step), or pass --checkpoint"
         )
     return path
@@ -69,7 +69,7 @@ def build_trainer(run_dir: Path, device: str | None = None) -> tuple[Any, dict[s
     if device is not None:
         cfg = cfg.model_copy(update={"device": device})
     if cfg.tp * cfg.pp > 1:
-        raise SystemExit(f"replay runs one trainer rank; the run's trainer has tp={cfg.tp}, pp={cfg.pp}")
+        raise SystemExit(f"retrain runs one trainer rank; the run's trainer has tp={cfg.tp}, pp={cfg.pp}")
     if info.get("trainer_threads"):
         torch.set_num_threads(int(info["trainer_threads"]))
     # a world of its own, one rank: a torch.distributed world inherited from the caller's environment
@@ -82,14 +82,14 @@ def build_trainer(run_dir: Path, device: str | None = None) -> tuple[Any, dict[s
     return MegatronTrainer(cfg, deterministic=deterministic), info
 
 
-def replay(
+def retrain(
     run_dir: str | Path,
     steps: list[int],
     checkpoint: str | Path | None = None,
     save: str | Path | None = None,
     device: str | None = None,
 ) -> list[dict[str, float]]:
-    """Replay ``steps`` (consecutive) of the run in ``run_dir``; the trainer's metrics of each. ``save``:
+    """Train ``steps`` (consecutive) of the run in ``run_dir``; the trainer's metrics of each. ``save``:
     write the trainer's checkpoint there afterwards (``save/step_{N}/rank_00000.pt``)."""
     run_dir = Path(run_dir)
     if not steps or steps != list(range(steps[0], steps[0] + len(steps))):
@@ -111,7 +111,7 @@ def replay(
         out = []
         for step, batch in zip(steps, batches, strict=True):
             metrics = trainer.train_step(batch, info.get("max_staleness"))
-            out.append({"replayed_step": float(step), **metrics})
+            out.append({"retrained_step": float(step), **metrics})
         if save is not None:
             trainer.save_checkpoint(save)
         return out
@@ -136,11 +136,11 @@ def same_weights(a: str | Path, b: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m agentrl.replay", description="Train from a run's episode dumps (no engine, no env)."
+        prog="python -m agentrl.retrain", description="Train from a run's episode dumps (no engine, no env)."
     )
     p.add_argument("--run", required=True, help="the run's output_dir (with trajectories/ and checkpoints/)")
-    p.add_argument("--step", type=int, help="the training step to replay (1-based)")
-    p.add_argument("--steps", help="FIRST:LAST, consecutive steps to replay in a row")
+    p.add_argument("--step", type=int, help="the training step to train again (1-based)")
+    p.add_argument("--steps", help="FIRST:LAST, consecutive steps to train again in a row")
     p.add_argument("--checkpoint", help="start from this checkpoint dir instead of the step before's")
     p.add_argument("--save", help="write the trainer's checkpoint here afterwards")
     p.add_argument("--device", choices=["cpu", "cuda"], help="override the run's trainer device")
@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare and save is None:
         import tempfile
 
-        save = tempfile.mkdtemp(prefix="agentrl-replay-")
+        save = tempfile.mkdtemp(prefix="agentrl-retrain-")
     try:
-        for row in replay(run_dir, steps, args.checkpoint, save, args.device):
+        for row in retrain(run_dir, steps, args.checkpoint, save, args.device):
             print(json.dumps(row), flush=True)
     except DumpError as err:
         print(f"error: {err}", file=sys.stderr)
