@@ -38,7 +38,9 @@ orchestrator's early restart of a doomed episode and the trainer's assertion
 
 :class:`TrajectoryBuffer` is an asyncio FIFO of whole groups with backpressure (``put_group`` waits
 while ``max_groups`` are queued) and ``get_batch()`` that returns whole groups. It lives on one event
-loop (the orchestrator's; in training, the Ray actor's).
+loop (the orchestrator's; in training, the Ray actor's). When no batch can ever come, ``get_batch``
+raises: :class:`DataExhausted` once the producer finished, :class:`NoProgressError` (with the cause and
+the config field to change) once the producer found that it cannot make progress (``fail``).
 """
 
 from __future__ import annotations
@@ -49,11 +51,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.config import ConfigError
 from agentrl.types import Trajectory
 
 
 class DataExhausted(RuntimeError):
     """The producer finished (dataset exhausted, nothing in flight) and a full batch can never come."""
+
+
+class NoProgressError(ConfigError):
+    """The run can never form a training batch as configured (every group dropped, every episode or tool
+    call failing): the message is one line naming the cause and the config field to change. The producer
+    hands it to :meth:`TrajectoryBuffer.fail`; ``get_batch`` raises it."""
 
 
 class StalenessError(AssertionError):
@@ -244,6 +253,7 @@ class TrajectoryBuffer:
         self._queue: deque[Group] = deque()
         self._cond = asyncio.Condition()
         self._exhausted = False
+        self._error: NoProgressError | None = None  # the producer cannot make progress (fail)
         self._forming = 0  # groups already taken by a get_batch that is still waiting for the rest
         self.refused_stale = 0
         self.staleness_hist: Counter[int] = Counter()  # per trajectory, at hand-out
@@ -285,8 +295,12 @@ class TrajectoryBuffer:
         async def fill() -> None:
             async with self._cond:
                 while len(out) < n:
-                    await self._cond.wait_for(lambda: bool(self._queue) or self._exhausted)
+                    await self._cond.wait_for(
+                        lambda: bool(self._queue) or self._exhausted or self._error is not None
+                    )
                     if not self._queue:
+                        if self._error is not None:
+                            raise self._error.with_traceback(None)
                         raise DataExhausted(f"producer finished with {len(out)} of {n} groups available")
                     g = self._queue.popleft()
                     self._cond.notify_all()  # room for put_group
@@ -331,6 +345,18 @@ class TrajectoryBuffer:
         async with self._cond:
             self._exhausted = exhausted
             self._cond.notify_all()
+
+    async def fail(self, error: NoProgressError) -> None:
+        """The producer cannot make progress: ``get_batch`` raises ``error`` once the queue cannot serve it
+        (groups already queued are still handed out)."""
+        async with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    @property
+    def error(self) -> NoProgressError | None:
+        """What :meth:`fail` was given, or None."""
+        return self._error
 
     def mark_producing(self) -> None:
         """More groups will come after all (a refused group is being re-run)."""

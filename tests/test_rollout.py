@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from agentrl.buffer import DataExhausted
+from agentrl.buffer import DataExhausted, NoProgressError
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.envs.base import Env, StepResult
@@ -334,7 +334,8 @@ async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
         [t] = await orch.buffer.get_batch(timeout=30)
         await orch.stop()
         assert t.reward == float(len(t.response_ids)) and t.status == Status.COMPLETED
-        # a raising verifier fails the episode (never a silent 0.0); retried, then the group is dropped
+        # a raising verifier fails the episode (never a silent 0.0); retried, then the group is dropped;
+        # a whole pass of such drops stops the run, naming the verifier
         orch = Orchestrator(
             cfg(group_size=1, batch_size=1, verifier="rollout_broken", max_retries=1, epochs=1),
             client,
@@ -343,7 +344,7 @@ async def test_verifier_scores_and_failures_are_loud(tok: Any) -> None:
             tasks(3),
         )
         await orch.start()
-        with pytest.raises(DataExhausted):
+        with pytest.raises(NoProgressError, match=r"\(failed:verifier 3\).*verifier bug.*rollout\.verifier"):
             await orch.buffer.get_batch(timeout=30)
         await orch.stop()
         assert orch.m.failures["verifier"] == 6 and orch.m.counters["retries"] == 3

@@ -76,6 +76,20 @@ class RolloutConfig(ConfigModel):
     engine_retry_backoff: float = Field(
         0.25, ge=0, description="first backoff (s) between engine re-sends; doubles, capped at 4 s"
     )
+    no_progress_groups: int | None = Field(
+        None,
+        ge=0,
+        description="stop the run (NoProgressError from get_batch, naming the cause) once this many groups in a row "
+        "were dropped (zero variance, failed, stale) and none kept; None: a whole pass over the dataset, at most "
+        "1000 and at least 2 * batch_size; 0: never",
+    )
+    no_progress_failures: int | None = Field(
+        None,
+        ge=0,
+        description="stop the run (NoProgressError) once this many episodes in a row failed after their retries, "
+        "or this many tool calls in a row failed, with none succeeding between; None: "
+        "max(32, 2 * batch_size * group_size); 0: never",
+    )
     max_stale_restarts: int = Field(
         3,
         ge=0,

@@ -66,6 +66,11 @@ class DatasetCursor:
         return order
 
     @property
+    def size(self) -> int | None:
+        """Tasks per pass (epoch); None for an iterable, whose length is known only at its end."""
+        return len(self._seq) if self._seq is not None else None
+
+    @property
     def exhausted(self) -> bool:
         if self._dead:
             return True

@@ -53,14 +53,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
+from agentrl.buffer import Group, NoProgressError, StalenessController, TrajectoryBuffer
 from agentrl.chat import ChatTokenizer
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
@@ -73,6 +72,7 @@ from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.lockstep import LockstepSchedule
 from agentrl.rollout.metrics import RolloutMetrics
+from agentrl.rollout.progress import ProgressWatch, failure_kind
 from agentrl.sandboxes.shared import close_shared_sandboxes
 from agentrl.types import Status, Trajectory
 
@@ -83,16 +83,6 @@ log = logging.getLogger(__name__)
 
 # Outcomes of a draw (what accounting() counts).
 TRAINED = "trained"
-
-
-def failure_kind(traj: Trajectory) -> str:
-    """What failed a trajectory, from its error text: ``env``, ``engine``, ``verifier``, ``reward``,
-    ``tokenizer``, ``agent``, ``stale`` (the prefix the episode runners write)."""
-    err = traj.error or ""
-    if err.startswith("no reward"):
-        return "reward"
-    m = re.match(r"[a-z_]+", err)
-    return m.group(0) if m else "unknown"
 
 
 @dataclass
@@ -170,6 +160,15 @@ class Orchestrator:
         self.failed_attempts: list[tuple[str, int, int, str]] = []
         self.trained_uids: set[str] = set()
         self._verifier_checked = False
+        # a run that can never form a batch stops with the reason (agentrl.rollout.progress)
+        self.watch = ProgressWatch.defaults(
+            config.batch_size,
+            config.group_size,
+            self.cursor.size,
+            config.no_progress_groups,
+            config.no_progress_failures,
+        )
+        self.no_progress: NoProgressError | None = None
 
     # ================================================================ lifecycle
     @property
@@ -243,6 +242,7 @@ class Orchestrator:
             ctl.changed.clear()  # cleared before checking: no wake-up is lost (single event loop)
             blocked = (
                 self._paused
+                or self.no_progress is not None
                 or self._episode_slots + n > self.cfg.max_concurrency
                 or ctl.capacity() <= 0
                 or (self.lockstep is not None and not self.lockstep.may_start(ctl.version))
@@ -271,8 +271,9 @@ class Orchestrator:
             trajs = [t for rows in members for t in rows]
             kept, reason = self._judge(trajs)
             if kept is None:
-                self._drop(g.draw, reason, trajs)
+                await self._drop(g.draw, reason, trajs)
                 return
+            self.watch.kept()
             self._buffered[uid] = g.draw
             if self.lockstep is not None:  # held until its batch is complete, then in draw order
                 await self._release(self.lockstep.completed(Group(uid, kept, g.start_version)))
@@ -285,7 +286,7 @@ class Orchestrator:
             g.draw.stale_requeues += 1
             self.m.count("stale_group_requeues")
             if g.draw.stale_requeues > self.cfg.max_stale_restarts:
-                self._drop(g.draw, "stale")
+                await self._drop(g.draw, "stale")
                 return
             self._pending.appendleft(g.draw)
             self.controller.finish(accepted=False)
@@ -298,7 +299,7 @@ class Orchestrator:
         except Exception as err:  # a bug in this file or a user callback; never kill the loop
             log.exception("group %s crashed", uid)
             self.m.failure("internal")
-            self._drop(g.draw, f"internal:{type(err).__name__}")
+            await self._drop(g.draw, f"internal:{type(err).__name__}")
         finally:
             self._groups.pop(uid, None)
             self._episode_slots -= self.cfg.group_size
@@ -335,7 +336,7 @@ class Orchestrator:
                 if not await self.buffer.put_group(grp):  # the schedule keeps every batch within η
                     raise RuntimeError(f"deterministic schedule: group {grp.uid} would be trained too stale")
 
-    def _drop(self, draw: Draw, reason: str, trajs: Sequence[Trajectory] = ()) -> None:
+    async def _drop(self, draw: Draw, reason: str, trajs: Sequence[Trajectory] = ()) -> None:
         if self.lockstep is not None:
             self.lockstep.dropped(draw.uid)  # the batch takes the next draw in its place
         self.m.drop(reason)
@@ -348,6 +349,16 @@ class Orchestrator:
             log.warning(
                 "group %s dropped (%s, %d so far): %s", draw.uid, reason, n, "; ".join(errors) or reason
             )
+        await self._no_progress(self.watch.dropped_group(reason, list(trajs)))
+
+    async def _no_progress(self, error: NoProgressError | None) -> None:
+        """The watch found that the run cannot progress: stop admitting, and let ``get_batch`` raise it."""
+        if error is None or self.no_progress is not None:
+            return
+        self.no_progress = error
+        log.error("%s", error)
+        await self.buffer.fail(error)
+        self.controller.notify()
 
     def _on_taken(self, groups: list[Group]) -> None:
         for grp in groups:
@@ -412,6 +423,7 @@ class Orchestrator:
             if not failed or gave_up or attempt >= self.cfg.max_retries:
                 for t in rows:
                     t.info["attempts"] = attempt + 1
+                    await self._no_progress(self.watch.episode(t))
                 return rows
             attempt += 1
             self.m.count("retries")
