@@ -50,7 +50,9 @@ class DumpConfig(ConfigModel):
     """Which steps' trajectories ``train_async.py`` writes (``rollout.dump``). Shorthands:
     ``dump: all`` (or ``true``) is every step, ``dump: 5`` every 5th, ``dump: off`` (or ``false``) none."""
 
-    every: int = Field(0, ge=0, description="write the trajectories of every N-th training step (1: all; 0: off)")
+    every: int = Field(
+        0, ge=0, description="write the trajectories of every N-th training step (1: all; 0: off)"
+    )
     eval: bool = Field(True, description="also write the evaluated episodes (kind 'eval') when dumping is on")
 
     @model_validator(mode="before")
@@ -119,7 +121,15 @@ def episode_table(trajs: Sequence[Trajectory], max_chars: int = 2000) -> tuple[l
     status, turns, response tokens, error and the model's text (cut to ``max_chars``)."""
     columns = ["task_id", "reward", "status", "turns", "response_tokens", "error", "text"]
     rows = [
-        [t.task_id, t.reward, t.status.value, t.num_turns, len(t.response_ids), t.error, "".join(u.text for u in t.turns)[:max_chars]]
+        [
+            t.task_id,
+            t.reward,
+            t.status.value,
+            t.num_turns,
+            len(t.response_ids),
+            t.error,
+            "".join(u.text for u in t.turns)[:max_chars],
+        ]
         for t in trajs
     ]
     return columns, rows
@@ -157,7 +167,10 @@ class EpisodeDump:
             try:
                 self._tok = AutoTokenizer.from_pretrained(self.model_dir)
             except Exception as err:  # the dumps stay whole without it: only the texts are missing
-                warnings.warn(f"episode dumps: no tokenizer in {self.model_dir} ({err}); prompt and token texts left out", stacklevel=2)
+                warnings.warn(
+                    f"episode dumps: no tokenizer in {self.model_dir} ({err}); prompt and token texts left out",
+                    stacklevel=2,
+                )
                 self.model_dir = None
                 return None
             n = len(self._tok)
@@ -197,7 +210,9 @@ class EpisodeDump:
         """Write the episodes of the evaluation after step ``step`` (0: before training)."""
         if not (self.cfg.enabled and self.cfg.eval):
             return None
-        return self._write(step, [episode_record(t, "eval", step, None, self._prompt_text(t)) for t in trajs], "ab")
+        return self._write(
+            step, [episode_record(t, "eval", step, None, self._prompt_text(t)) for t in trajs], "ab"
+        )
 
 
 # ---- reading ---------------------------------------------------------------------------------------

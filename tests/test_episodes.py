@@ -84,14 +84,18 @@ def test_train_async_names_bad_dump_and_wandb_fields() -> None:
         timeout=120,
     )
     assert proc.returncode != 0
-    assert "rollout.dump: Value error" in proc.stderr and "metrics.wandb.projekt: unknown field" in proc.stderr
+    assert (
+        "rollout.dump: Value error" in proc.stderr and "metrics.wandb.projekt: unknown field" in proc.stderr
+    )
 
 
 # ---------------------------------------------------------------- the trainer's logprobs
 def _trainer(model_dir: Path, **kw: Any) -> Any:
     from _trainer_helpers import free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
@@ -132,7 +136,9 @@ def test_recorded_trainer_logprobs_are_the_step_weights_and_change_no_update(
                         assert lp == pytest.approx(ref, abs=1e-5)
             else:
                 assert got["logprobs"] is None
-            weights.append({k: v.detach().clone() for k, v in tr.module.state_dict().items() if torch.is_tensor(v)})
+            weights.append(
+                {k: v.detach().clone() for k, v in tr.module.state_dict().items() if torch.is_tensor(v)}
+            )
         finally:
             tr.shutdown()
     for k, v in weights[0].items():  # recording changes nothing in the update, bit for bit
@@ -149,11 +155,22 @@ def test_records_hold_the_calls_the_env_reported_not_a_parse_of_the_text() -> No
     t.append_model_tokens([2, 3], [-0.1, -0.2], 0, "!lookup key=a")
     t.turns[-1].tool_calls = [ToolCallRecord("lookup", {"key": "a"}, "alpha", latency_s=0.002, id="c0")]
     t.append_observation_tokens([4], "alpha")
-    t.append_model_tokens([5], [-0.3], 0, '<tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call>')
+    t.append_model_tokens(
+        [5], [-0.3], 0, '<tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call>'
+    )
     rec = json.loads(json.dumps(episode_record(t, "train", 1)))  # as written to and read from disk
     assert "tool_calls" not in rec  # one place for them: the turns
     assert [turn["tool_calls"] for turn in rec["turns"]] == [
-        [{"name": "lookup", "arguments": {"key": "a"}, "result": "alpha", "error": None, "latency_s": 0.002, "id": "c0"}],
+        [
+            {
+                "name": "lookup",
+                "arguments": {"key": "a"},
+                "result": "alpha",
+                "error": None,
+                "latency_s": 0.002,
+                "id": "c0",
+            }
+        ],
         [],
         [],
     ]
@@ -188,7 +205,9 @@ def test_reader_names_file_and_line_of_a_bad_record_and_keeps_the_rest(tmp_path:
         f"{path}, line 5: truncated record",
     ]
     _write(tmp_path / "x.gz", ["[1, 2]\n"])
-    with pytest.raises(DumpError, match=r"x\.gz, line 1: not a JSON record \(a record is a JSON object, got list\)"):
+    with pytest.raises(
+        DumpError, match=r"x\.gz, line 1: not a JSON record \(a record is a JSON object, got list\)"
+    ):
         read_dump(tmp_path / "x.gz")
 
 
@@ -246,9 +265,18 @@ def test_run_dumps_every_trained_and_evaluated_episode(run_dir: Path) -> None:
             assert r["trained"] and len(r["trainer_logprobs"]) == n
             # tokens sampled with the weights the trainer had (version step - 1): the same policy on both
             # sides (fp32 on CPU), up to rounding; older tokens (η = 1) differ by the update between
-            fresh = zip(r["rollout_logprobs"], r["trainer_logprobs"], r["policy_versions"], r["loss_mask"], strict=True)
+            fresh = zip(
+                r["rollout_logprobs"],
+                r["trainer_logprobs"],
+                r["policy_versions"],
+                r["loss_mask"],
+                strict=True,
+            )
             assert all(abs(a - b) < 1e-3 for a, b, v, m in fresh if m and v == step - 1)
-            assert {v for v, m in zip(r["policy_versions"], r["loss_mask"], strict=True) if m} <= {step - 1, step - 2}
+            assert {v for v, m in zip(r["policy_versions"], r["loss_mask"], strict=True) if m} <= {
+                step - 1,
+                step - 2,
+            }
             assert r["reward"] in (0.0, 1.0) and r["status"] in ("completed", "truncated")
             assert r["messages"][0]["role"] == "prompt" and "Question:" in r["messages"][0]["content"]
             assert [m["role"] for m in r["messages"][1:]] == [t["role"] for t in r["turns"]]
@@ -341,10 +369,16 @@ def test_wandb_offline_history_has_the_metrics_jsonl_rows(run_dir: Path) -> None
             elif key != "step":
                 assert logged[key] == pytest.approx(value, rel=1e-12), key
     assert "trainer/loss" in history[1] and "batch/reward" in history[2]
-    prefix = "eval/episodes/"  # a logged table is a reference to its file: eval/episodes/{_type,path,nrows,...}
-    tables = {s: {k[len(prefix) :]: v for k, v in h.items() if k.startswith(prefix)} for s, h in history.items()}
+    prefix = (
+        "eval/episodes/"  # a logged table is a reference to its file: eval/episodes/{_type,path,nrows,...}
+    )
+    tables = {
+        s: {k[len(prefix) :]: v for k, v in h.items() if k.startswith(prefix)} for s, h in history.items()
+    }
     tables = {s: t for s, t in tables.items() if t}
-    assert sorted(tables) == [0, 2] and all(t["_type"] == "table-file" and t["nrows"] == 4 for t in tables.values())
+    assert sorted(tables) == [0, 2] and all(
+        t["_type"] == "table-file" and t["nrows"] == 4 for t in tables.values()
+    )
     table = json.loads((files[0].parent / "files" / tables[2]["path"]).read_text())
     assert table["columns"][:3] == ["task_id", "reward", "status"] and len(table["data"]) == 4
     assert (run_dir / "tb").is_dir()  # TensorBoard stays
@@ -356,7 +390,10 @@ def test_viewer_shows_an_episode_of_the_run_in_chromium(run_dir: Path, chromium:
 
     page = tmp_path / "view.html"
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrl.viewer", str(run_dir), "-o", str(page)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "agentrl.viewer", str(run_dir), "-o", str(page)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     train = [r for r in read_dump(step_path(run_dir, 2), kind="train")]
@@ -385,8 +422,14 @@ def test_viewer_shows_an_episode_of_the_run_in_chromium(run_dir: Path, chromium:
     assert not errors
     assert reward == "1.0000"
     first = rewarded["turns"][0]
-    shown = re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", lambda m: chr(0x2421 if m[0] == "\x7f" else 0x2400 + ord(m[0])), first["text"])
+    shown = re.sub(
+        r"[\x00-\x08\x0b-\x1f\x7f]",
+        lambda m: chr(0x2421 if m[0] == "\x7f" else 0x2400 + ord(m[0])),
+        first["text"],
+    )
     assert turn == f"model (tokens {first['start']}-{first['end']})" + shown  # the model's text, whole
-    assert "Question:" in text and ("observation" in text) == any(t["role"] == "observation" for t in rewarded["turns"])
+    assert "Question:" in text and ("observation" in text) == any(
+        t["role"] == "observation" for t in rewarded["turns"]
+    )
     assert tokens == len(rewarded["response_ids"])  # one coloured span per response token
     assert (tmp_path / "viewer.png").stat().st_size > 10_000

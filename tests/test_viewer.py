@@ -62,7 +62,9 @@ def test_ten_thousand_episodes_load_filter_and_open(tmp_path: Path, chromium: st
             out["detail"] = await b.evaluate("document.getElementById('detail').innerText")
             out["reward"] = await b.evaluate("document.getElementById('detail-reward').textContent")
             out["tokens_text_mode"] = await b.evaluate("document.querySelectorAll('#detail .tok').length")
-            out["tokens"] = await b.evaluate(_set("f-color", "logprob") + " && document.querySelectorAll('#detail .tok').length")
+            out["tokens"] = await b.evaluate(
+                _set("f-color", "logprob") + " && document.querySelectorAll('#detail .tok').length"
+            )
             out["errors"] = b.page_errors()
             await b.screenshot(tmp_path / "viewer.png")
             return out
@@ -86,7 +88,8 @@ def test_ten_thousand_episodes_load_filter_and_open(tmp_path: Path, chromium: st
 def _all(run: Path) -> list[dict]:
     """Every record of a run, in the page's order."""
     return sorted(
-        (r for _, recs in iter_steps(run) for r in recs), key=lambda r: (r["step"], r["group_id"], r["sample_index"])
+        (r for _, recs in iter_steps(run) for r in recs),
+        key=lambda r: (r["step"], r["group_id"], r["sample_index"]),
     )
 
 
@@ -94,13 +97,19 @@ def test_viewer_command_writes_and_serves_the_page(tmp_path: Path) -> None:
     run = synthetic_run(tmp_path / "run", episodes=40)
     proc = subprocess.run(
         [sys.executable, "-m", "agentrl.viewer", str(run), "-o", str(tmp_path / "v.html")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "task1_0" in (tmp_path / "v.html").read_text()
     server = subprocess.Popen(
         [sys.executable, "-m", "agentrl.viewer", str(run), "--serve"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert server.stdout is not None
@@ -117,7 +126,10 @@ def test_viewer_command_writes_and_serves_the_page(tmp_path: Path) -> None:
 
 def test_viewer_command_names_a_missing_run(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrl.viewer", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "agentrl.viewer", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2 and f"{tmp_path / 'nope'}/trajectories does not exist" in proc.stderr
 
@@ -126,9 +138,20 @@ def test_page_escapes_script_closing_text(tmp_path: Path) -> None:
     """Episode text that contains </script> or HTML stays text: the page still parses and shows it."""
     from agentrl.viewer import page_html
 
-    rec = {"kind": "train", "step": 1, "group_id": "g", "sample_index": 0, "task_id": "</script><b>x",
-           "reward": 1.0, "status": "completed", "response_ids": [0], "loss_mask": [1], "rollout_logprobs": [-0.5],
-           "policy_versions": [0], "turns": [{"role": "assistant", "start": 0, "end": 1, "text": "</script>é"}]}
+    rec = {
+        "kind": "train",
+        "step": 1,
+        "group_id": "g",
+        "sample_index": 0,
+        "task_id": "</script><b>x",
+        "reward": 1.0,
+        "status": "completed",
+        "response_ids": [0],
+        "loss_mask": [1],
+        "rollout_logprobs": [-0.5],
+        "policy_versions": [0],
+        "turns": [{"role": "assistant", "start": 0, "end": 1, "text": "</script>é"}],
+    }
     html = page_html([rec], ["</script>"])
     assert html.count("</script>") == html.count("<script")  # only the page's own script tags close
     assert "\\u003c/script>" in html
@@ -144,8 +167,14 @@ def test_calls_table_cuts_long_results_and_reads_format_1_dumps() -> None:
         assert block is not None
         return json.loads(block.group(1))
 
-    call = {"name": "python", "arguments": {"code": "print('x' * 5000)"}, "result": "x" * 5000, "error": None,
-            "latency_s": 0.5, "id": None}
+    call = {
+        "name": "python",
+        "arguments": {"code": "print('x' * 5000)"},
+        "result": "x" * 5000,
+        "error": None,
+        "latency_s": 0.5,
+        "id": None,
+    }
     rec = {"kind": "train", "step": 1, "group_id": "g", "sample_index": 0, "task_id": "t", "reward": 1.0,
            "status": "completed", "response_ids": [0, 1], "loss_mask": [1, 0], "rollout_logprobs": [-0.5, 0.0],
            "policy_versions": [0, -1], "turns": [{"role": "assistant", "start": 0, "end": 1, "text": "a", "tool_calls": [call]},

@@ -71,7 +71,13 @@ def _json(obj: Any) -> str:
 def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title: str = "run") -> str:
     """The viewer page for dump records (any order; shown by step, kind, group, sample)."""
     recs = sorted(
-        records, key=lambda r: (r.get("step", 0), r.get("kind") != "train", str(r.get("group_id")), r.get("sample_index", 0))
+        records,
+        key=lambda r: (
+            r.get("step", 0),
+            r.get("kind") != "train",
+            str(r.get("group_id")),
+            r.get("sample_index", 0),
+        ),
     )
     rows, details, used = [], [], set()
     offset = 0
