@@ -18,6 +18,8 @@ Every op here fixes the reduction order of a row whatever the batch:
 :func:`pre_attention` / :func:`post_attention` are a decoder layer in these ops (the embedded engine's
 order: norms, separate q/k/v projections, RoPE, SwiGLU), shared by the engine's deterministic mode
 and the trainer's true on-policy forward, so both compute a token's logprob in the same order.
+``torch_rms_norm``, ``torch_rope`` and ``torch_silu_mul`` are the torch formulas the kernels reproduce:
+the CPU kernels themselves, and the default forward's ops on every device.
 Autograd works through every op (on a GPU the Triton forward has a torch backward).
 """
 
@@ -73,6 +75,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         from agentrl.batch_invariant.triton_ops import rms_norm as tri
 
         return tri(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as the HF Llama/Qwen modules compute it, in torch ops: :func:`rms_norm` on a CPU, and the
+    default (not batch-invariant) forward's norm on every device."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -185,6 +193,11 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         from agentrl.batch_invariant.triton_ops import rope as tri
 
         return tri(x, cos, sin)
+    return torch_rope(x, cos, sin)
+
+
+def torch_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`rope` in torch ops (its CPU kernel; the default forward's RoPE on every device)."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return x * cos + _rotate_half(x) * sin
 
@@ -195,6 +208,11 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
         from agentrl.batch_invariant.triton_ops import silu_mul as tri
 
         return tri(g, u)
+    return torch_silu_mul(g, u)
+
+
+def torch_silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """:func:`silu_mul` in torch ops (its CPU kernel; the default forward's SwiGLU on every device)."""
     return F.silu(g) * u
 
 
@@ -256,4 +274,7 @@ __all__ = [
     "rope_tables",
     "silu_mul",
     "token_logprobs",
+    "torch_rms_norm",
+    "torch_rope",
+    "torch_silu_mul",
 ]
