@@ -211,7 +211,7 @@ def test_engine_moe_forward_matches_transformers_and_reports_routing(moe_dir: Pa
 def test_engine_sorted_experts_equal_grouped() -> None:
     # the CUDA-graph path (torch._grouped_mm over expert-sorted rows, no host sync) computes what the
     # eager path does
-    from agentrl.embedded.moe import experts_grouped, experts_sorted, route
+    from agentrl.models.decoder import experts_grouped, experts_sorted, route
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 32, generator=g)

@@ -9,10 +9,12 @@ each ``(B, L)`` bucket is one captured CUDA graph, replayed with no per-layer Py
 column of every slot is scratch: padded prefill tokens and padded decode rows write there, and no
 attention ever reads it.
 
-The forward is written here over the HF model's own modules (embedding, norms, q/k/v/o projections,
-MLP, LM head) for the Llama, Qwen2 and Qwen3 families and the Qwen3-MoE mixture-of-experts family (its
-MLP in :mod:`agentrl.embedded.moe`; the experts each token was routed to are kept per slot position beside
-the KV cache, for routing replay), so the weights the trainer pushes are the weights served, with no copy. Prefill ("extend") handles a batch of sequences that each already have
+The forward runs the decoder layer of :mod:`agentrl.models.decoder` over the HF model's own parameters
+(embedding, norms, q/k/v/o projections, MLP, LM head) for the Llama, Qwen2 and Qwen3 families and the
+Qwen3-MoE mixture-of-experts family (the experts each token was routed to are kept per slot position
+beside the KV cache, for routing replay), so the weights the trainer pushes are the weights served, with
+no copy; in batch-invariant mode over the ops of :mod:`agentrl.batch_invariant`, as the trainer's true
+on-policy forward runs it. Prefill ("extend") handles a batch of sequences that each already have
 ``start`` tokens cached and add ``n`` new ones (a fresh prompt, a prompt whose prefix was found in the
 cache, or one chunk of a long prompt) with torch SDPA; decode computes attention for one new token per
 sequence as two batched matmuls over the cached keys and values.
@@ -25,13 +27,24 @@ import itertools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
 from agentrl.embedded.slot_copy import copy_slots
+from agentrl.models.decoder import (
+    BATCH_INVARIANT_OPS,
+    TORCH_OPS,
+    Experts,
+    LayerWeights,
+    experts_sorted,
+    lm_head,
+    post_attention,
+    pre_attention,
+)
+from agentrl.models.moe import MoESpec, refuse_unsupported_moe
 
 log = logging.getLogger("agentrl.engine")
 
@@ -90,58 +103,6 @@ def plan_kv_cache(
     return context_len, cache_slots
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the HF Llama/Qwen modules compute it (fp32 statistics, weight applied in the input dtype)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def pre_attention(
-    x: torch.Tensor, w: tuple, cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, kv: int, d: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input norm, q/k/v projections, (Qwen3) q/k norms and RoPE; ``x`` is [..., hidden], heads come out in
-    dim -2. ``w`` = (ln1, wq, bq, wk, bk, wv, bv, q_norm, k_norm, ...), biases and norms may be None."""
-    ln1, wq, bq, wk, bk, wv, bv, qn, kn = w[:9]
-    h = rms_norm(x, ln1, eps)
-    lead = h.shape[:-1]
-    q = F.linear(h, wq, bq).view(*lead, heads, d)
-    k = F.linear(h, wk, bk).view(*lead, kv, d)
-    v = F.linear(h, wv, bv).view(*lead, kv, d)
-    if qn is not None:
-        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
-
-
-def post_attention(x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
-    """Output projection + residual, then the SwiGLU MLP + residual."""
-    wo, bo, ln2, wg, bg, wu, bu, wd, bd = w[9:]
-    x = x + F.linear(o, wo, bo)
-    h = rms_norm(x, ln2, eps)
-    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
-
-
-def post_attention_moe(
-    x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float, topk: int, norm: bool, sorted_experts: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output projection + residual, then the mixture-of-experts MLP + residual; also the expert ids
-    [..., k] each token was routed to. ``w`` ends (wo, bo, ln2, router, gate_up, down)."""
-    from agentrl.embedded.moe import moe_mlp
-
-    wo, bo, ln2, router, gate_up, down = w[9:]
-    x = x + F.linear(o, wo, bo)
-    y, ids = moe_mlp(rms_norm(x, ln2, eps), router, gate_up, down, topk, norm, sorted_experts)
-    return x + y, ids
-
-
 def decode_attention(
     q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, masked: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -155,28 +116,29 @@ def decode_attention(
     return torch.matmul(p, vv).reshape(b, heads * d)
 
 
-def lm_head(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(rms_norm(x, norm, eps), weight).float()
-
-
-def _layer_weights(layer: torch.nn.Module) -> tuple:
-    """The tensors of one decoder layer, in the order pre_attention / post_attention read them (the module's
-    own parameters: in-place weight updates reach them)."""
+def _layer_weights(layer: torch.nn.Module, moe: MoESpec | None) -> LayerWeights:
+    """The tensors of one HF decoder layer by name (the module's own parameters: in-place weight updates
+    reach them); a mixture-of-experts MLP as transformers' fused experts."""
     a, m = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    attention = (
-        layer.input_layernorm.weight,
-        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
-        None if q_norm is None else q_norm.weight,
-        None if k_norm is None else k_norm.weight,
-        a.o_proj.weight, a.o_proj.bias,
-        layer.post_attention_layernorm.weight,
+    attention = dict(
+        input_norm=layer.input_layernorm.weight,
+        q=a.q_proj.weight, q_bias=a.q_proj.bias, k=a.k_proj.weight, k_bias=a.k_proj.bias,
+        v=a.v_proj.weight, v_bias=a.v_proj.bias,
+        q_norm=None if q_norm is None else q_norm.weight,
+        k_norm=None if k_norm is None else k_norm.weight,
+        o=a.o_proj.weight, o_bias=a.o_proj.bias,
+        mlp_norm=layer.post_attention_layernorm.weight,
     )  # fmt: skip
-    if hasattr(m, "experts"):  # a mixture-of-experts MLP: router, fused experts (see agentrl.embedded.moe)
-        return (*attention, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj)
-    return (
-        *attention,
-        m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+    if moe is not None:
+        experts = Experts(
+            m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj, moe.topk, moe.norm_topk_prob
+        )
+        return LayerWeights(**attention, experts=experts)
+    return LayerWeights(
+        **attention,
+        gate=m.gate_proj.weight, gate_bias=m.gate_proj.bias, up=m.up_proj.weight, up_bias=m.up_proj.bias,
+        down=m.down_proj.weight, down_bias=m.down_proj.bias,
     )  # fmt: skip
 
 
@@ -204,8 +166,6 @@ class ModelRunner:
         kv_region: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         cfg = model.config
-        from agentrl.models.moe import MoESpec, refuse_unsupported_moe
-
         refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -226,7 +186,8 @@ class ModelRunner:
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
         if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"the embedded engine's MLP is SwiGLU; {cfg.hidden_act!r} is not served")
-        self.weights = [_layer_weights(layer) for layer in self.layers]
+        self.moe = MoESpec.from_hf_config(cfg.to_dict())
+        self.weights = [_layer_weights(layer, self.moe) for layer in self.layers]
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
@@ -257,7 +218,6 @@ class ModelRunner:
                 self.inner.rotary_emb.inv_freq, context_len + 1, self.device, self.dtype
             )
         self.vocab_size = int(self.lm_head_weight.shape[0])
-        self.moe = MoESpec.from_hf_config(cfg.to_dict())
         if self.moe is not None and batch_invariant:
             raise ValueError("batch-invariant mode serves dense models only, not mixture-of-experts models")
         # MoE: the experts of every (layer, slot, position), written where the KV goes; -1 = not computed
@@ -289,34 +249,28 @@ class ModelRunner:
         self._logits = torch.zeros(max_batch, self.vocab_size, dtype=torch.float32, device=self.device)
         # torch.compile fuses each layer's element-wise work (norms, RoPE, softmax, SiLU); a decode step is
         # otherwise ~45 small kernels per layer, which even a CUDA graph replays at a few microseconds each.
-        # The pieces are functions of tensors (not modules), so one compilation serves every layer.
+        # The pieces are functions of tensors (not modules), so one compilation serves every layer. The
+        # layer's ops (agentrl.models.decoder): plain torch, or agentrl.batch_invariant's.
+        self.ops = BATCH_INVARIANT_OPS if batch_invariant else TORCH_OPS
         self._pre, self._post, self._attn, self._head = (
             pre_attention,
             post_attention,
             decode_attention,
             lm_head,
         )
-        if batch_invariant:
-            self._pre, self._post, self._head = bi.pre_attention, bi.post_attention, bi.lm_head
         self.compiled = compile and self.device.type == "cuda" and not batch_invariant
         if self.compiled:
-            self._pre, self._post, self._attn, self._head = (
-                torch.compile(f, dynamic=True)
-                for f in (pre_attention, post_attention, decode_attention, lm_head)
+            self._pre, self._attn, self._head = (
+                torch.compile(f, dynamic=True) for f in (pre_attention, decode_attention, lm_head)
             )
+            if self.moe is None:  # the mixture-of-experts MLP runs eagerly
+                self._post = torch.compile(post_attention, dynamic=True)
         if self.moe is not None:
             # CUDA graphs need the experts without host syncs: torch._grouped_mm over expert-sorted rows
             sorted_experts = self.cuda_graphs and hasattr(torch, "_grouped_mm")
             self.cuda_graphs = self.cuda_graphs and sorted_experts
-            layer_of = {id(w): i for i, w in enumerate(self.weights)}
-            moe = self.moe
-
-            def post_moe(x: torch.Tensor, o: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
-                x, ids = post_attention_moe(x, o, w, eps, moe.topk, moe.norm_topk_prob, sorted_experts)
-                self.routed[layer_of[id(w)]][self._route_at] = ids  # type: ignore[index]
-                return x
-
-            self._post = post_moe
+            if sorted_experts:
+                self.ops = replace(self.ops, experts=experts_sorted)
         self._pinned = (
             torch.empty(2 * max_batch, dtype=torch.long).pin_memory() if self.device.type == "cuda" else None
         )
@@ -364,8 +318,20 @@ class ModelRunner:
         return self.routed[:, slot, :n].permute(1, 0, 2).to("cpu", copy=True)
 
     # ------------------------------------------------------------------ shared pieces
+    def _pre_attention(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """A layer's (q, k, v) of the residual stream ``x`` (agentrl.models.decoder)."""
+        return self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.ops)
+
+    def _post_attention(self, i: int, x: torch.Tensor, o: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """Layer ``i``'s residual stream after its attention output ``o`` and its MLP; a mixture-of-experts
+        layer's routing is written where the KV goes (``_route_at``)."""
+        x, routed = self._post(x, o, w, self.norm_eps, self.ops)
+        if routed is not None:
+            self.routed[i][self._route_at] = routed  # type: ignore[index]
+        return x
+
     def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
-        return self._head(x, self.final_norm, self.norm_eps, self.lm_head_weight)
+        return self._head(x, self.final_norm, self.norm_eps, self.lm_head_weight, self.ops)
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
@@ -400,12 +366,12 @@ class ModelRunner:
         x = self.inner.embed_tokens(ids)
         qpos = torch.where(valid, pos, 0)  # padding queries attend to key 0 only (their output is dropped)
         for i, w in enumerate(self.weights):
-            q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
+            q, k, v = self._pre_attention(x, w, cos, sin)
             self.k[i][slots[:, None], :, write] = k
             self.v[i][slots[:, None], :, write] = v
             if self.batch_invariant:  # from the cache, as decode reads it (the kernel reads the keys in use)
                 o = bi.attention(q, self.k[i], self.v[i], qpos, self.scale, slots)
-                x = self._post(x, o, w, self.norm_eps)
+                x = self._post_attention(i, x, o, w)
                 continue
             if fresh:
                 kk, vv = k.transpose(1, 2), v.transpose(1, 2)
@@ -416,7 +382,7 @@ class ModelRunner:
                 q.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=fresh,
                 scale=self.scale, enable_gqa=group > 1,
             )  # fmt: skip
-            x = self._post(x, o.transpose(1, 2).reshape(rows, width, -1), w, self.norm_eps)
+            x = self._post_attention(i, x, o.transpose(1, 2).reshape(rows, width, -1), w)
         last = x[torch.arange(rows, device=dev), lens - 1]
         return self._logits_of(last)
 
@@ -486,11 +452,11 @@ class ModelRunner:
         self._route_at = (slot_d, pos_d)  # MoE routing goes where the KV goes
         x = self.inner.embed_tokens(ids_d)  # [tokens, hidden]
         for i, w in enumerate(self.weights):
-            q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
+            q, k, v = self._pre_attention(x, w, cos, sin)
             self.k[i][slot_d, :, pos_d] = k
             self.v[i][slot_d, :, pos_d] = v
             o = extend_attention(q, self.k[i], self.v[i], meta, self.scale)
-            x = self._post(x, o, w, self.norm_eps)
+            x = self._post_attention(i, x, o, w)
         return self._logits_of(x.index_select(0, last_d))
 
     def _capture_prefill(self, bucket: int) -> torch.cuda.CUDAGraph:
@@ -517,7 +483,7 @@ class ModelRunner:
         self._route_at = (rows, pos)  # MoE routing goes where the KV goes
         x = self.inner.embed_tokens(ids)
         for i, w in enumerate(self.weights):
-            q, k, v = self._pre(x, w, cos, sin, self.norm_eps, self.n_heads, self.n_kv, self.head_dim)
+            q, k, v = self._pre_attention(x, w, cos, sin)
             self.k[i][rows, :, pos] = k  # KV writes stay outside compiled code: no copy of the cache
             self.v[i][rows, :, pos] = v
             kk, vv = self.k[i][:b, :, :length], self.v[i][:b, :, :length]  # [b, kv, length, d]
@@ -531,7 +497,7 @@ class ModelRunner:
                 ).reshape(b, -1)
             else:
                 o = self._attn(q, kk, vv, masked, self.scale)
-            x = self._post(x, o, w, self.norm_eps)
+            x = self._post_attention(i, x, o, w)
         return self._logits_of(x)
 
     @torch.inference_mode()

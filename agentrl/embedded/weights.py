@@ -59,14 +59,29 @@ class DrainLock:
                 self._cond.notify_all()
 
 
+def fused_expert_name(name: str, num_experts: int) -> tuple[str, int, str] | None:
+    """An HF checkpoint's per-expert tensor name (``...mlp.experts.{e}.{gate|up|down}_proj.weight``) ->
+    ``(fused parameter name, expert, part)`` of transformers' fused experts (``...mlp.experts.gate_up_proj``
+    / ``down_proj``); None for any other name."""
+    head, sep, tail = name.partition(".mlp.experts.")
+    if not sep:
+        return None
+    parts = tail.split(".")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[2] != "weight":
+        return None
+    e, proj = int(parts[0]), parts[1]
+    if proj not in ("gate_proj", "up_proj", "down_proj") or e >= num_experts:
+        return None
+    fused = "gate_up_proj" if proj != "down_proj" else "down_proj"
+    return f"{head}.mlp.experts.{fused}", e, proj
+
+
 def _target(model: torch.nn.Module, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     """The tensor an update named ``name`` writes: the parameter itself, or for a mixture-of-experts model
     one expert's slice of transformers' fused experts when ``name`` is a checkpoint's per-expert name
     (``...mlp.experts.{e}.gate_proj.weight``, as SGLang's weight updates name them)."""
     if name in params:
         return params[name].data
-    from agentrl.embedded.moe import fused_expert_name
-
     num_experts = int(getattr(model.config, "num_experts", 0) or 0)
     hit = fused_expert_name(name, num_experts) if num_experts else None
     if hit is None or hit[0] not in params:
@@ -209,4 +224,11 @@ class WeightGroups:
             abort_process_group(self._groups.pop(name)[0])
 
 
-__all__ = ["DrainLock", "WeightGroups", "check_weights", "copy_weights", "load_checkpoint"]
+__all__ = [
+    "DrainLock",
+    "WeightGroups",
+    "check_weights",
+    "copy_weights",
+    "fused_expert_name",
+    "load_checkpoint",
+]

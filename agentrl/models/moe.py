@@ -2,7 +2,7 @@
 serves (Qwen3-MoE) and which it refuses by name, the MoE shape read from an HF config, and the wire format
 of routing records (SGLang's ``meta_info["routed_experts"]``: base64 of int32 ``[tokens, layers, k]``).
 The trainer's MoE layer, weight mapping and routing replay live in :mod:`agentrl.trainer.moe`; the
-engine's expert compute in :mod:`agentrl.embedded.moe`."""
+engine's expert compute (the decoder layer's MoE MLP) in :mod:`agentrl.models.decoder`."""
 
 from __future__ import annotations
 
