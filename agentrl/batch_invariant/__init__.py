@@ -15,11 +15,10 @@ Every op here fixes the reduction order of a row whatever the batch:
   trainer's full sequence. Keys past ``pos`` contribute exact zeros, so the bucket a decode step pads to
   and the chunking of a prefill do not change a bit.
 
-:func:`pre_attention` / :func:`post_attention` are a decoder layer in these ops (the embedded engine's
-order: norms, separate q/k/v projections, RoPE, SwiGLU), shared by the engine's deterministic mode
-and the trainer's true on-policy forward, so both compute a token's logprob in the same order.
-``torch_rms_norm``, ``torch_rope`` and ``torch_silu_mul`` are the torch formulas the kernels reproduce:
-the CPU kernels themselves, and the default forward's ops on every device.
+The decoder layer runs over these ops (:data:`agentrl.models.decoder.BATCH_INVARIANT_OPS`) in the engine's
+deterministic mode and in the trainer's true on-policy forward, so both compute a token's logprob in the
+same order. ``torch_rms_norm``, ``torch_rope`` and ``torch_silu_mul`` are the torch formulas the kernels
+reproduce: the CPU kernels themselves, and the default forward's ops on every device.
 Autograd works through every op (on a GPU the Triton forward has a torch backward).
 """
 
@@ -216,59 +215,12 @@ def torch_silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return F.silu(g) * u
 
 
-def pre_attention(
-    x: Tensor, w: tuple, cos: Tensor, sin: Tensor, eps: float, heads: int, kv: int, d: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Input norm, q/k/v projections, (Qwen3) q/k norms and RoPE; ``x`` is [..., hidden], heads come out
-    in dim -2. ``w`` = (ln1, wq, bq, wk, bk, wv, bv, q_norm, k_norm, ...) as the engine's runner orders a
-    layer's tensors; biases and q/k norms may be None. With ``wk`` None, ``wq``/``bq`` are the three
-    projections in one (megatron-core's layout: per key head, its query heads, its key, its value), and
-    give the same bits as three (a column's dot product does not depend on the weight's other rows)."""
-    ln1, wq, bq, wk, bk, wv, bv, qn, kn = w[:9]
-    h = rms_norm(x, ln1, eps)
-    lead = h.shape[:-1]
-    if wk is None:
-        qkv = linear(h, wq, bq).view(*lead, kv, heads // kv + 2, d)
-        q = qkv[..., :-2, :].reshape(*lead, heads, d)
-        k, v = qkv[..., -2, :], qkv[..., -1, :]
-    else:
-        q = linear(h, wq, bq).view(*lead, heads, d)
-        k = linear(h, wk, bk).view(*lead, kv, d)
-        v = linear(h, wv, bv).view(*lead, kv, d)
-    if qn is not None:
-        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
-    return rope(q, cos, sin), rope(k, cos, sin), v
-
-
-def post_attention(x: Tensor, o: Tensor, w: tuple, eps: float) -> Tensor:
-    """Output projection + residual, then the SwiGLU MLP + residual. With ``wu`` None, ``wg``/``bg`` are
-    the gate and up projections stacked in one, [gate; up]."""
-    wo, bo, ln2, wg, bg, wu, bu, wd, bd = w[9:]
-    x = linear(o, wo, bo, residual=x)
-    h = rms_norm(x, ln2, eps)
-    if wu is None:
-        gu = linear(h, wg, bg)
-        n = gu.shape[-1] // 2
-        act = silu_mul(gu[..., :n], gu[..., n:])
-    else:
-        act = silu_mul(linear(h, wg, bg), linear(h, wu, bu))
-    return linear(act, wd, bd, residual=x)
-
-
-def lm_head(x: Tensor, norm: Tensor, eps: float, weight: Tensor) -> Tensor:
-    """fp32 logits of the final hidden states."""
-    return linear(rms_norm(x, norm, eps), weight).float()
-
-
 __all__ = [
     "KEY_CHUNK",
     "ROW_TILE",
     "attention",
     "linear",
-    "lm_head",
     "logsumexp",
-    "post_attention",
-    "pre_attention",
     "rms_norm",
     "rope",
     "rope_tables",

@@ -5,9 +5,10 @@ The embedded engine in batch-invariant mode computes a token's logprob with the 
 element-wise tables, attention over keys ``0..pos`` in fixed chunks, SwiGLU, LM head, ``logits[target] -
 logsumexp``), and those ops give a row the same bits whatever else is in the call. A full-sequence
 forward is then the same computation as the engine's prefill, which equals its decode; so
-:class:`TrueOnPolicyLogprobs`, which runs exactly that order over the megatron model's own parameters,
-gives π_old and the loss's logprobs equal to the rollout's for the same weights and tokens: mismatch KL
-0, every TIS weight 1, PPO-KL 0 on the first step. Dense models, TP = PP = 1.
+:class:`TrueOnPolicyLogprobs`, which runs the engine's decoder layer (:mod:`agentrl.models.decoder`) in
+those ops over the megatron model's own parameters, gives π_old and the loss's logprobs equal to the
+rollout's for the same weights and tokens: mismatch KL 0, every TIS weight 1, PPO-KL 0 on the first
+step. Dense models, TP = PP = 1.
 
 Gradients flow to the parameters through the same graph: on a GPU each Triton op has a torch backward,
 and with ``deterministic_backward`` (the deterministic mode, whose runs must repeat bit for bit) the
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
+from agentrl.models.decoder import BATCH_INVARIANT_OPS, LayerWeights, lm_head, post_attention, pre_attention
 from agentrl.trainer.logprobs import _kernel, _softmax_stats
 from agentrl.trainer.model import ModelArch
 
@@ -43,14 +45,14 @@ def _gpt(model: torch.nn.Module) -> torch.nn.Module:
 
 class _HeadLogprobs(torch.autograd.Function):
     """(logprob of the target, entropy) of rows of final hidden states. The logprob is the engine's
-    (:func:`agentrl.batch_invariant.lm_head`, then ``token_logprobs``); the entropy and the gradient come
-    from the default path's fused softmax statistics (:mod:`agentrl.trainer.logprobs`, compiled on a GPU),
-    which no bit has to match. Nothing of [rows, vocabulary] is kept for backward: it recomputes the
-    logits."""
+    (:func:`agentrl.models.decoder.lm_head` in batch-invariant ops, then ``token_logprobs``); the entropy
+    and the gradient come from the default path's fused softmax statistics (:mod:`agentrl.trainer.logprobs`,
+    compiled on a GPU), which no bit has to match. Nothing of [rows, vocabulary] is kept for backward: it
+    recomputes the logits."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, norm: Tensor, head: Tensor, targets: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # fmt: skip
-        logits = bi.lm_head(hidden, norm, eps, head)
+        logits = lm_head(hidden, norm, eps, head, BATCH_INVARIANT_OPS)
         lp = bi.token_logprobs(logits, targets)
         inside = torch.ones_like(targets, dtype=torch.bool)
         m, log_s, _, mean_shifted = _softmax_stats(logits, targets, inside, None, logits.is_cuda)
@@ -62,8 +64,11 @@ class _HeadLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp: Tensor, g_ent: Tensor):  # type: ignore[override]
         hidden, norm, head, targets, m, log_s, mean_shifted = ctx.saved_tensors
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((hidden, norm, head), ctx.needs_input_grad[:3], strict=True)]
-            logits = bi.lm_head(leaves[0], leaves[1], ctx.eps, leaves[2])
+            leaves = [
+                t.detach().requires_grad_(need)
+                for t, need in zip((hidden, norm, head), ctx.needs_input_grad[:3], strict=True)
+            ]
+            logits = lm_head(leaves[0], leaves[1], ctx.eps, leaves[2], BATCH_INVARIANT_OPS)
         inside = torch.ones_like(targets, dtype=torch.bool)
         grad = _kernel("_logits_grad", logits.is_cuda)(
             logits.detach(), m, log_s, mean_shifted, targets, inside, g_lp.float(), g_ent.float()
@@ -73,7 +78,9 @@ class _HeadLogprobs(torch.autograd.Function):
         return (*(next(got) if t.requires_grad else None for t in leaves), None, None)
 
 
-def _head_logprobs(hidden: Tensor, targets: Tensor, norm: Tensor, head: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _head_logprobs(
+    hidden: Tensor, targets: Tensor, norm: Tensor, head: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """(logprob of the target, entropy) of rows of final hidden states, as the engine computes the logprob."""
     return _HeadLogprobs.apply(hidden, norm, head, targets, eps)
 
@@ -85,7 +92,9 @@ class TrueOnPolicyLogprobs:
 
     HEAD_CHUNK = 4096  # token rows per LM-head chunk
 
-    def __init__(self, arch: ModelArch, tp: int = 1, pp: int = 1, deterministic_backward: bool = False) -> None:
+    def __init__(
+        self, arch: ModelArch, tp: int = 1, pp: int = 1, deterministic_backward: bool = False
+    ) -> None:
         if tp != 1 or pp != 1:
             raise ValueError("trainer.true_on_policy: needs tp = 1 and pp = 1")
         self.arch = arch
@@ -103,21 +112,25 @@ class TrueOnPolicyLogprobs:
             self._tables[key] = have
         return have
 
-    def _layer(self, layer: torch.nn.Module) -> tuple:
-        """One layer's tensors in the order of :func:`agentrl.batch_invariant.pre_attention` /
-        ``post_attention``, megatron's fused projections as they are: ``linear_qkv`` (per KV group: its
-        query heads, its key head, its value head) and ``linear_fc1`` ([gate; up])."""
+    def _layer_weights(self, layer: torch.nn.Module) -> LayerWeights:
+        """One megatron layer's tensors, its fused projections as they are: ``linear_qkv`` (per KV group:
+        its query heads, its key head, its value head) and ``linear_fc1`` ([gate; up])."""
         a, m, arch = layer.self_attention, layer.mlp, self.arch
-        bqkv = a.linear_qkv.bias if arch.qkv_bias else None
-        qn = a.q_layernorm.weight if arch.qk_norm else None
-        kn = a.k_layernorm.weight if arch.qk_norm else None
-        return (
-            layer.input_layernorm.weight, a.linear_qkv.weight, bqkv, None, None, None, None, qn, kn,
-            a.linear_proj.weight, None, layer.pre_mlp_layernorm.weight,
-            m.linear_fc1.weight, None, None, None, m.linear_fc2.weight, None,
-        )  # fmt: skip
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv=a.linear_qkv.weight,
+            qkv_bias=a.linear_qkv.bias if arch.qkv_bias else None,
+            q_norm=a.q_layernorm.weight if arch.qk_norm else None,
+            k_norm=a.k_layernorm.weight if arch.qk_norm else None,
+            o=a.linear_proj.weight,
+            mlp_norm=layer.pre_mlp_layernorm.weight,
+            gate_up=m.linear_fc1.weight,
+            down=m.linear_fc2.weight,
+        )
 
-    def __call__(self, model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self, model: torch.nn.Module, tokens: Tensor, targets: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
         """``tokens``/``targets`` [b, s], right-padded, positions ``0..s-1`` on every row. Autograd runs
         through this forward; without autograd the entropy is None."""
         b, s = tokens.shape
@@ -161,23 +174,30 @@ class TrueOnPolicyLogprobs:
             return t.view(b, s, *t.shape[1:]) if packed is None else packed.unpack(t, shape)
 
         for layer in gpt.decoder.layers:
-            w = self._layer(layer)
-            q, k, v = bi.pre_attention(x, w, cos, sin, eps, heads, kv, d)
+            w = self._layer_weights(layer)
+            q, k, v = pre_attention(x, w, cos, sin, eps, heads, kv, d, BATCH_INVARIANT_OPS)
             o = bi.attention(
                 grid(q), grid(k).transpose(1, 2), grid(v).transpose(1, 2), qpos, self.scale,
                 deterministic_backward=self.deterministic_backward,
             ).view(b * s, -1)  # fmt: skip
-            x = bi.post_attention(x, o if packed is None else o.index_select(0, packed.index), w, eps)
-        head = gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
+            x, _ = post_attention(
+                x, o if packed is None else o.index_select(0, packed.index), w, eps, BATCH_INVARIANT_OPS
+            )
+        head = (
+            gpt.shared_embedding_or_output_weight() if arch.tie_word_embeddings else gpt.output_layer.weight
+        )
         norm, head = gpt.decoder.final_layernorm.weight, head[: arch.vocab_size]
         tgt, n = targets.clamp(min=0), x.shape[0]
         # the head runs in chunks of rows (row-invariant ops: the same bits as all at once), each
         # recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
         chunks = range(0, n, self.HEAD_CHUNK)
         if not torch.is_grad_enabled():
-            lp = torch.cat([bi.token_logprobs(bi.lm_head(x[i : i + self.HEAD_CHUNK], norm, eps, head), tgt[i : i + self.HEAD_CHUNK]) for i in chunks])  # fmt: skip
+            lp = torch.cat([bi.token_logprobs(lm_head(x[i : i + self.HEAD_CHUNK], norm, eps, head, BATCH_INVARIANT_OPS), tgt[i : i + self.HEAD_CHUNK]) for i in chunks])  # fmt: skip
             return grid(lp), None
-        outs = [_head_logprobs(x[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps) for i in chunks]
+        outs = [
+            _head_logprobs(x[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)
+            for i in chunks
+        ]
         return grid(torch.cat([o[0] for o in outs])), grid(torch.cat([o[1] for o in outs]))
 
 
