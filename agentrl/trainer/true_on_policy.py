@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
 from agentrl.models.decoder import BATCH_INVARIANT_OPS, LayerWeights, lm_head, post_attention, pre_attention
+from agentrl.trainer.arch import ModelArch
 from agentrl.trainer.logprobs import _kernel, _softmax_stats
-from agentrl.trainer.model import ModelArch
 
 Tensor = torch.Tensor
 
