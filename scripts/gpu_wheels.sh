@@ -33,7 +33,7 @@ if [ "${1:-}" = "--sglang" ]; then
     # at start-up. transformers and tokenizers are sglang's pins; the trainer keeps the image's.
     fetch "$tmp/site" "sglang==$SGLANG_VERSION" sglang-kernel==0.4.5 flashinfer-python==0.6.14 \
         xgrammar==0.2.1 apache-tvm-ffi==0.1.11 cuda-tile==1.7.0 transformers==5.12.1 tokenizers==0.22.2 \
-        compressed-tensors==0.20.0 ipython==9.18.1 ipython-pygments-lexers==1.1.1 jedi==0.20.1 parso==0.8.7 \
+        compressed-tensors==0.20.0 loguru==0.7.3 ipython==9.18.1 ipython-pygments-lexers==1.1.1 jedi==0.20.1 parso==0.8.7 \
         matplotlib-inline==0.2.2 traitlets==5.16.1 pexpect==4.9.0 ptyprocess==0.7.0 prompt-toolkit==3.0.53 \
         wcwidth==0.9.4 stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure-eval==0.2.4 dill==0.4.1 \
         soundfile==0.13.1 cffi==2.1.1 pycparser==3.12 msgspec==0.22.0 partial-json-parser==0.2.1.1.post7 \
