@@ -250,6 +250,7 @@ class _Launcher:
 
     def __init__(self) -> None:
         self.process: ServerProcess | None = None
+        self.scratch_dir: Path | None = None
         self._port = self.cfg.port
 
     def command(self) -> list[str]:  # pragma: no cover - overridden
@@ -277,13 +278,18 @@ class _Launcher:
             raise RuntimeError(f"{self.name} already running (pid {self.process.pid})")
         if self.cfg.port == 0:
             self._port = free_port(self.cfg.host)
-        log_file, scratch = self.cfg.log_file, None
-        if log_file is None:  # a log in a temp dir of its own, removed when the server stops
-            import tempfile
+        import tempfile
 
-            scratch = Path(tempfile.mkdtemp(prefix=f"agentrl-{self.name}-"))
-            log_file = str(scratch / f"{self.name}.log")
-        self.process = ServerProcess(self.command(), log_file, env=self.environment(), scratch_dir=scratch)
+        # a temp dir of the server's own (its TMPDIR, and its log unless log_file is set), removed when it stops
+        scratch = Path(tempfile.mkdtemp(prefix=f"agentrl-{self.name}-"))
+        self.scratch_dir = scratch
+        log_file = self.cfg.log_file or str(scratch / f"{self.name}.log")
+        try:
+            argv, env = self.command(), self.environment()
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        self.process = ServerProcess(argv, log_file, env=env, scratch_dir=scratch)
         if wait:
             self.wait_healthy()
         return self
@@ -369,6 +375,8 @@ class SGLangLauncher(_Launcher):
         home = cuda_home()
         if home is not None:
             env["CUDA_HOME"] = home
+        if self.scratch_dir is not None:  # what SGLang and its kernel builds leave goes with the server
+            env["TMPDIR"] = str(self.scratch_dir)
         return {**env, **{k: v for k, v in self.cfg.env.items() if k != "PYTHONPATH" or site is None}}
 
 
