@@ -8,18 +8,30 @@ dotted path of each bad field (``trainer.lr: Input should be a valid number``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 T = TypeVar("T", bound=BaseModel)
 
 
 class ConfigModel(BaseModel):
-    """Base of every agentrl config: unknown fields are errors, assignments are validated."""
+    """Base of every agentrl config: unknown fields are errors, assignments are validated. A field that was
+    replaced is listed in ``replaced_fields`` (old name -> what to write instead): setting it fails with
+    that one line rather than a bare "unknown field"."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    replaced_fields: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, instead in cls.replaced_fields.items():
+                if old in data:
+                    raise ValueError(f"{old} was replaced: {instead}")
+        return data
 
 
 class ConfigError(ValueError):
@@ -30,12 +42,12 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(
-            f"  {path}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {path}: {msg}"
-        )
+        # a check of several fields names them in its message; the section it was given is no help
+        plain = e["type"] in ("missing", "value_error")
+        lines.append(f"  {path}: {msg}" if plain else f"  {path}: {msg} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 
