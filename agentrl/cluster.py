@@ -79,13 +79,17 @@ class ServiceWorker:
 
 
 def start_service(
-    name: str, start: Callable[[], ServiceHandle], num_cpus: float = 0, num_gpus: float = 0
+    name: str, start: Callable[[], ServiceHandle], num_cpus: float = 0, num_gpus: float = 0, scheduling: Any = None
 ) -> Any:
-    """A Ray actor running ``start()``; blocks until the server is up and returns the actor handle."""
+    """A Ray actor running ``start()``; blocks until the server is up and returns the actor handle.
+    ``scheduling``: a Ray scheduling strategy (a placement group's bundle, agentrl.placement)."""
     import ray
 
+    options = {"scheduling_strategy": scheduling} if scheduling is not None else {}
     actor = (
-        ray.remote(ServiceWorker).options(name=None, num_cpus=num_cpus, num_gpus=num_gpus).remote(name, start)
+        ray.remote(ServiceWorker)
+        .options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, **options)
+        .remote(name, start)
     )
     ray.get(actor.url.remote())  # surfaces a start failure here, with the server's log tail
     return actor

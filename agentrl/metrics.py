@@ -4,6 +4,8 @@
 writes TensorBoard scalars when ``tensorboard`` is installed. :class:`ProgressLine` is a one-line console
 display (a bar plus a few chosen metrics) that redraws in place on a terminal and prints plain lines
 otherwise. Components keep their own counters and hand them over as flat ``{name: number}`` dicts.
+The training loop's own figures live here too: :func:`batch_metrics` of a step's batch,
+:func:`engine_metrics` read from the engines, and :func:`step_time_summary` of a whole run.
 
 With ``metrics.wandb`` set (:class:`WandbConfig`), the logger also sends every row to a wandb run (the
 same keys as ``metrics.jsonl``; wandb's own step is the row's ``step``) and :meth:`MetricsLogger.log_table`
@@ -19,11 +21,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 
 from pydantic import Field
 
 from agentrl.config import ConfigModel
+
+if TYPE_CHECKING:
+    from agentrl.types import Trajectory
 
 
 class WandbConfig(ConfigModel):
@@ -32,7 +37,8 @@ class WandbConfig(ConfigModel):
     project: str = Field(description="wandb project")
     name: str | None = Field(None, description="run name (None: the name of output_dir)")
     mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="None: online when WANDB_API_KEY is set, else offline (files under <output_dir>/wandb)"
+        None,
+        description="None: online when WANDB_API_KEY is set, else offline (files under <output_dir>/wandb)",
     )
     entity: str | None = Field(None, description="wandb entity (team or user); None: the default")
     tags: list[str] = Field(default_factory=list, description="tags of the wandb run")
@@ -136,7 +142,9 @@ def _start_wandb(cfg: WandbConfig, out_dir: Path, run_config: dict[str, Any] | N
     try:
         import wandb
     except ImportError:
-        raise ImportError("metrics.wandb is set but wandb is not installed: pip install 'agentrl[wandb]'") from None
+        raise ImportError(
+            "metrics.wandb is set but wandb is not installed: pip install 'agentrl[wandb]'"
+        ) from None
     mode = cfg.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     return wandb.init(
         project=cfg.project,
@@ -198,3 +206,80 @@ class ProgressLine:
         if self._tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+# ---- the training loop's own figures of a step, and of the run ---------------------------------------
+def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
+    """The loop's own figures for a training batch (the recipe may add its own)."""
+    rewards = [t.reward or 0.0 for t in batch]
+    stale = [version - t.min_policy_version for t in batch if t.min_policy_version is not None]
+    return {
+        "batch/reward": sum(rewards) / max(1, len(rewards)),
+        "batch/turns": sum(t.num_turns for t in batch) / max(1, len(batch)),
+        "batch/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
+        "batch/staleness_mean": sum(stale) / max(1, len(stale)),
+        "batch/staleness_max": float(max(stale, default=0)),
+    }
+
+
+async def engine_metrics(client: Any) -> dict[str, float]:
+    """The engines' peak GPU memory (GiB, the largest over engines) as they report it in
+    ``/get_server_info``, and their cumulative counters summed over engines (the embedded engine's: device
+    busy seconds in all and by step kind, decode steps and rows, prefill steps, rows and tokens, cached
+    tokens, slot copies); empty when none reports them."""
+    try:
+        infos = await client.server_info()
+    except Exception:  # a metric is not worth failing a step for
+        return {}
+    peaks = [float(i["peak_gpu_mem_gb"]) for i in infos if isinstance(i.get("peak_gpu_mem_gb"), int | float)]
+    out = {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
+    counters = ("busy_s", "prefill_busy_s", "decode_busy_s", "decode_steps", "decode_rows", "prefill_steps",
+                "prefill_rows", "prefill_tokens", "cached_tokens", "slot_copies")  # fmt: skip
+    for key in counters:
+        vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]
+        if vals:
+            out[f"engine/{key}"] = sum(vals)
+    return out
+
+
+def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """Means over the run's steps of the step-time breakdown (every ``time/*`` figure: waiting for the
+    batch, training, syncing, and when colocated the sleep / wake / offload phases inside them), the
+    engines' idle fraction and generated tokens/s over the loop, and the peak GPU memory seen."""
+    out: dict[str, float] = {}
+    steps = [r for r in history if "time/step_s" in r]
+    for key in sorted({k for r in steps for k in r if k.startswith("time/")}):
+        vals = [r[key] for r in steps if key in r]
+        out[f"mean_{key.removeprefix('time/')}"] = sum(vals) / len(vals)
+    # the rollout's figures cover the window since the previous step: weight them by its length
+    timed = [r for r in steps if "rollout/engine_idle_frac" in r]
+    wall = sum(r["time/step_s"] for r in timed)
+    if wall > 0:
+        out["engine_idle_frac"] = sum(r["rollout/engine_idle_frac"] * r["time/step_s"] for r in timed) / wall
+    busy = [r for r in steps if "engine/busy_s" in r]
+    if len(busy) > 1:  # the engines' own device time (summed over engines) against the loop's wall time
+        span = sum(r["time/step_s"] for r in busy[1:])
+        delta = {k: busy[-1][k] - busy[0].get(k, 0.0) for k in busy[-1] if k.startswith("engine/")}
+        out["engine_device_busy_frac"] = delta["engine/busy_s"] / span
+        if delta.get("engine/decode_steps"):
+            out["engine_decode_steps_per_step"] = delta["engine/decode_steps"] / (len(busy) - 1)
+            out["engine_rows_per_decode_step"] = (
+                delta.get("engine/decode_rows", 0.0) / delta["engine/decode_steps"]
+            )
+        out["engine_prefill_tokens_per_step"] = delta.get("engine/prefill_tokens", 0.0) / (len(busy) - 1)
+        for kind in ("prefill", "decode"):  # where the engines' device time goes, per RL step
+            if f"engine/{kind}_busy_s" in delta:
+                out[f"engine_{kind}_busy_s_per_step"] = delta[f"engine/{kind}_busy_s"] / (len(busy) - 1)
+        if delta.get("engine/prefill_steps"):
+            out["engine_prefill_steps_per_step"] = delta["engine/prefill_steps"] / (len(busy) - 1)
+    rated = [r for r in steps if "rollout/model_tokens_per_s" in r]
+    wall = sum(r["time/step_s"] for r in rated)
+    if wall > 0:  # the rollout's window is the step: tokens generated over the loop's wall time
+        out["generated_tokens_per_s"] = (
+            sum(r["rollout/model_tokens_per_s"] * r["time/step_s"] for r in rated) / wall
+        )
+    for key in ("trainer/peak_gpu_mem_gb", "engine/peak_gpu_mem_gb"):
+        vals = [r[key] for r in history if key in r]
+        if vals:
+            out[key.replace("/", "_")] = max(vals)
+    return out

@@ -9,11 +9,11 @@ validate it with a subclass that adds its own sections, as the Search-R1 demo ad
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from agentrl.config import ConfigModel
+from agentrl.config import ConfigError, ConfigModel
 from agentrl.engine.launcher import SGLangConfig
 from agentrl.metrics import MetricsConfig
 from agentrl.rollout.config import RolloutConfig
@@ -79,42 +79,63 @@ class EngineSetupConfig(ConfigModel):
 
 
 class ColocationConfig(ConfigModel):
-    """``placement: colocated``: what gives up its GPU memory while the other side works (slime's
-    ``--offload``). Both off: engine and trainer keep everything on the GPU all the time. Ignored (both
-    off) with ``placement: disaggregated``."""
+    """``placement: colocated``: how the engines and the trainer share each GPU (:mod:`agentrl.colocation`).
 
-    engine_sleep: bool = Field(
-        False,
-        description="the engines release their KV cache and weights (SGLang's /release_memory_occupation) "
-        "while the trainer steps, and take them back for the weight sync and the next generation; lets "
-        "engine.mem_fraction go to 0.7+. SGLang engines get --enable-memory-saver",
+    ``mode: turns`` (slime's colocation): generation pauses while the trainer steps, and each side may give
+    its GPU memory up while the other works (``engine_release``, ``trainer_offload``). ``mode: overlap``:
+    both stay resident and the engines keep generating beside the step, pausing for the weight sync only,
+    as disaggregated engines do; what they generate during a step is one policy version behind."""
+
+    replaced_fields: ClassVar[dict[str, str]] = {
+        "engine_sleep": "colocation.engine_release: all | kv_cache | none",
+        "engine_keep_weights": "colocation.engine_release: kv_cache (keep the weights, release the KV cache)",
+        "trainer_onload_ahead": "colocation.trainer_offload: ahead | after_batch | none",
+        "overlap": "colocation.mode: overlap (or turns)",
+    }
+
+    mode: Literal["turns", "overlap"] = Field(
+        "turns",
+        description="turns: generation pauses while the trainer steps; overlap: the engines generate beside "
+        "the step (engine.mem_fraction must leave the trainer its room) and pause for the weight sync only",
     )
-    engine_keep_weights: bool = Field(
-        False,
-        description="with engine_sleep: release only the KV cache and keep the weights on the GPU, which "
-        "saves copying them to host memory and back each step (the weights of a small model are a "
-        "sliver of the memory its cache takes)",
+    engine_release: Literal["all", "kv_cache", "none"] | None = Field(
+        None,
+        description="turns: what the engines release while the trainer steps (SGLang's "
+        "/release_memory_occupation; SGLang engines get --enable-memory-saver): all = KV cache and weights "
+        "(lets engine.mem_fraction go to 0.7+), kv_cache = keep the weights (a small model's weights are a "
+        "sliver of its cache), none. Default: all with turns; overlap needs none",
     )
-    trainer_offload: bool = Field(
-        False,
-        description="the trainer moves its weights, gradients and optimizer state to host memory while "
-        "the engines generate, and back before each step (costs the copies, about 2 x its state / PCIe "
-        "bandwidth per step)",
+    trainer_offload: Literal["ahead", "after_batch", "none"] | None = Field(
+        None,
+        description="turns: the trainer moves its weights, gradients and optimizer state to host memory while "
+        "the engines generate (costs about 2 x its state / PCIe bandwidth a step) and takes them back before "
+        "the step: ahead = the onload starts while the batch's last episodes still generate (timed from the "
+        "last steps), after_batch = once the batch is in, none = the state stays on the GPU. Default: ahead "
+        "with turns; overlap needs none",
     )
-    trainer_onload_ahead: bool = Field(
-        True,
-        description="with trainer_offload: start taking the trainer's state back while the batch's last "
-        "episodes still generate (timed from the last steps' waits and onloads), so that the copy is off "
-        "the step's critical path; the state fits beside awake engines, as at start-up. Off: the onload "
-        "starts once the batch is in",
-    )
-    overlap: bool = Field(
-        False,
-        description="the engines keep generating while the trainer steps, both resident on the one device "
-        "and sharing its time; generation pauses only for the weight sync, as with placement "
-        "disaggregated. Needs engine_sleep and trainer_offload off (and engine.mem_fraction leaving the "
-        "trainer its room); what is generated during a step is one policy version behind",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _offload_was_a_switch(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("trainer_offload"), bool):
+            raise ValueError(
+                "trainer_offload is no longer a switch: colocation.trainer_offload: ahead | after_batch | none"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _by_mode(self) -> ColocationConfig:
+        turns = self.mode == "turns"
+        if self.engine_release is None:
+            self.engine_release = "all" if turns else "none"
+        if self.trainer_offload is None:
+            self.trainer_offload = "ahead" if turns else "none"
+        if not turns and (self.engine_release != "none" or self.trainer_offload != "none"):
+            raise ValueError(
+                "colocation.mode overlap: the engines generate while the trainer steps, so neither side can "
+                "give its memory up; leave colocation.engine_release and colocation.trainer_offload unset"
+            )
+        return self
 
 
 class EvalConfig(ConfigModel):
@@ -155,7 +176,8 @@ class RunConfig(ConfigModel):
         description="two runs with the same seed give bit-identical weights and metrics (apart from timings) "
         "on one machine: seeded requests, batches and versions by the step (agentrl.rollout.lockstep), "
         "embedded engines with batch-invariant kernels (agentrl.batch_invariant: a request's bits do not "
-        "depend on the batch, prefix reuse or prefill chunking, so batching and reuse stay on)",
+        "depend on the batch, prefix reuse or prefill chunking, so batching and reuse stay on), SGLang "
+        "engines with --enable-deterministic-inference; the one switch every component reads",
     )
     model_path: str = Field(description="HF model dir, or pretrained:NAME (agentrl.models.pretrained)")
     data: DataConfig = Field(description="tasks")
@@ -163,8 +185,8 @@ class RunConfig(ConfigModel):
     engine: EngineSetupConfig = Field(default_factory=EngineSetupConfig, description="inference engines")
     placement: Literal["colocated", "disaggregated"] = Field(
         "disaggregated",
-        description="colocated: engines and trainer share a device, so generation pauses while training; "
-        "disaggregated: they run on separate devices and overlap",
+        description="colocated: engine i and trainer rank i share GPU i, as colocation says (taking turns, or "
+        "overlapped); disaggregated: engines and trainer on devices of their own, generating beside the step",
     )
     weight_sync: Literal["disk", "distributed", "tensor"] = Field(
         "distributed",
@@ -174,7 +196,8 @@ class RunConfig(ConfigModel):
         "on the trainer's machine and GPU (placement: colocated)",
     )
     colocation: ColocationConfig = Field(
-        default_factory=ColocationConfig, description="placement colocated: sleep / offload between phases"
+        default_factory=ColocationConfig,
+        description="placement colocated: turns or overlap, and what each side releases (ignored when disaggregated)",
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="orchestrator")
     trainer: TrainerConfig = Field(description="Megatron trainer (model_path defaults to the run's)")
@@ -213,57 +236,68 @@ class RunConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.trainer.moe.routing_replay:  # replay needs the engine's routing in every trajectory
+        """Every check that needs only the config, naming the fields (the model's shape is checked by
+        :func:`check_model_shape` once the recipe resolved it; Ray's GPUs by agentrl.placement)."""
+        e, t = self.engine, self.trainer
+        if t.moe.routing_replay:  # replay needs the engine's routing in every trajectory
             self.rollout.return_routed_experts = True
-        if self.engine.backend == "external" and not self.engine.urls:
+        if e.backend == "external" and not e.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
-        if self.engine.router and self.engine.backend != "external":
+        if e.router and e.backend != "external":
+            raise ValueError("engine.router: needs engine.backend: external (the router's URL in engine.urls)")
+        if t.true_on_policy and e.backend != "embedded":
             raise ValueError(
-                "engine.router: needs engine.backend: external (the router's URL in engine.urls)"
+                f"trainer.true_on_policy: needs engine.backend: embedded, not {e.backend} (the engine is exact "
+                "because it runs the trainer's own batch-invariant kernels; another engine's logprobs differ)"
             )
-        if self.deterministic and self.engine.backend != "embedded":
+        if self.deterministic and e.backend == "external":
             raise ValueError(
-                "deterministic: needs engine.backend: embedded (other engines batch requests with "
-                "numerics that depend on what else runs; SGLang's batch-invariant mode is not wired up)"
+                "deterministic: needs engines this run starts (engine.backend: embedded, or sglang with its "
+                "deterministic inference); external engines batch with numerics the run cannot fix"
             )
-        share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU
-        # sglang engines keep 0 unless set (give them tp_size GPUs); its launcher does not run here to guess
-        engine_on_gpu = self.engine.backend == "embedded" and self.engine.device.startswith("cuda")
-        trainer_on_gpu = self.trainer.device.startswith("cuda")
-        if self.engine.gpus_per_engine is None:
-            self.engine.gpus_per_engine = share if engine_on_gpu else 0.0
+        if (t.true_on_policy or (self.deterministic and t.device == "cuda")) and (t.tp, t.pp) != (1, 1):
+            field = "trainer.true_on_policy" if t.true_on_policy else "deterministic"
+            raise ValueError(f"{field}: the exact forward needs trainer.tp = 1 and trainer.pp = 1")
+        for what, size in (("tp * pp", t.tp * t.pp), ("tp * pp * ep", t.tp * t.pp * t.ep)):
+            if self.trainer_world_size % size:
+                raise ValueError(
+                    f"trainer_world_size: {self.trainer_world_size} ranks are not a multiple of trainer {what} "
+                    f"= {size} (the ranks are tp x pp x dp)"
+                )
+        colocated = self.placement == "colocated"
+        share = 0.5 if colocated else 1.0  # colocated: engine and trainer halve a GPU
+        engine_tp = e.sglang.tp_size if e.backend == "sglang" and e.sglang else 1
+        engine_on_gpu = e.backend == "sglang" or (e.backend == "embedded" and e.device.startswith("cuda"))
+        trainer_on_gpu = t.device.startswith("cuda")
+        if e.gpus_per_engine is None:
+            e.gpus_per_engine = share * engine_tp if engine_on_gpu else 0.0
         if self.trainer_gpus_per_rank is None:
             self.trainer_gpus_per_rank = share if trainer_on_gpu else 0.0
-        if engine_on_gpu and self.engine.gpus_per_engine == 0:
+        if engine_on_gpu and e.gpus_per_engine == 0:
             raise ValueError(
-                "engine.gpus_per_engine: an embedded engine on cuda needs a GPU share from Ray "
-                "(an actor that reserves none sees no GPU); e.g. 1, or 0.5 when colocated"
+                "engine.gpus_per_engine: an engine on a GPU needs a GPU share from Ray (an actor that "
+                "reserves none sees no GPU); e.g. 1, or 0.5 when colocated"
             )
         if trainer_on_gpu and self.trainer_gpus_per_rank == 0:
             raise ValueError("trainer_gpus_per_rank: a trainer on cuda needs a GPU share from Ray")
-        if (
-            self.placement == "colocated"
-            and self.weight_sync == "distributed"
-            and engine_on_gpu
-            and trainer_on_gpu
-        ):
+        on_gpus = engine_on_gpu and trainer_on_gpu
+        if colocated and on_gpus and self.trainer_world_size != e.num_engines * engine_tp:
+            raise ValueError(
+                f"engine.num_engines: colocated, engine i and trainer rank i share GPU i, so the engines' GPUs "
+                f"(num_engines x tp = {e.num_engines * engine_tp}) must equal trainer_world_size "
+                f"({self.trainer_world_size})"
+            )
+        if colocated and on_gpus and self.weight_sync == "distributed":
             raise ValueError(
                 "weight_sync: NCCL cannot broadcast between two processes on one GPU; "
                 "use weight_sync: tensor (or disk) when colocated"
             )
-        if self.placement != "colocated":  # nothing to take turns on: the colocation switches do not apply
-            self.colocation.engine_sleep = self.colocation.trainer_offload = self.colocation.overlap = False
-        if self.colocation.overlap and (self.colocation.engine_sleep or self.colocation.trainer_offload):
-            raise ValueError(
-                "colocation.overlap: the engines generate while the trainer steps, so neither can give its "
-                "memory up; set colocation.engine_sleep and colocation.trainer_offload to false"
-            )
-        if self.weight_sync == "tensor" and trainer_on_gpu and self.placement != "colocated":
+        if self.weight_sync == "tensor" and trainer_on_gpu and not colocated:
             raise ValueError(
                 "weight_sync: tensor passes CUDA IPC handles, which open only on the trainer's own GPU; "
                 "with placement disaggregated use distributed"
             )
-        if self.weight_sync == "tensor" and self.engine.backend == "external":
+        if self.weight_sync == "tensor" and e.backend == "external":
             raise ValueError(
                 "weight_sync: tensor hands weights over in memory to engines this run starts on its own "
                 "machine; engine.backend external may be elsewhere: use disk or distributed"
@@ -276,3 +310,28 @@ class RunConfig(ConfigModel):
         return engines * (self.engine.gpus_per_engine or 0) + self.trainer_world_size * (
             self.trainer_gpus_per_rank or 0
         )
+
+
+def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
+    """The checks that need the model's shape (its HF ``config.json``, once the recipe resolved the model):
+    tensor parallelism must divide the attention heads and the KV heads. Raises ConfigError naming the
+    field, before Ray or any engine starts."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return  # not an HF directory here (a hub id an SGLang server resolves itself)
+    shape = json.loads(path.read_text())
+    shape = shape.get("text_config", shape)
+    heads = int(shape.get("num_attention_heads", 0))
+    kv_heads = int(shape.get("num_key_value_heads") or heads)
+    sizes = {"trainer.tp": cfg.trainer.tp}
+    if cfg.engine.backend == "sglang" and cfg.engine.sglang:
+        sizes["engine.sglang.tp_size"] = cfg.engine.sglang.tp_size
+    for field, tp in sizes.items():
+        if heads % tp or (field == "trainer.tp" and kv_heads % tp):
+            raise ConfigError(
+                f"{field}: {tp} does not divide the model's {heads} attention heads and {kv_heads} KV heads "
+                f"({model_dir}); pick a tp that divides both"
+            )

@@ -7,8 +7,8 @@ measures:
 
 * weight sync: ``/update_weights_from_disk`` (HF safetensors) and ``/update_weights_from_tensor`` (CUDA
   IPC handles), ``--repeats`` each, the median seconds of the trainer's whole call;
-* colocated steps as ``train_async.py`` runs them with ``colocation.engine_sleep`` and
-  ``trainer_offload``: engine release, trainer onload, a train step, engine weights back, the sync in
+* colocated steps as ``train_async.py`` runs them with ``colocation.mode: turns`` (engine release
+  all, trainer offload): engine release, trainer onload, a train step, engine weights back, the sync in
   memory, trainer offload, engine KV cache back (median seconds of each);
 * GPU memory in each phase: per process from ``nvidia-smi`` (the engine and this trainer) and torch's own
   view (the trainer's allocated / reserved, the engine's as it reports it);
@@ -179,7 +179,7 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
         res["sync_bytes"] = int(trainer.last_sync_stats["num_bytes"])
         res["disk_over_tensor"] = res["sync_disk_s"] / res["sync_tensor_s"]
 
-        # colocated steps: train_async's order with engine_sleep and trainer_offload
+        # colocated steps: train_async's order with colocation.mode turns (release all, offload)
         phases: dict[str, list[float]] = {}
 
         async def timed(key: str, call: Any) -> Any:

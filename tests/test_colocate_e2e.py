@@ -18,7 +18,7 @@ from test_train_async_e2e import CONFIG, ROOT, _left_after, _leftovers, _Lines
 
 COLOCATED = (
     CONFIG.replace("weight_sync: distributed", "weight_sync: tensor")
-    + "placement: colocated\ncolocation: {{engine_sleep: true, trainer_offload: true}}\n"
+    + "placement: colocated\ncolocation: {{mode: turns, engine_release: all, trainer_offload: ahead}}\n"
 )
 
 
@@ -45,7 +45,7 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     parts = [summary[f"mean_weight_sync_{p}_s"] for p in ("gather", "pack", "push")]
     assert all(p > 0 for p in parts) and sum(parts) <= summary["mean_weight_sync_s"] * 1.01
     # the release and the onload run side by side inside to_trainer (how much they overlap is timing);
-    # from step 2 on the onload starts while the batch is still generating (colocation.trainer_onload_ahead),
+    # from step 2 on the onload starts while the batch is still generating (colocation.trainer_offload: ahead),
     # and to_trainer waits only for its rest
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "time/to_trainer_s" in r]
@@ -62,13 +62,13 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
 
 
 def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path) -> None:
-    """colocation.overlap: no sleep, no offload; generation pauses for the weight sync only."""
+    """colocation.mode overlap: no release, no offload; generation pauses for the weight sync only."""
     cfg = _config(tmp_path, 2)
     text = cfg.read_text().replace(
-        "colocation: {engine_sleep: true, trainer_offload: true}",
-        "colocation: {engine_sleep: false, trainer_offload: false, overlap: true}",
+        "colocation: {mode: turns, engine_release: all, trainer_offload: ahead}",
+        "colocation: {mode: overlap}",
     )
-    assert "overlap: true" in text
+    assert "mode: overlap" in text
     cfg.write_text(text)
     proc = subprocess.run(
         [sys.executable, "train_async.py", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=900

@@ -4,7 +4,6 @@ run that asks for more GPUs than Ray has fails at start with the fields named in
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -34,9 +33,26 @@ def test_cpu_defaults_reserve_no_gpu() -> None:
     ("overrides", "field"),
     [
         (["weight_sync=distributed"], "weight_sync: NCCL cannot broadcast"),
-        (["engine.gpus_per_engine=0"], "engine.gpus_per_engine: an embedded engine on cuda"),
+        (["engine.gpus_per_engine=0"], "engine.gpus_per_engine: an engine on a GPU"),
         (["trainer_gpus_per_rank=0"], "trainer_gpus_per_rank: a trainer on cuda"),
-        (["colocation.overlap=true"], "colocation.overlap: the engines generate while the trainer steps"),
+        (["colocation.overlap=true"], "overlap was replaced: colocation.mode: overlap"),
+        (["colocation.engine_sleep=true"], "engine_sleep was replaced: colocation.engine_release"),
+        (["colocation.trainer_offload=true"], "trainer_offload is no longer a switch"),
+        (
+            ["colocation.mode=overlap", "colocation.engine_release=all"],
+            "colocation.mode overlap: the engines",
+        ),
+        (["rollout.deterministic=true"], "rollout.deterministic: unknown field"),
+        (["trainer.tp=2"], "trainer_world_size: 1 ranks are not a multiple of trainer tp \\* pp = 2"),
+        (["trainer_world_size=2"], "engine.num_engines: colocated, engine i and trainer rank i share GPU i"),
+        (
+            ["engine.backend=sglang", "trainer.true_on_policy=true"],
+            "trainer.true_on_policy: needs engine.backend",
+        ),
+        (
+            ["deterministic=true", "trainer.tp=2", "trainer_world_size=2", "engine.num_engines=2"],
+            "deterministic: the exact forward needs trainer.tp = 1",
+        ),
     ],
 )
 def test_bad_gpu_placement_names_the_field(overrides: list[str], field: str) -> None:
@@ -44,28 +60,58 @@ def test_bad_gpu_placement_names_the_field(overrides: list[str], field: str) -> 
         load_run_config(GPU_CONFIG, overrides)
 
 
-def test_overlap_shares_the_gpu_without_sleep_or_offload() -> None:
-    off = ["colocation.engine_sleep=false", "colocation.trainer_offload=false"]
-    cfg = load_run_config(GPU_CONFIG, [*off, "colocation.overlap=true"])
-    assert cfg.colocation.overlap and cfg.gpus_needed() == 1.0
-    cfg = load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed", "colocation.overlap=true"])
-    assert not cfg.colocation.overlap  # nothing to share: the switch does not apply
+def test_overlap_is_one_override_and_turns_release_by_default() -> None:
+    cfg = load_run_config(GPU_CONFIG, [])
+    assert (cfg.colocation.mode, cfg.colocation.engine_release, cfg.colocation.trainer_offload) == (
+        "turns",
+        "all",
+        "ahead",
+    )
+    cfg = load_run_config(GPU_CONFIG, ["colocation.mode=overlap"])
+    assert (cfg.colocation.engine_release, cfg.colocation.trainer_offload) == ("none", "none")
+    assert cfg.gpus_needed() == 1.0
+    cfg = load_run_config(
+        GPU_CONFIG, ["colocation.engine_release=kv_cache", "colocation.trainer_offload=after_batch"]
+    )
+    assert (cfg.colocation.engine_release, cfg.colocation.trainer_offload) == ("kv_cache", "after_batch")
+
+
+def test_colocated_on_two_gpus_pairs_two_engines_with_two_ranks() -> None:
+    from agentrl.placement import colocated_bundles
+
+    cfg = load_run_config(GPU_CONFIG, ["trainer_world_size=2", "engine.num_engines=2"])
+    assert (cfg.gpus_needed(), colocated_bundles(cfg)) == (2.0, 2)
+    assert (
+        colocated_bundles(load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"]))
+        == 0
+    )
+
+
+def test_tp_must_divide_the_models_heads_before_anything_starts(tmp_path) -> None:
+    import json
+
+    from agentrl.run_config import check_model_shape
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    two = load_run_config(GPU_CONFIG, ["trainer.tp=2", "trainer_world_size=2", "engine.num_engines=2"])
+    with pytest.raises(
+        ConfigError, match=r"trainer.tp: 2 does not divide the model's 9 attention heads and 3 KV"
+    ):
+        check_model_shape(two, str(tmp_path))
+    three = load_run_config(GPU_CONFIG, ["trainer.tp=3", "trainer_world_size=3", "engine.num_engines=3"])
+    check_model_shape(three, str(tmp_path))  # 9 and 3 heads split three ways
 
 
 def test_too_few_gpus_fails_at_start_instead_of_waiting() -> None:
     import ray
 
-    spec = importlib.util.spec_from_file_location(
-        "train_async_main", GPU_CONFIG.parents[2] / "train_async.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
+    from agentrl.placement import check_gpus
+
     cfg = load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"])
     ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(ConfigError, match=r"reserves 2 GPUs .* but Ray has 1"):
-            mod.check_gpus(cfg)
-        mod.check_gpus(load_run_config(GPU_CONFIG, []))  # colocated: one GPU is enough
+            check_gpus(cfg)
+        check_gpus(load_run_config(GPU_CONFIG, []))  # colocated: one GPU is enough
     finally:
         ray.shutdown()

@@ -268,7 +268,7 @@ def test_next_batch_ends_when_cancelled_even_as_the_batch_arrives() -> None:
 
 
 def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None:
-    engine_memory = _train_async_module().engine_memory
+    from agentrl.metrics import engine_metrics as engine_memory
 
     class Engines:  # what EngineClient.server_info returns: one dict per engine
         def __init__(self, infos: list[dict] | Exception) -> None:

@@ -1,10 +1,9 @@
-"""train_async's engine start-up for ``engine.backend: sglang``: each SGLang server is launched inside a
+"""The run's engine start-up (agentrl.placement) for ``engine.backend: sglang``: each SGLang server is launched inside a
 Ray actor (here the labelled SGLang stand-in, tests/fixtures/fake_sglang.py), reported by URL, and
 stopped with no process left behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -14,18 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.cluster import stop_all
+from agentrl.placement import Fleet
 from agentrl.recipe import load_run_config
 
-ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = Path(__file__).parent / "fixtures" / "fake_sglang.py"
-
-
-def _train_async():
-    spec = importlib.util.spec_from_file_location("train_async_main", ROOT / "train_async.py")
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _alive(pid: int) -> bool:
@@ -61,11 +53,10 @@ def test_sglang_backend_launches_in_ray_actors_and_stops(tmp_path: Path) -> None
         ],
     )
     assert cfg.engine.sglang is not None and cfg.engine.sglang.model_path == "/models/m"
-    train_async = _train_async()
-    services: list = []
+    fleet = Fleet(cfg)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        urls = train_async.start_engines(cfg, "/models/m", services)
+        urls = fleet.start_engines("/models/m")
         assert len(urls) == 2 and len(set(urls)) == 2  # two servers, two free ports
         assert all(u.startswith("http://127.0.0.1:") for u in urls)
         rec = json.loads(records[0].read_text())  # the last server started wrote it
@@ -78,7 +69,7 @@ def test_sglang_backend_launches_in_ray_actors_and_stops(tmp_path: Path) -> None
         pid = rec["pid"]
         assert _alive(pid)
     finally:
-        train_async.stop_all(services)
+        stop_all(fleet.services)
         ray.shutdown()
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:

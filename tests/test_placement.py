@@ -1,0 +1,53 @@
+"""Placement on Ray's fake GPUs (CPU only): a colocated run's placement group pairs engine i and trainer
+rank i on GPU i, and a group Ray cannot place fails with the field to change instead of waiting."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.config import ConfigError
+from agentrl.placement import on_bundle, placement_group
+
+
+@pytest.fixture
+def two_fake_gpus():
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_engine_i_and_trainer_rank_i_share_gpu_i(two_fake_gpus) -> None:
+    ray = two_fake_gpus
+
+    class Who:  # defined here: Ray ships it by value (a test module is not importable in its workers)
+        def gpus(self) -> list[int]:
+            import ray
+
+            return [int(g) for g in ray.get_gpu_ids()]
+
+    group = placement_group(2)
+    who = ray.remote(Who)
+    # an engine as agentrl.placement.Fleet starts it (no CPU of its own), a trainer rank as TrainerGroup does
+    engines = [
+        who.options(num_gpus=0.5, num_cpus=0, scheduling_strategy=on_bundle(group, i)).remote()
+        for i in range(2)
+    ]
+    ranks = [
+        who.options(num_gpus=0.5, num_cpus=1, scheduling_strategy=on_bundle(group, i)).remote()
+        for i in range(2)
+    ]
+    engine_gpus = ray.get([a.gpus.remote() for a in engines])
+    rank_gpus = ray.get([a.gpus.remote() for a in ranks])
+    assert engine_gpus == rank_gpus  # pair i on one GPU
+    assert sorted(g for gs in engine_gpus for g in gs) == [0, 1]  # and the pairs on different GPUs
+    assert on_bundle(None, 0) is None
+
+
+def test_a_group_ray_cannot_place_names_the_field(two_fake_gpus, monkeypatch) -> None:
+    import agentrl.placement as placement
+
+    monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 2.0)
+    with pytest.raises(ConfigError, match=r"could not place 3 bundles .* \(trainer_world_size = 3\)"):
+        placement_group(3)
