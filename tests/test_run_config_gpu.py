@@ -42,7 +42,8 @@ def test_cpu_defaults_reserve_no_gpu() -> None:
             ["colocation.mode=overlap", "colocation.engine_release=all"],
             "colocation.mode overlap: the engines",
         ),
-        (["rollout.deterministic=true"], "rollout.deterministic: unknown field"),
+        (["rollout.deterministic=true"], "deterministic was replaced: the run.s top-level"),
+        (["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=null"], "trainer.pack_sequences: needs"),
         (["trainer.tp=2"], "trainer_world_size: 1 ranks are not a multiple of trainer tp \\* pp = 2"),
         (["trainer_world_size=2"], "engine.num_engines: colocated, engine i and trainer rank i share GPU i"),
         (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,8 @@ from agentrl.episodes import DumpConfig
 
 class RolloutConfig(ConfigModel):
     """Group sampling, staleness, episode limits, filtering, failure handling and resume behaviour."""
+
+    replaced_fields: ClassVar[dict[str, str]] = {"deterministic": "the run's top-level deterministic switch"}
 
     # ---- groups and staleness ----------------------------------------------------------------------
     group_size: int = Field(8, ge=1, description="samples per task (GRPO group size n)")

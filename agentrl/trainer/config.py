@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
 from agentrl.trainer.losses import LossConfig
@@ -38,6 +38,8 @@ class MoEConfig(ConfigModel):
 
 class TrainerConfig(ConfigModel):
     """Model, parallelism, optimizer, batching and loss of the Megatron trainer."""
+
+    replaced_fields: ClassVar[dict[str, str]] = {"deterministic": "the run's top-level deterministic switch"}
 
     model_path: str = Field(..., description="HF model directory the weights (and shape) are loaded from")
     mcore_path: str | None = Field(
@@ -133,3 +135,32 @@ class TrainerConfig(ConfigModel):
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        """The checks that need only this section, at config load (the ones that need the model or the
+        device ``auto`` resolves to run when the trainer is built)."""
+        fixed_shapes = self.max_tokens_per_micro_batch is None and not self.pack_sequences
+        if self.device == "cpu" and self.pp > 1:
+            raise ValueError(
+                "trainer.pp: pipeline parallelism needs CUDA (megatron's pipeline schedules are CUDA-bound)"
+            )
+        if self.device == "cpu" and self.optimizer == "megatron":
+            raise ValueError("trainer.optimizer: megatron needs CUDA; use torch (or auto) on the CPU")
+        if self.pp > 1 and (not fixed_shapes or self.loss.kl_coef > 0 or self.logprob_chunk_tokens):
+            raise ValueError(
+                "trainer.pp: pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no "
+                "pack_sequences), no KL reference model (loss.kl_coef 0) and no logprob_chunk_tokens"
+            )
+        if self.pack_sequences and self.max_tokens_per_micro_batch is None:
+            raise ValueError(
+                "trainer.pack_sequences: needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
+            )
+        if self.ep > 1 and not fixed_shapes:  # the MoE token all-gather over ep ranks needs equal shapes
+            raise ValueError(
+                "trainer.ep: ep > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences)"
+            )
+        if self.moe.routing_replay and (self.pp > 1 or self.recompute_activations):
+            # recomputation would route the backward's forward again, outside the replayed micro-batch
+            raise ValueError("trainer.moe.routing_replay: needs pp = 1 and no recompute_activations")
+        return self

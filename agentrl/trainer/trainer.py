@@ -130,37 +130,15 @@ class MegatronTrainer:
         self.use_megatron_optim = cfg.optimizer == "megatron" or (
             cfg.optimizer == "auto" and self.device.type == "cuda"
         )
-        if self.use_megatron_optim and self.device.type != "cuda":
+        if self.use_megatron_optim and self.device.type != "cuda":  # device auto resolved to the CPU
             raise ValueError("optimizer=megatron needs CUDA; use optimizer=torch on CPU")
         if cfg.pp > 1 and not self.use_megatron_optim:
             raise ValueError("pp > 1 needs the megatron optimizer path")
-        if cfg.pp > 1 and (
-            cfg.max_tokens_per_micro_batch is not None
-            or cfg.loss.kl_coef > 0
-            or cfg.logprob_chunk_tokens
-            or cfg.pack_sequences
-        ):
-            raise ValueError(
-                "pp > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences), "
-                "no KL reference model and no logprob_chunk_tokens"
-            )
-        if cfg.pack_sequences and cfg.max_tokens_per_micro_batch is None:
-            raise ValueError(
-                "pack_sequences needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
-            )
         if self.arch.moe is None and (cfg.ep > 1 or cfg.moe.routing_replay):
             raise ValueError(
                 f"ep > 1 and moe.routing_replay need a mixture-of-experts model; {cfg.model_path} is a "
                 f"dense {self.arch.model_type} model"
             )
-        if cfg.ep > 1 and (cfg.max_tokens_per_micro_batch is not None or cfg.pack_sequences):
-            # the MoE token all-gather over expert-parallel ranks needs equal micro-batch shapes on each
-            raise ValueError(
-                "ep > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences)"
-            )
-        if cfg.moe.routing_replay and (cfg.pp > 1 or cfg.recompute_activations):
-            # recomputation would route the backward's forward again, outside the replayed micro-batch
-            raise ValueError("moe.routing_replay needs pp = 1 and no recompute_activations")
         # routing replay: each micro-batch carries the engine's recorded experts (see agentrl.trainer.moe)
         self.replay_routing = self.arch.moe is not None and cfg.moe.routing_replay
         grouped = cfg.moe.grouped_gemm
