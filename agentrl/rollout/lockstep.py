@@ -80,6 +80,11 @@ class LockstepSchedule:
         self.batch += 1
         return groups
 
+    def open_uids(self) -> list[str]:
+        """The draws of the open batch (running or held), in draw order: what a checkpoint re-draws first."""
+        orders = [(o, g.uid) for o, g in self._done] + [(o, u) for u, o in self._running.items()]
+        return [u for _, u in sorted(orders)]
+
     def caught_up(self, version: int) -> bool:
         """Every batch generated under ``version`` is complete (a weight update may go ahead)."""
         return self.version_of(self.batch) > version

@@ -490,7 +490,9 @@ class Orchestrator:
     def accounting(self) -> dict[str, int]:
         """drawn == trained + dropped + in_flight, always (in_flight = running + buffered + pending)."""
         dropped = sum(self.m.dropped.values())
-        running, buffered, pending = len(self._groups), len(self._buffered), len(self._pending)
+        # a finished group waiting to enter the buffer is in both maps: it counts once, as buffered
+        running = sum(u not in self._buffered for u in self._groups)
+        buffered, pending = len(self._buffered), len(self._pending)
         return {
             "drawn": self.drawn,
             "trained": self.trained,
@@ -523,9 +525,22 @@ class Orchestrator:
             self.sink.log(stats, step)
         return stats
 
+    def _in_flight(self) -> list[Draw]:
+        """Every draw in flight, in the order its group would have reached the trainer: taken by a batch
+        being formed or waiting to enter the buffer, queued in the buffer, the open batch of the deterministic
+        schedule in draw order, running, pending. A resumed run re-draws them in this order, so a
+        deterministic run forms the same batches, in the same order, again."""
+        draws = {**{d.uid: d for d in self._pending}, **{u: g.draw for u, g in self._groups.items()}}
+        draws.update(self._buffered)
+        queued = self.buffer.queued_uids()
+        open_batch = self.lockstep.open_uids() if self.lockstep is not None else []
+        ahead = [u for u in self._buffered if u not in set(queued) | set(open_batch)]
+        order = [*ahead, *queued, *open_batch, *self._groups, *(d.uid for d in self._pending)]
+        return [draws[u] for u in dict.fromkeys(order) if u in draws]
+
     def state_dict(self) -> dict[str, Any]:
-        """Cursor, every task in flight (buffered first, then running, then pending), counters."""
-        in_flight = [*self._buffered.values(), *(g.draw for g in self._groups.values()), *self._pending]
+        """Cursor, every task in flight (in the order of :meth:`_in_flight`), counters."""
+        in_flight = self._in_flight()
         return {
             "version": self.controller.version,
             "cursor": self.cursor.state_dict(),
