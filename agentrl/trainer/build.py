@@ -6,7 +6,7 @@ the KL reference, and the compile warm-up that compiles the layers before the fi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,9 +17,6 @@ from agentrl.trainer.hf_checkpoint import load_mcore_shard
 from agentrl.trainer.model import ModelArch, build_gpt_model, hf_to_mcore_shards, load_hf_state_dict
 from agentrl.trainer.moe import expert_layout
 from agentrl.types import Trajectory
-
-if TYPE_CHECKING:
-    from agentrl.trainer.trainer import MegatronTrainer
 
 # the compile warm-up's two batches, sequence lengths: the second has other lengths and more sequences
 WARMUP_LENGTHS = ((384, 384), (200, 330, 460, 590, 720))
@@ -85,8 +82,8 @@ def initial_shard(
     )[key]
 
 
-def compile_warmup(trainer: MegatronTrainer, shapes: tuple[tuple[int, ...], ...] = WARMUP_LENGTHS) -> float:
-    """A forward and backward of ``trainer``'s model over made-up micro-batches of two shapes, so that
+def compile_warmup(trainer: Any, shapes: tuple[tuple[int, ...], ...] = WARMUP_LENGTHS) -> float:
+    """A forward and backward of ``trainer``'s model (a MegatronTrainer, built but before its first step) over made-up micro-batches of two shapes, so that
     compiled layers are compiled before the first train step: the first with static shapes, the second
     (other lengths, more sequences) making the token dimension and the sequence count dynamic, as the
     first steps' changing batches would. Gradients are dropped; weights, optimizer state and RNGs are not
