@@ -204,7 +204,10 @@ async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> lis
     (``asyncio.wait_for`` of Python 3.11 returns the result then, and the run went on training)."""
 
     async def get() -> list[Trajectory]:
-        return await rollout.get_batch.remote()
+        try:
+            return await rollout.get_batch.remote()
+        except Exception as err:  # the rollout's own error (a run that cannot progress), not Ray's wrapper
+            raise getattr(err, "cause", None) or err from None
 
     fut = asyncio.ensure_future(get())
     try:

@@ -285,3 +285,28 @@ def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None
     assert asyncio.run(engine_memory(two_gpu)) == {"engine/peak_gpu_mem_gb": 7.25}
     assert asyncio.run(engine_memory(Engines([{"device": "cpu"}]))) == {}  # CPU engines, SGLang
     assert asyncio.run(engine_memory(Engines(ConnectionError("engine gone")))) == {}
+
+
+@pytest.mark.slow
+def test_a_run_that_can_never_score_stops_with_the_cause_and_the_field(tmp_path: Path) -> None:
+    """Every group zero-variance (one new token: no answer, reward 0 everywhere) with rollout.filter_zero_variance
+    on: the job exits non-zero within minutes, printing one line that names the cause and the field, instead of
+    waiting for a batch that can never form."""
+    cfg = tmp_path / "e2e.yaml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "run", cache=tmp_path / "cache"))
+    args = [
+        "--config",
+        str(cfg),
+        "rollout.filter_zero_variance=true",
+        "rollout.sampling.max_new_tokens=1",
+        "eval.before=false",
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "train_async.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode != 0 and time.monotonic() - t0 < 600
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "rollout.filter_zero_variance" in last and "zero" in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not _left_after(), "the run left processes behind"
