@@ -99,8 +99,12 @@ def test_command_line_from_config() -> None:
                        "--attention-backend", "triton", "--sampling-backend", "pytorch"]  # fmt: skip
     with pytest.raises(ValueError, match="duplicate"):
         SGLangLauncher(SGLangConfig(model_path="m", extra_args={"tp-size": 4})).command()
-    with pytest.raises(ValueError, match="duplicate"):  # agentrl's own flags are fields, set once
-        SGLangLauncher(SGLangConfig(model_path="m", extra_args={"enable_memory_saver": True})).command()
+    # one of agentrl's own flags in extra_args too: said once, as extra_args says it
+    both = SGLangConfig(model_path="m", memory_saver=True, extra_args={"enable_memory_saver": True,
+                                                                        "attention-backend": "fa3"})  # fmt: skip
+    cmd = SGLangLauncher(both).command()
+    assert cmd.count("--enable-memory-saver") == 1 and cmd.count("--attention-backend") == 1
+    assert cmd[cmd.index("--attention-backend") + 1] == "fa3"
 
 
 def test_colocated_and_deterministic_flags(tmp_path: Path) -> None:

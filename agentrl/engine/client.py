@@ -420,8 +420,10 @@ class EngineClient:
         await self._all("POST", "/update_weights_from_tensor", payload)
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Every endpoint frees the GPU memory of ``tags`` (``weights``, ``kv_cache``; None: both) and
-        holds requests until :meth:`resume_memory_occupation` (SGLang needs ``--enable-memory-saver``)."""
+        """Every endpoint frees the GPU memory of ``tags`` (``weights``, ``kv_cache``, and on SGLang
+        ``cuda_graph``; None: all) and holds requests until :meth:`resume_memory_occupation` (SGLang needs
+        ``--enable-memory-saver``, and asserts that it is idle: pause generation first). Weights released on
+        an SGLang server without ``--enable-weights-cpu-backup`` come back as garbage: push new ones."""
         await self._all("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:

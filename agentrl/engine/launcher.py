@@ -356,10 +356,13 @@ class SGLangLauncher(_Launcher):
             "enable-weights-cpu-backup": c.weights_cpu_backup,
             "enable-deterministic-inference": c.deterministic,
         }
-        reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key", *flags}
+        given = {str(k).lstrip("-").replace("_", "-") for k in c.extra_args}
+        reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key"}
         clash = sorted(k for k in c.extra_args if str(k).lstrip("-").replace("_", "-") in reserved)
         if clash:
             raise ValueError(f"extra_args {clash} duplicate SGLangConfig fields; set those fields instead")
+        # one of agentrl's flags also in extra_args: extra_args says it, once
+        flags = {k: v for k, v in flags.items() if k not in given}
         return argv + _flag_args(flags) + _flag_args(c.extra_args)
 
     def environment(self) -> dict[str, str]:
