@@ -31,7 +31,9 @@ from typing import Any
 
 from agentrl.run_config import RunConfig
 
-RELEASE_TAGS: dict[str, list[str] | None] = {"all": None, "kv_cache": ["kv_cache"]}  # None: every tag
+# the tags the loop resumes again (weights, then the KV cache); never None, which SGLang reads as its
+# cuda_graph tag too, that nothing would resume
+RELEASE_TAGS: dict[str, list[str] | None] = {"all": ["kv_cache", "weights"], "kv_cache": ["kv_cache"]}
 
 
 async def _seconds(call: Awaitable[Any]) -> float:
