@@ -4,7 +4,7 @@ A :class:`ServiceActor` starts one server process inside its actor (so Ray place
 asks for the GPUs its engine uses) and hands back the server's URL; ``stop()`` stops the process group.
 The driver keeps every actor it started and stops them all in a ``finally`` (:func:`stop_all`), so a
 Ctrl-C or an error leaves no server behind; the embedded engine and the retrieval server also exit on
-their own when their parent dies.
+their own when their parent dies. :func:`location` tells where a process runs (its Ray node).
 
 :func:`start_ray` starts (or joins) Ray with its workers at normal priority; :func:`free_port` is the
 one way agentrl picks a port for something it starts (servers, process-group rendezvous).
@@ -51,6 +51,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def location() -> dict[str, Any]:
+    """Where the calling process runs: its Ray node's id and IP (None outside Ray) and its pid."""
+    import ray
+
+    node_id = node_ip = None
+    if ray.is_initialized():
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    return {"node_id": node_id, "node_ip": node_ip, "pid": os.getpid()}
+
+
 class ServiceHandle(Protocol):
     url: str
 
@@ -72,6 +82,9 @@ class ServiceWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def location(self) -> dict[str, Any]:
+        return location()
+
     def stop(self) -> None:
         if self._handle is not None:
             handle, self._handle = self._handle, None
@@ -79,16 +92,22 @@ class ServiceWorker:
 
 
 def start_service(
-    name: str, start: Callable[[], ServiceHandle], num_cpus: float = 0, num_gpus: float = 0, scheduling: Any = None
+    name: str,
+    start: Callable[[], ServiceHandle],
+    num_cpus: float = 0,
+    num_gpus: float = 0,
+    scheduling: Any = None,
+    resources: dict[str, float] | None = None,
 ) -> Any:
     """A Ray actor running ``start()``; blocks until the server is up and returns the actor handle.
-    ``scheduling``: a Ray scheduling strategy (a placement group's bundle, agentrl.placement)."""
+    ``scheduling``: a Ray scheduling strategy (a placement group's bundle, agentrl.placement);
+    ``resources``: custom Ray resources the actor asks for (which nodes may take it)."""
     import ray
 
     options = {"scheduling_strategy": scheduling} if scheduling is not None else {}
     actor = (
         ray.remote(ServiceWorker)
-        .options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, **options)
+        .options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, **options)
         .remote(name, start)
     )
     ray.get(actor.url.remote())  # surfaces a start failure here, with the server's log tail

@@ -9,20 +9,26 @@ stops them all, each part even when another fails, also on Ctrl-C and errors. Pl
   bundle of GPU i (each half of it by default), as slime pairs them. Several GPUs are data parallel: N
   engines, N trainer ranks. Weights move within each GPU (CUDA IPC); sleep, wake and offload are per GPU.
 
+Nodes: ``ray.engine_resources`` and ``ray.trainer_resources`` are custom Ray resources every engine actor
+and every trainer rank asks for (colocated: every GPU's bundle holds both), so a cluster whose nodes declare
+them (``ray start --resources``) takes the engines on some nodes and the trainer on others. Where each
+actor ran is written to ``<output_dir>/placement.json`` (:meth:`Fleet.where`).
+
 Every check that needs only the config ran when it loaded (agentrl.run_config); the ones here need Ray:
-:func:`check_gpus`, before anything starts.
+:func:`check_gpus` (the GPUs and the custom resources), before anything starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentrl.cluster import start_service, stop_all
+from agentrl.cluster import location, start_service, stop_all
 from agentrl.config import ConfigError
 from agentrl.run_config import RunConfig
 
@@ -30,8 +36,9 @@ PLACEMENT_TIMEOUT_S = 60.0
 
 
 def check_gpus(cfg: RunConfig) -> None:
-    """Fail now, naming the fields, when Ray has fewer GPUs than the engines and trainer reserve (Ray
-    would otherwise wait forever for the missing ones)."""
+    """Fail now, naming the fields, when Ray has fewer GPUs than the engines and trainer reserve, or not
+    the custom resources they ask for (:func:`check_resources`): Ray would otherwise wait forever for
+    what is missing."""
     import ray
 
     need, have = cfg.gpus_needed(), float(ray.cluster_resources().get("GPU", 0))
@@ -41,6 +48,41 @@ def check_gpus(cfg: RunConfig) -> None:
             f"trainer_world_size x trainer_gpus_per_rank) but Ray has {have:g}; lower those, or use "
             "placement: colocated to share GPUs"
         )
+    check_resources(cfg, ray.nodes())
+
+
+def check_resources(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
+    """A ConfigError naming the field when the alive ``nodes`` (``ray.nodes()``) lack a custom resource of
+    ``ray.engine_resources`` or ``ray.trainer_resources``: a name no node declares, less in all than the
+    actors ask for together, or no node holding what one actor (colocated: one GPU's bundle) asks for."""
+    r = cfg.ray
+    engines = 0 if cfg.engine.backend == "external" else cfg.engine.num_engines
+    asks = [("ray.engine_resources", r.engine_resources, engines),
+            ("ray.trainer_resources", r.trainer_resources, cfg.trainer_world_size)]  # fmt: skip
+    held = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    for field, ask, count in asks:
+        for name, amount in ask.items():
+            total = sum(float(h.get(name, 0)) for h in held)
+            if total == 0:
+                raise ConfigError(
+                    f"{field}: no node of the Ray cluster has the resource {name!r}; start the nodes that "
+                    f"should take these actors with ray start --resources '{{\"{name}\": {count * amount:g}}}'"
+                )
+            if count * amount > total:
+                raise ConfigError(
+                    f"{field}: {count} actors ask for {amount:g} {name!r} each, {count * amount:g} in all, "
+                    f"but the Ray cluster's nodes have {total:g}"
+                )
+    per_actor = [(field, ask) for field, ask, _ in asks]
+    if colocated_bundles(cfg):  # engine i and trainer rank i share a bundle: one node holds both asks
+        per_actor = [("ray.engine_resources + ray.trainer_resources", _added(*(a for _, a in per_actor)))]
+    for field, ask in per_actor:
+        if ask and not any(all(float(h.get(k, 0)) >= v for k, v in ask.items()) for h in held):
+            raise ConfigError(f"{field}: no node of the Ray cluster holds {ask}, what one actor asks for")
+
+
+def _added(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
 def colocated_bundles(cfg: RunConfig) -> int:
@@ -51,19 +93,24 @@ def colocated_bundles(cfg: RunConfig) -> int:
     return cfg.trainer_world_size
 
 
-def placement_group(num_gpus: int, cpus_per_bundle: float = 1.0) -> Any:
+def placement_group(
+    num_gpus: int, cpus_per_bundle: float = 1.0, resources: dict[str, float] | None = None
+) -> Any:
     """A Ray placement group of ``num_gpus`` bundles of one GPU each (packed on as few nodes as can hold
-    them), ready; a ConfigError when Ray cannot place it in time."""
+    them), ready; a ConfigError when Ray cannot place it in time. ``resources``: the custom resources
+    each bundle holds too (what the engine and the trainer rank placed on it ask for)."""
     import ray
     from ray.util.placement_group import placement_group as make_group
 
-    group = make_group([{"GPU": 1, "CPU": cpus_per_bundle}] * num_gpus, strategy="PACK")
+    bundle = {"GPU": 1, "CPU": cpus_per_bundle, **(resources or {})}
+    group = make_group([bundle] * num_gpus, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         ray.util.remove_placement_group(group)
+        extra = f" and {resources} (ray.engine_resources + ray.trainer_resources)" if resources else ""
         raise ConfigError(
-            f"placement colocated: Ray could not place {num_gpus} bundles of 1 GPU and {cpus_per_bundle:g} CPU "
-            f"in {PLACEMENT_TIMEOUT_S:g} s (trainer_world_size = {num_gpus}); lower it or add GPUs"
+            f"placement colocated: Ray could not place {num_gpus} bundles of 1 GPU and {cpus_per_bundle:g} CPU"
+            f"{extra} in {PLACEMENT_TIMEOUT_S:g} s (trainer_world_size = {num_gpus}); lower it or add GPUs"
         )
     return group
 
@@ -114,6 +161,20 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
     return functools.partial(_start_sglang, sg)
 
 
+def describe_placement(placed: dict[str, Any]) -> str:
+    """One line of :meth:`Fleet.where`: per node, the engines and trainer ranks on it."""
+    nodes: dict[tuple[str, str], dict[str, list[int]]] = {}
+    for kind in ("engines", "trainer_ranks"):
+        for i, at in enumerate(placed[kind]):
+            node = (str(at["node_id"])[:8], str(at["node_ip"]))
+            nodes.setdefault(node, {}).setdefault(kind.replace("_", " "), []).append(i)
+    parts = [
+        f"node {nid} ({ip}): " + ", ".join(f"{kind} {ids}" for kind, ids in held.items())
+        for (nid, ip), held in nodes.items()
+    ]
+    return "placement: " + "; ".join(parts)
+
+
 def _start_sglang(sg: Any) -> Any:
     from agentrl.engine.launcher import SGLangLauncher
 
@@ -129,6 +190,7 @@ class Fleet:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.services: list[Any] = []
+        self.engines: list[Any] = []  # the engines' actors (also in services, which stops them)
         self.group: Any = None  # colocated: the placement group, a bundle per GPU
         self.engine_urls: list[str] = []
         self.trainer: Any = None
@@ -166,6 +228,7 @@ class Fleet:
             deterministic=cfg.deterministic,
             placement_group=self.group,
             bundle_indices=list(range(bundles)) if bundles else None,
+            resources=cfg.ray.trainer_resources,
         )
         rollout_cfg = cfg.rollout.model_copy(
             update={"seed": cfg.rollout.seed + cfg.seed}
@@ -181,25 +244,41 @@ class Fleet:
             out_dir=str(Path(cfg.output_dir) / "weights"),
             num_engine_ranks=len(sync_urls),
         )
+        print(describe_placement(await self.where(Path(cfg.output_dir) / "placement.json")), flush=True)
 
     def start_engines(self, model_dir: str) -> list[str]:
         """The engines (or the external URLs), each engine in a Ray actor of its own; colocated on GPUs,
         engine i on the bundle of GPU i. Returns their URLs."""
         import ray
 
-        e = self.cfg.engine
+        e, r = self.cfg.engine, self.cfg.ray
         bundles = colocated_bundles(self.cfg)
         if bundles and self.group is None:
-            self.group = placement_group(bundles)
+            self.group = placement_group(bundles, resources=_added(r.engine_resources, r.trainer_resources))
         if e.backend == "external":
             self.engine_urls = list(e.urls)
         for i in range(0 if e.backend == "external" else e.num_engines):
             start, scheduling = engine_starter(self.cfg, model_dir, i), on_bundle(self.group, i)
-            self.services.append(
-                start_service(f"engine_{i}", start, num_gpus=e.gpus_per_engine or 0, scheduling=scheduling)
-            )
-            self.engine_urls.append(ray.get(self.services[-1].url.remote()))
+            engine = start_service(
+                f"engine_{i}", start, num_gpus=e.gpus_per_engine or 0, scheduling=scheduling,
+                resources=r.engine_resources,
+            )  # fmt: skip
+            self.services.append(engine)
+            self.engines.append(engine)
+            self.engine_urls.append(ray.get(engine.url.remote()))
         return self.engine_urls
+
+    async def where(self, out: Path | None = None) -> dict[str, Any]:
+        """Where the driver, each engine and each trainer rank run (Ray node id and IP, pid; written to
+        ``out`` as JSON when given)."""
+        placed = {
+            "driver": location(),
+            "engines": list(await asyncio.gather(*[a.location.remote() for a in self.engines])),
+            "trainer_ranks": await self.trainer.locations() if self.trainer is not None else [],
+        }
+        if out is not None:
+            out.write_text(json.dumps(placed, indent=2) + "\n")
+        return placed
 
     async def stop(self) -> None:
         """Stop everything, each part even when another fails: the rollout, the trainer (it leaves the

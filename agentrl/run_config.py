@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from agentrl.config import ConfigError, ConfigModel
 from agentrl.engine.launcher import SGLangConfig
@@ -154,10 +154,36 @@ class CheckpointConfig(ConfigModel):
 
 
 class RayConfig(ConfigModel):
-    """Where the actors run."""
+    """Where the actors run: a local Ray instance or a cluster, and which nodes take the engines and the
+    trainer ranks (custom Ray resources, as ``ray start --resources`` declares them on a node)."""
 
-    address: str | None = Field(None, description="an existing Ray cluster (None: start a local one)")
+    address: str | None = Field(
+        None, description="an existing Ray cluster: auto, or the head's HOST:PORT (None: start a local one)"
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray instance (None: all)")
+    engine_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each engine actor asks for beside its GPUs, e.g. {engine_node: 1} "
+        "to put the engines on the nodes started with ray start --resources '{\"engine_node\": 8}'; "
+        "colocated, every GPU's bundle holds them with the trainer rank's",
+    )
+    trainer_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each trainer rank asks for beside its GPUs, e.g. {trainer_node: 1}",
+    )
+
+    @field_validator("engine_resources", "trainer_resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(
+                    f"{name} is not a custom resource: GPUs come from engine.gpus_per_engine and "
+                    "trainer_gpus_per_rank"
+                )
+            if amount <= 0 or round(amount * 10_000) == 0:  # Ray counts resources in 1e-4 units
+                raise ValueError(f"{name}: {amount:g} is no amount Ray can reserve (0.0001 or more)")
+        return value
 
 
 class RunConfig(ConfigModel):
@@ -243,8 +269,12 @@ class RunConfig(ConfigModel):
             self.rollout.return_routed_experts = True
         if e.backend == "external" and not e.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
+        if self.ray.engine_resources and e.backend == "external":
+            raise ValueError("ray.engine_resources: engine.backend external starts no engine actors to place")
         if e.router and e.backend != "external":
-            raise ValueError("engine.router: needs engine.backend: external (the router's URL in engine.urls)")
+            raise ValueError(
+                "engine.router: needs engine.backend: external (the router's URL in engine.urls)"
+            )
         if t.true_on_policy and e.backend != "embedded":
             raise ValueError(
                 f"trainer.true_on_policy: needs engine.backend: embedded, not {e.backend} (the engine is exact "

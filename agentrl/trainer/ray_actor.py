@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any, Literal
 
-from agentrl.cluster import free_port
+from agentrl.cluster import free_port, location
 from agentrl.trainer.config import TrainerConfig
 from agentrl.types import Trajectory
 
@@ -73,7 +73,11 @@ class TrainerWorker:
         return self._loop.run_until_complete(out) if inspect.iscoroutine(out) else out
 
     def connect_engines(self, mode: str, engine_urls: list[str], **kwargs: Any) -> None:
-        """``trainer.connect_engines`` with rank 0's EngineClient for ``engine_urls`` (None elsewhere)."""
+        """``trainer.connect_engines`` with rank 0's EngineClient for ``engine_urls`` (None elsewhere); a
+        broadcast group's rendezvous without ``master_address`` is this rank's node address (what the
+        engines, on other nodes too, reach it by)."""
+        if kwargs.get("master_address") is None:
+            kwargs["master_address"] = location()["node_ip"] or "127.0.0.1"
         client = None
         if self.trainer.rank == 0 and engine_urls:
             from agentrl.engine.client import EngineClient
@@ -82,6 +86,10 @@ class TrainerWorker:
             if client is None:
                 client = self._clients[tuple(engine_urls)] = EngineClient(engine_urls)
         self.call("connect_engines", mode, client, **kwargs)
+
+    def location(self) -> dict[str, Any]:
+        """The rank's Ray node (id, IP) and pid (:func:`agentrl.cluster.location`)."""
+        return location()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Let go of the engines (bounded by about ``2 * timeout``), close the clients, stop the rank."""
@@ -100,7 +108,8 @@ class TrainerGroup:
 
     ``deterministic``: the run's deterministic switch, passed to every rank (see :class:`MegatronTrainer`).
     ``placement_group``: schedule rank i on that Ray placement group's bundle ``bundle_indices[i]``
-    (default: bundle i), e.g. to put a trainer rank on the GPU of the engine it shares it with."""
+    (default: bundle i), e.g. to put a trainer rank on the GPU of the engine it shares it with.
+    ``resources``: custom Ray resources every rank asks for (which nodes may take the ranks)."""
 
     def __init__(
         self,
@@ -113,6 +122,7 @@ class TrainerGroup:
         deterministic: bool = False,
         placement_group: Any = None,
         bundle_indices: list[int] | None = None,
+        resources: dict[str, float] | None = None,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -124,7 +134,9 @@ class TrainerGroup:
             raise ValueError(f"bundle_indices names {len(bundles)} bundles for {world_size} ranks")
         self._ray = ray
         port = free_port()
-        actor_cls = ray.remote(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank)(TrainerWorker)
+        actor_cls = ray.remote(
+            num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, resources=resources or {}
+        )(TrainerWorker)
         self.actors = []
         for r in range(world_size):
             where: dict[str, Any] = {}
@@ -168,6 +180,10 @@ class TrainerGroup:
     async def policy_version(self) -> int:
         return await self._rank0("policy_version")
 
+    async def locations(self) -> list[dict[str, Any]]:
+        """Where each rank runs: its Ray node's id and IP, and its pid (rank order)."""
+        return list(await asyncio.gather(*[a.location.remote() for a in self.actors]))
+
     async def connect_engines(
         self,
         mode: Literal["disk", "tensor", "distributed"],
@@ -175,13 +191,15 @@ class TrainerGroup:
         *,
         out_dir: str | None = None,
         num_engine_ranks: int | None = None,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
         master_port: int | None = None,
         backend: str | None = None,
         bucket_bytes: int | None = None,
     ) -> None:
         """How :meth:`sync_weights` reaches the engines at ``engine_urls`` (``MegatronTrainer.connect_engines``;
-        ``num_engine_ranks`` default: one per URL). ``distributed`` opens the broadcast group now."""
+        ``num_engine_ranks`` default: one per URL). ``distributed`` opens the broadcast group now, its
+        rendezvous at ``master_address`` (default: rank 0's node address) and ``master_port`` (default: a
+        port free there)."""
         kwargs = dict(
             out_dir=out_dir,
             num_engine_ranks=len(engine_urls) if num_engine_ranks is None else num_engine_ranks,
