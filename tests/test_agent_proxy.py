@@ -274,3 +274,30 @@ async def test_in_process_transport_answers_like_the_server():
         assert (await c.post("/v1/chat/completions", json={})).status_code == 404
         r = await c.get("/s/old/v1/models")
         assert r.status_code == 410 and r.json()["error"]["code"] == "episode_ended"
+
+
+def test_the_proxy_records_an_agents_tool_calls_and_their_results() -> None:
+    """An agent's reply with OpenAI tool_calls lands on its turn; the tool messages of its next call are
+    their results, by tool_call_id (an unknown id, or a second answer, changes nothing)."""
+    from agentrl.rollout.agent_proxy import record_tool_calls, record_tool_results
+    from agentrl.types import Trajectory
+
+    traj = Trajectory(task_id="t", group_id="g", prompt_ids=[1, 2])
+    traj.append_model_tokens([3, 4], [-0.1, -0.2], 0, "<tool_call>...</tool_call>")
+    reply = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "calc", "arguments": "{}"}},
+    ]}  # fmt: skip
+    record_tool_calls(traj, reply)
+    calls = traj.turns[-1].tool_calls
+    assert [(c.name, c.arguments, c.id, c.result) for c in calls] == [
+        ("search", {"query": "Paris"}, "c1", None), ("calc", {}, "c2", None)
+    ]  # fmt: skip
+    record_tool_results(traj, [
+        {"role": "user", "content": "go"}, reply,
+        {"role": "tool", "tool_call_id": "c1", "content": "Paris is in France"},
+        {"role": "tool", "tool_call_id": "c9", "content": "nobody asked"},
+    ])  # fmt: skip
+    record_tool_results(traj, [{"role": "tool", "tool_call_id": "c1", "content": "a second answer"}])
+    assert [c.result for c in calls] == ["Paris is in France", None]
+    assert Trajectory.from_dict(traj.to_dict()).turns[-1].tool_calls == calls  # dumps keep them

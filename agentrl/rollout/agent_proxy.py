@@ -65,7 +65,7 @@ from agentrl.engine.types import SamplingParams
 from agentrl.rollout.dataset import Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.metrics import RolloutMetrics
-from agentrl.types import Trajectory
+from agentrl.types import ToolCallRecord, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,28 @@ def _canon(message: dict[str, Any]) -> str:
         message.get("name"),
     ]
     return json.dumps(key, sort_keys=True, ensure_ascii=False)
+
+
+def record_tool_calls(traj: Trajectory, message: dict[str, Any]) -> None:
+    """The tool calls of the assistant reply ``message`` (OpenAI ``tool_calls``), on the trajectory's last
+    turn (the reply's): what the agent asked its tools for. Their results come with its next call."""
+    calls = message.get("tool_calls") or []
+    if calls and traj.turns:
+        traj.turns[-1].tool_calls = [
+            ToolCallRecord(c["function"]["name"], _args(c["function"].get("arguments")) or {}, id=c.get("id"))
+            for c in calls
+        ]
+
+
+def record_tool_results(traj: Trajectory, messages: list[dict[str, Any]]) -> None:
+    """Each ``tool`` message of a later call, as the result of the recorded call with its ``tool_call_id``
+    (a call already answered keeps its first result)."""
+    open_calls = {c.id: c for t in traj.turns for c in t.tool_calls if c.id is not None and c.result is None}
+    for m in messages:
+        call = open_calls.pop(m.get("tool_call_id"), None) if m.get("role") == "tool" else None
+        if call is not None:
+            content = m.get("content")
+            call.result = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
 
 
 def _args(a: Any) -> Any:
@@ -230,6 +252,8 @@ class AgentSession:
     def on_reply(self, gen: Generation, message: dict[str, Any] | None) -> None:
         pending: _Pending = gen.handle
         b = pending.branch
+        if message is not None:
+            record_tool_calls(b.traj, message)
         if message is None or b.messages is None:
             return
         b.messages.append(_canon({"role": "assistant", **message}))
@@ -287,6 +311,7 @@ class AgentSession:
             if delta:
                 traj.append_observation_tokens(list(delta))
                 self.m.observation(len(delta))
+            record_tool_results(traj, prompt.messages or [])
         return parent, traj, canon
 
     def _delta(self, prompt: Prompt, k: int, b: Branch) -> list[int] | None:
