@@ -18,7 +18,13 @@ kernel).
 ``--shape qwen3-moe-1b`` (16 experts, top-2) runs the experts grouped (``trainer.moe.grouped_gemm``, auto:
 on CUDA); ``--moe-grouped-gemm false`` times megatron-core's ``SequentialMLP`` experts instead.
 
-CPU: ``python bench/trainer_gpu.py`` runs the tiny test model as a smoke check. Prints ONE JSON line.
+``--world-size N`` (with ``--tp T``, default 1) then trains the same shape and batches again on N GPUs
+(T-way tensor parallel, N/T data parallel; one process per GPU, spawned here), after the one-GPU run has
+freed its GPU, and reports it under ``parallel`` beside the one-GPU figures of the same run
+(``parallel_over_one_gpu``: the ratio of their step tokens/s). ``--tp T`` alone runs on T GPUs.
+
+CPU: ``python bench/trainer_gpu.py`` runs the tiny test model as a smoke check (``--world-size 2``: two
+gloo processes). Prints ONE JSON line.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import random
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -294,7 +303,17 @@ def main() -> None:
     )
     p.add_argument("--skip-sync", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="also train on this many GPUs (processes on the CPU), after the one-GPU run (default: --tp)",
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of the --world-size run")
     a = p.parse_args()
+    a.world_size = a.world_size or a.tp
+    if a.world_size % a.tp:
+        p.error(f"--world-size {a.world_size} is not a multiple of --tp {a.tp}")
     cuda = a.device == "cuda"
     shape = a.shape or ("qwen2.5-0.5b" if cuda else "tiny")
     dtype = "bfloat16" if cuda else "float32"
@@ -305,41 +324,16 @@ def main() -> None:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     from agentrl.cluster import free_port
-    from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
     os.environ["MASTER_PORT"] = str(free_port())
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-trainer-"))
     try:
         model_dir = build_model(shape, dtype, work / "model")
-        cfg = TrainerConfig(
-            model_path=str(model_dir),
-            device=a.device,
-            dtype=dtype,
-            lr=1e-6,
-            micro_batch_size=a.micro_batch_size,
-            vocab_divisible_by=128 if cuda else 1,
-            logprob_chunk_tokens=a.logprob_chunk,
-            max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-            pack_sequences=a.pack,
-            old_logprobs=a.old_logprobs,
-            compile_layers=a.compile_layers,
-            compile_kernels=None if a.compile_kernels is None else a.compile_kernels == "on",
-            moe={"grouped_gemm": a.moe_grouped_gemm},
-        )
-        trainer = MegatronTrainer(cfg)
+        trainer = MegatronTrainer(trainer_config(a, model_dir, dtype))
         vocab = min(trainer.arch.vocab_size, 150000)
         trajs = make_batch(batch, plen, rlen, vocab, group=8, seed=0)
-        trainer.train_step(trajs)  # warm-up
-        sync(a.device)
-        rates, step_times, metrics = [], [], {}
-        for s in range(a.steps):
-            step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1)  # a batch from the buffer
-            t0 = time.perf_counter()
-            metrics = trainer.train_step(step_batch)
-            sync(a.device)
-            step_times.append(time.perf_counter() - t0)
-            rates.append(metrics["tokens_per_s"])
+        rates, step_times, metrics = timed_steps(trainer, a, batch, plen, rlen, vocab)
         seq = plen + rlen - 1
         tokens_per_step = batch * seq
         update_rate = sum(rates) / len(rates)
@@ -360,6 +354,7 @@ def main() -> None:
             "step_s": sum(step_times) / len(step_times),
             "old_logprob_s": metrics.get("old_logprob_seconds"),
             "grad_norm": metrics.get("grad_norm"),
+            "trained_tokens": trained_tokens(metrics),
             "logprob_chunk_tokens": a.logprob_chunk,
             "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
             "pack_sequences": a.pack,
@@ -399,9 +394,126 @@ def main() -> None:
             result.update(asyncio.run(weight_sync(trainer, model_dir, engine_device, dtype, work, 16)))
             result["engine_device"] = engine_device
         trainer.shutdown()
+        if a.world_size > 1:
+            del trainer
+            if cuda:
+                torch.cuda.empty_cache()  # the parallel run gets this GPU whole
+            result["parallel"] = parallel(a, model_dir, dtype, batch, plen, rlen, vocab)
+            result["parallel_over_one_gpu"] = (
+                result["parallel"]["step_tokens_per_s"] / result["step_tokens_per_s"]
+            )
         print(json.dumps(result))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def trainer_config(a: argparse.Namespace, model_dir: Path, dtype: str, tp: int = 1) -> Any:
+    from agentrl.trainer.config import TrainerConfig
+
+    cuda = a.device == "cuda"
+    return TrainerConfig(
+        model_path=str(model_dir),
+        device=a.device,
+        dtype=dtype,
+        lr=1e-6,
+        micro_batch_size=a.micro_batch_size,
+        vocab_divisible_by=128 if cuda else 1,
+        logprob_chunk_tokens=a.logprob_chunk,
+        max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+        pack_sequences=a.pack,
+        old_logprobs=a.old_logprobs,
+        compile_layers=a.compile_layers,
+        compile_kernels=None if a.compile_kernels is None else a.compile_kernels == "on",
+        moe={"grouped_gemm": a.moe_grouped_gemm},
+        tp=tp,
+    )
+
+
+def trained_tokens(metrics: dict) -> int:
+    """Tokens one step trained on, counted by the trainer over all data-parallel ranks."""
+    return round(metrics["tokens_per_s"] * metrics["update_seconds"])
+
+
+def timed_steps(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> tuple[list, list, dict]:
+    """One warm-up step, then ``a.steps`` timed ones on fresh batches: the trainer's tokens/s per step,
+    the steps' wall times, the last step's metrics."""
+    trainer.train_step(make_batch(batch, plen, rlen, vocab, group=8, seed=0))  # warm-up
+    sync(a.device)
+    rates, step_times, metrics = [], [], {}
+    for s in range(a.steps):
+        step_batch = make_batch(batch, plen, rlen, vocab, group=8, seed=s + 1)  # a batch from the buffer
+        t0 = time.perf_counter()
+        metrics = trainer.train_step(step_batch)
+        sync(a.device)
+        step_times.append(time.perf_counter() - t0)
+        rates.append(metrics["tokens_per_s"])
+    return rates, step_times, metrics
+
+
+def parallel(a, model_dir: Path, dtype: str, batch: int, plen: int, rlen: int, vocab: int) -> dict:
+    """The same steps on ``a.world_size`` GPUs (processes on the CPU), ``a.tp``-way tensor parallel and
+    data parallel over the rest; every rank gets the whole batch and trains its data-parallel share, as
+    the ranks of a run do. Rank 0's figures."""
+    import torch.multiprocessing as mp
+
+    from agentrl.cluster import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=parallel_rank, args=(r, port, a, model_dir, dtype, batch, plen, rlen, vocab, results)
+        )
+        for r in range(a.world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        out = results.get(timeout=3600)
+        if "error" in out:
+            raise RuntimeError(f"rank {out['rank']} failed:\n{out['error']}")
+        for proc in procs:
+            proc.join(timeout=300)
+    except queue.Empty:
+        raise RuntimeError("the parallel run gave no result within an hour") from None
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return out
+
+
+def parallel_rank(rank: int, port: int, a, model_dir: Path, dtype: str, batch: int, plen: int, rlen: int,
+                  vocab: int, results: Any) -> None:  # fmt: skip
+    """One rank of :func:`parallel` (its own process): rank 0 puts the figures (or any rank its error)."""
+    world = a.world_size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    try:
+        from agentrl.trainer.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(trainer_config(a, model_dir, dtype, tp=a.tp))
+        rates, step_times, metrics = timed_steps(trainer, a, batch, plen, rlen, vocab)
+        step_s = sum(step_times) / len(step_times)
+        figures = {
+            "world_size": world,
+            "tp": a.tp,
+            "dp": world // a.tp,
+            "update_tokens_per_s": sum(rates) / len(rates),
+            "step_tokens_per_s": batch * (plen + rlen - 1) / step_s,
+            "step_s": step_s,
+            "grad_norm": metrics.get("grad_norm"),
+            "trained_tokens": trained_tokens(metrics),
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None,
+        }
+        trainer.shutdown()
+        if rank == 0:
+            results.put(figures)
+    except Exception:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+        raise
 
 
 def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
