@@ -101,7 +101,12 @@ class EpisodeRunner:
     async def _env_call(self, aw: Awaitable[T]) -> T:
         if self.cfg.env_step_timeout is None:
             return await aw
-        return await asyncio.wait_for(aw, self.cfg.env_step_timeout)
+        try:
+            return await asyncio.wait_for(aw, self.cfg.env_step_timeout)
+        except TimeoutError:  # say which limit ended it (the bare error has no text)
+            raise TimeoutError(
+                f"took longer than rollout.env_step_timeout ({self.cfg.env_step_timeout} s)"
+            ) from None
 
     async def run(
         self, draw: Draw, i: int, sampling: SamplingParams, m: RolloutMetrics, train: bool
