@@ -416,6 +416,7 @@ def main() -> None:
         "seed": args.seed,
         "cpus": os.cpu_count(),
         **chaos,
+        "clean_steps": clean["steps"] if clean else None,
         "clean_mean_step_s": clean["mean_step_s"] if clean else None,
         "clean_median_step_s": clean["median_step_s"] if clean else None,
         "clean_wall_s": clean["wall_s"] if clean else None,
