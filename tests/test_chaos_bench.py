@@ -20,10 +20,11 @@ def test_chaos_bench_loses_nothing_and_names_every_failure(tmp_path: Path) -> No
     failures = tmp_path / "failures.jsonl"
     proc = subprocess.run(
         [
-            sys.executable, "bench/chaos.py", "--episodes", "60", "--batch-size", "2", "--clean-episodes", "0",
+            sys.executable, "bench/chaos.py", "--episodes", "60", "--batch-size", "2",
+            "--clean-episodes", "0", "--step-timeout", "0.5", "--failures-out", str(failures),
             # rates high enough that 60 episodes meet every fault (about 180 env steps, 60 tool calls each)
-            "--env-raise", "0.05", "--tool-timeout", "0.05", "--verifier-raise", "0.15", "--retrieval-500", "0.5",
-            "--step-timeout", "0.5", "--failures-out", str(failures),
+            "--env-raise", "0.05", "--tool-timeout", "0.05", "--verifier-raise", "0.15",
+            "--retrieval-500", "0.5",
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -30,10 +30,13 @@ the reason ``failed:<kind>`` (``env``, ``engine``, ``verifier``, ... from the er
 rest (down to ``min_group_size``). Nothing is skipped silently: every drawn task is accounted for
 exactly once as trained, dropped (by reason) or in flight (running, buffered, or pending re-draw):
 :meth:`Orchestrator.accounting`; with ``record_outcomes`` each draw's outcome and every failed attempt's
-error text are kept too (``outcomes``, ``failed_attempts``).
+error text are kept too (``outcomes``, ``failed_attempts``). A run that cannot progress (every group
+dropped, every episode or tool call failing) stops admitting and ``get_batch`` raises
+:class:`~agentrl.buffer.NoProgressError` naming the cause (:mod:`agentrl.rollout.progress`).
 
 Checkpointing: :meth:`state_dict` holds the dataset cursor, every task in flight (re-drawn first on
-resume, with the same uid) and the counters; :meth:`load_state_dict(state, version)` restores them and
+resume, with the same uid, in the order their groups would have reached the trainer) and the counters;
+:meth:`load_state_dict(state, version)` restores them and
 resets the staleness controller to the trainer's version (AReaL #1388).
 
 Public API (what ``train_async.py`` uses)::
@@ -41,7 +44,7 @@ Public API (what ``train_async.py`` uses)::
     orch = Orchestrator(RolloutConfig(...), EngineClient(urls), AutoTokenizer.from_pretrained(d),
                         env_factory=lambda: MyEnv(), dataset=tasks)        # buffer made from config
     await orch.start()
-    batch = await orch.buffer.get_batch()         # batch_size whole groups (list[Trajectory])
+    batch = await orch.buffer.get_batch()         # batch_size whole groups (NoProgressError: none can come)
     await orch.pause_for_update(); ...; await orch.resume_after_update(version)
     metrics = orch.stats(); orch.log_metrics(step)   # also through the MetricsSink given as metrics=
     state = orch.state_dict(); orch.load_state_dict(state, version)   # before start()

@@ -142,8 +142,8 @@ class ProgressWatch:
         kind, _ = self.failures.most_common(1)[0]
         error = self.last_error[kind]
         return NoProgressError(
-            f"no progress: the last {n} episodes all failed after their retries ({self._counts(self.failures)}), "
-            f"e.g. {_one_line(error)!r}; {_failure_hint(kind, error)} "
+            f"no progress: the last {n} episodes all failed after their retries "
+            f"({self._counts(self.failures)}), e.g. {_one_line(error)!r}; {_failure_hint(kind, error)} "
             "(rollout.no_progress_failures sets how many failures in a row stop the run)"
         )
 
@@ -152,10 +152,10 @@ class ProgressWatch:
         if not self.max_failures or n < self.max_failures:
             return None
         return NoProgressError(
-            f"no progress: the last {n} tool calls all failed and none succeeded ({self._counts(self.tool_failures)}), "
-            f"e.g. {_one_line(self.last_tool_error)!r}; is the tool's server up and reachable? check the env's "
-            "settings (env.kwargs, e.g. retrieval_url) (rollout.no_progress_failures sets how many failures in a "
-            "row stop the run)"
+            f"no progress: the last {n} tool calls all failed and none succeeded "
+            f"({self._counts(self.tool_failures)}), e.g. {_one_line(self.last_tool_error)!r}; is the tool's "
+            "server up and reachable? check the env's settings (env.kwargs, e.g. retrieval_url) "
+            "(rollout.no_progress_failures sets how many failures in a row stop the run)"
         )
 
     def _nothing_kept(self) -> NoProgressError | None:
@@ -169,8 +169,8 @@ class ProgressWatch:
         if reason == "zero_variance":
             values = ", ".join(f"{r} in {c} groups" for r, c in self.rewards.most_common(3))
             hint = (
-                f"every sample of a task got the same reward (reward {values}): check that the verifier tells "
-                "answers apart (rollout.verifier, or the env's own), or train on such groups with "
+                f"every sample of a task got the same reward (reward {values}): check that the verifier "
+                "tells answers apart (rollout.verifier, or the env's own), or train on such groups with "
                 "rollout.filter_zero_variance=false"
             )
         elif reason.startswith("failed:"):
@@ -183,8 +183,8 @@ class ProgressWatch:
             hint = f"e.g. {_one_line(self.last_error.get(reason, reason))!r}; see the log"
         return NoProgressError(
             f"no progress: the last {span} were all dropped and none kept for training "
-            f"({self._counts(self.dropped)}); {hint} (rollout.no_progress_groups sets how many dropped groups in "
-            "a row stop the run)"
+            f"({self._counts(self.dropped)}); {hint} (rollout.no_progress_groups sets how many dropped "
+            "groups in a row stop the run)"
         )
 
     @staticmethod
