@@ -147,6 +147,7 @@ def launch(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: in
 
 
 SGLANG_INFO = ("version", "attention_backend", "sampling_backend", "disable_cuda_graph", "cuda_graph_max_bs",
+               "cuda_graph_max_bs_decode",
                "mem_fraction_static", "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size",
                "max_running_requests", "enable_deterministic_inference", "dtype")  # fmt: skip
 
