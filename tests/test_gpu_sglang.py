@@ -10,8 +10,8 @@ tests/test_gpu_sglang.py``; SGLang from ``scripts/gpu_setup.sh --sglang`` or the
 * A request interrupted by a weight update (pause in abort mode, ``/update_weights_from_tensor`` with
   CUDA IPC handles packed by agentrl, which never imports sglang) is resubmitted with its tokens and
   continues under the new weights: nothing of the old weights' KV cache is reused.
-* On two GPUs: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (NCCL), trainer on
-  GPU 0, server on GPU 1.
+* ``/init_weights_update_group`` + ``/update_weights_from_distributed``: NCCL with the trainer on GPU 0
+  and the server on GPU 1 when there are two GPUs, gloo on one GPU.
 
 The model is a small random Qwen2 (4 layers, hidden 256, head dim 64, bf16) with a large initializer
 range, so that its next-token distributions are peaked and a temperature, or a stale weight, shows. SGLang
@@ -200,16 +200,18 @@ async def test_update_interrupts_and_recomputes_without_stale_kv(
 
 
 async def test_distributed_weight_update(models: tuple[Path, Path], tmp_path: Path) -> None:
-    """NCCL broadcast from a trainer on GPU 0 to SGLang on GPU 1 (two processes cannot share one GPU in an
-    NCCL group); afterwards the server answers as the broadcast weights do."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs (the trainer's and the server's)")
+    """SGLang's distributed update protocol (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+    ``/destroy_weights_update_group``) against agentrl's trainer side: NCCL from GPU 0 to a server on GPU 1
+    when there are two GPUs (an NCCL group cannot hold two processes of one GPU), else gloo on one GPU (the
+    same requests and broadcasts). Afterwards the server answers as the broadcast weights do."""
     from agentrl.cluster import free_port
     from agentrl.engine.dist import init_custom_process_group, leave_process_group
 
+    two = torch.cuda.device_count() >= 2
+    backend = "nccl" if two else "gloo"
     torch.cuda.set_device(0)
     cfg = SGLangConfig(
-        model_path=str(models[0]), port=0, mem_fraction_static=0.3, env={"CUDA_VISIBLE_DEVICES": "1"},
+        model_path=str(models[0]), port=0, mem_fraction_static=0.3, env={"CUDA_VISIBLE_DEVICES": "1"} if two else {},
         extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900,
     )  # fmt: skip
     weights = hf_weights(models[1])
@@ -219,17 +221,18 @@ async def test_distributed_weight_update(models: tuple[Path, Path], tmp_path: Pa
     with SGLangLauncher(cfg) as launcher:
         async with EngineClient(launcher.url, timeout=300) as client:
             port = free_port()
+            device = torch.device("cuda:0") if two else None
             _, pg = await asyncio.gather(
-                client.init_weights_update_group("127.0.0.1", port, 1, 2, "agentrl_test", "nccl"),
+                client.init_weights_update_group("127.0.0.1", port, 1, 2, "agentrl_test", backend),
                 asyncio.to_thread(
                     init_custom_process_group,
-                    "nccl",
+                    backend,
                     f"tcp://127.0.0.1:{port}",
                     2,
                     0,
                     "agentrl_test",
                     120.0,
-                    torch.device("cuda:0"),
+                    device,
                 ),
             )
 
@@ -252,4 +255,8 @@ async def test_distributed_weight_update(models: tuple[Path, Path], tmp_path: Pa
     assert out.weight_version == "1"
     assert left[1], "the trainer's end of the group had to be aborted"
     got = gaps(out.logprobs, reference_logprobs(models[1], prompt + out.output_ids, len(prompt)))
-    assert statistics.mean(got) < 0.15
+    old = gaps(out.logprobs, reference_logprobs(models[0], prompt + out.output_ids, len(prompt)))
+    print(
+        f"{backend}: |d logp| to the broadcast weights {statistics.mean(got):.4f}, to the old {statistics.mean(old):.4f}"
+    )
+    assert statistics.mean(got) < 0.15 and statistics.mean(old) > 4 * statistics.mean(got)
