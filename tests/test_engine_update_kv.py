@@ -115,11 +115,12 @@ async def test_aborted_request_resubmitted_after_an_update_is_recomputed(
 
 async def test_retracted_request_continues_under_the_new_weights(server: EmbeddedServer, models) -> None:
     old, new, new_dir = models
-    sp = SamplingParams(temperature=1.0, max_new_tokens=120, ignore_eos=True)
+    # long enough to be mid-way at the pause and after the update on a busy machine
+    sp = SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True)
     async with EngineClient(server.url, timeout=120) as client:
         await client.update_weight_version("v0")
         tasks = [asyncio.ensure_future(client.generate(PROMPT[: 12 + i], sp)) for i in range(2)]
-        await wait_decoding(client, 2)
+        await wait_decoding(client, 2, tokens=20)
         await client.pause("retract")  # the requests leave the schedule (their KV to the prefix cache)
         await asyncio.sleep(0.2)
         assert not any(t.done() for t in tasks)
@@ -129,13 +130,13 @@ async def test_retracted_request_continues_under_the_new_weights(server: Embedde
 
         for i, r in enumerate(results):
             prompt = PROMPT[: 12 + i]
-            assert r.finish_reason == "length" and len(r.output_ids) == 120 and r.weight_version == "v1"
+            assert r.finish_reason == "length" and len(r.output_ids) == 200 and r.weight_version == "v1"
             by_old = teacher_forced(old, prompt, r.output_ids)
             by_new = teacher_forced(new, prompt, r.output_ids)
             # the tokens before the update are the old weights'; every one after it, the new weights' over
             # the whole sequence (a reused prefix computed with the old weights would show here)
             k = next(j for j, (a, b) in enumerate(zip(r.logprobs, by_old, strict=True)) if abs(a - b) > TOL)
-            assert 20 < k < 120
+            assert 10 < k < 200
             assert max_err(r.logprobs[k:], by_new[k:]) < TOL
 
         await client.update_weights_from_disk(str(old.name_or_path), weight_version="v2")
