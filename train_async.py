@@ -191,7 +191,7 @@ async def load_checkpoint(fleet: Fleet, ckpt_dir: Path) -> tuple[int, int]:
     """The trainer's state, the engines get its weights, then the rollout's state (dataset cursor, tasks
     in flight); returns the step and the policy version the run goes on from."""
     step = await fleet.trainer.load_checkpoint(str(ckpt_dir))
-    version = await fleet.trainer.sync_weights()
+    version = await fleet.trainer.sync_weights(new_version=False)  # the version they were saved at
     state = pickle.loads((ckpt_dir / f"rollout_{step:08d}.pkl").read_bytes())
     await fleet.rollout.load_state_dict.remote(state, version)
     print(f"resumed at step {step}, policy version {version}", flush=True)

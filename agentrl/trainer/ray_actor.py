@@ -210,9 +210,10 @@ class TrainerGroup:
         )
         await asyncio.gather(*[a.connect_engines.remote(mode, engine_urls, **kwargs) for a in self.actors])
 
-    async def sync_weights(self) -> int:
-        """Push the weights to the connected engines; the new policy version."""
-        return await self._all("sync_weights")
+    async def sync_weights(self, new_version: bool = True) -> int:
+        """Push the weights to the connected engines; the policy version pushed (a new one, unless
+        ``new_version`` is False: a resume's push of the checkpoint's weights)."""
+        return await self._all("sync_weights", new_version)
 
     async def disconnect_engines(self, timeout: float = 30.0) -> bool:
         """Let go of the engines, bounded; True when it ended cleanly (:meth:`shutdown` does it too)."""

@@ -507,15 +507,20 @@ class MegatronTrainer:
             backend=backend, bucket_bytes=bucket_bytes or self.cfg.weight_sync_bucket_mb << 20,
         )  # fmt: skip
 
-    async def sync_weights(self) -> int:
+    async def sync_weights(self, new_version: bool = True) -> int:
         """Push the current weights to the connected engines: every rank gathers the HF-named weights,
-        the version goes up by one, rank 0 pushes them, then a barrier. Collective; the new version."""
+        the version goes up by one, rank 0 pushes them, then a barrier. Collective; the version pushed.
+        ``new_version=False``: push them under the version they already carry (a resume hands the
+        engines the checkpoint's weights as the version they were saved at)."""
         if self._engines is None:
             raise RuntimeError("connect_engines() first")
         t0 = time.perf_counter()
         hf = await asyncio.to_thread(self.hf_state_dict, self._engines.gather_device)
         gathered = time.perf_counter() - t0
-        self.policy_version += 1
+        if new_version:
+            self.policy_version += 1
+        else:
+            self._changed_at = None  # the engines now hold exactly the weights of this version
         if self.rank == 0:
             stats = await self._engines.push(hf, self.policy_version)
             self.last_sync_stats = {**stats, "gather_seconds": gathered}
@@ -551,7 +556,7 @@ class MegatronTrainer:
         self.step, self.optimizer_steps, self.policy_version = load_checkpoint(
             path, self.module, self.optim, self.rank
         )
-        self._changed_at = self.policy_version  # the engines get these weights at the next sync
+        self._changed_at = self.policy_version  # not the engines' until pushed (sync_weights)
         return self.step
 
     def shutdown(self) -> None:
