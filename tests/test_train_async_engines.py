@@ -54,7 +54,7 @@ def test_sglang_backend_launches_in_ray_actors_and_stops(tmp_path: Path) -> None
     )
     assert cfg.engine.sglang is not None and cfg.engine.sglang.model_path == "/models/m"
     fleet = Fleet(cfg)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)  # fake: 2 engines x tp 2
     try:
         urls = fleet.start_engines("/models/m")
         assert len(urls) == 2 and len(set(urls)) == 2  # two servers, two free ports
