@@ -146,18 +146,15 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
         )
     from agentrl.engine.launcher import SGLangConfig
 
+    releases = cfg.placement == "colocated" and cfg.colocation.engine_release != "none"
     sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(
         update={
             "model_path": model_dir,
             "port": 0 if e.num_engines > 1 else (e.sglang.port if e.sglang else 30000),
+            "memory_saver": releases,  # SGLang serves the release / resume endpoints only with it
+            "deterministic": cfg.deterministic,  # the run's one switch
         }
     )
-    flags = dict(sg.extra_args)
-    if cfg.placement == "colocated" and cfg.colocation.engine_release != "none":
-        flags["enable-memory-saver"] = True  # SGLang serves the release / resume endpoints only with it
-    if cfg.deterministic:
-        flags["enable-deterministic-inference"] = True
-    sg.extra_args = flags
     return functools.partial(_start_sglang, sg)
 
 

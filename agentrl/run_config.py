@@ -275,6 +275,10 @@ class RunConfig(ConfigModel):
             raise ValueError(
                 "engine.router: needs engine.backend: external (the router's URL in engine.urls)"
             )
+        run_sets = {"deterministic": "deterministic", "memory_saver": "colocation.engine_release"}
+        for field, instead in run_sets.items():
+            if e.sglang is not None and field in e.sglang.model_fields_set:
+                raise ValueError(f"engine.sglang.{field}: the run sets it from {instead}; set that instead")
         if t.true_on_policy and e.backend != "embedded":
             raise ValueError(
                 f"trainer.true_on_policy: needs engine.backend: embedded, not {e.backend} (the engine is exact "
