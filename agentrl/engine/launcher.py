@@ -184,7 +184,8 @@ class SGLangConfig(ConfigModel):
     deterministic: bool = Field(
         False,
         description="--enable-deterministic-inference: batch-invariant kernels, so a request's tokens do not "
-        "depend on what else the server batches (seeded requests repeat exactly)",
+        "depend on what else the server batches (seeded requests repeat exactly); set by a run from its "
+        "deterministic switch",
     )
     site_dir: str | None = Field(
         None,
