@@ -57,7 +57,9 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     assert 0 < parts <= summary["mean_step_s"] * 1.01
     assert 0 <= summary["engine_idle_frac"] <= 1
     assert summary["generated_tokens_per_s"] > 0
-    assert 0 < summary["engine_device_busy_frac"] <= 1
+    # measured between the two steps' reads: with batch 2 generated during step 1's wait (max_staleness 1),
+    # step 2 may pause the engine before it ran a step, and 0 is then the right figure
+    assert 0 <= summary["engine_device_busy_frac"] <= 1
     assert not _left_after(), "the run left processes behind"
 
 
