@@ -346,6 +346,37 @@ def test_practice_rows_come_from_other_worlds(tmp_path):
         assert len(r["input_ids"]) == len(r["loss_mask"]) and 0 < sum(r["loss_mask"]) < len(r["loss_mask"])
 
 
+def test_practice_worlds_with_the_world_names_share_names_but_no_fact():
+    """``sft.practice_names: world``: the practice worlds are made of the evaluation world's name words, in
+    other roles: no passage or question-and-answer of theirs is one of the evaluation world's."""
+    from agentrl.examples.search_r1.bootstrap import BootstrapConfig, practice_worlds
+
+    cfg = BootstrapConfig.model_validate(
+        {
+            "world": {"seed": 0, "num_entities": 300, "year_questions": False},
+            "sft": {"practice_worlds": 2, "practice_entities": 120, "practice_names": "world"},
+        }
+    )
+    world = generate_world(**cfg.world.model_dump())
+    pool = set(world.name_words())
+    assert len(pool) > 300 and not pool & {"Works", "Trading", "Mills", "Foundry", "Company"}
+    facts = {p["contents"].split("\n", 1)[1] for p in world.corpus}
+    qa = {(t["prompt"], t["label"][0]) for t in world.train + world.test}
+    practice = list(practice_worlds(cfg))
+    assert practice[0].digest() != practice[1].digest()
+    for w in practice:
+        words = set(w.name_words())
+        assert words <= pool and len(words) > 0.3 * len(pool)  # the world's names, each used once
+        assert len({e.name for e in w.entities.values()}) == len(w.entities)
+        assert not facts & {p["contents"].split("\n", 1)[1] for p in w.corpus}
+        assert len(qa & {(t["prompt"], t["label"][0]) for t in w.train + w.test}) < 0.01 * len(qa)
+    # inventory names (the default) stay apart from the world's
+    cfg.sft.practice_names = "inventory"
+    assert len(set(next(practice_worlds(cfg)).name_words()) & pool) < 0.05 * len(pool)
+    with pytest.raises(ValueError, match="name pool exhausted"):
+        generate_world(seed=1, num_entities=300, name_pool=sorted(pool)[:50])
+
+
 @pytest.fixture(scope="module")
 def practice_setup(tmp_path_factory):
     import transformers

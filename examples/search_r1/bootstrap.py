@@ -8,24 +8,25 @@ Steps (each keyed by a hash of the config, so changing the config rebuilds only 
 2. ``base/``: :func:`agentrl.models.tiny.build_tiny_model` trains a byte-level BPE tokenizer on the world's
    text plus the Search-R1 prompt and writes a random model (a standard HF directory).
 3. ``sft/``: a short supervised warm start on :func:`gold_demo` trajectories from *practice worlds*: worlds
-   generated with other seeds but the same syllable inventory (``name_seed``), each with its own retrieval
-   index. Every demonstration names fresh entities, so a tiny model cannot lower the loss by memorising
-   facts and has to learn to copy names out of the question and the retrieved passages, the skill the
-   held-out split tests. The warm start never sees the evaluation world. Demonstrations are tokenized
+   generated with other seeds, each with its own retrieval index, whose names are either built from the
+   same syllable inventory (``sft.practice_names: inventory``) or the evaluation world's own name words
+   put in other roles, with other facts (``world``). Every practice world states its own random facts, so
+   a tiny model cannot lower the loss by memorising facts and has to learn to copy names out of the
+   question and the retrieved passages, the skill the held-out split tests. The warm start never sees a
+   fact of the evaluation world. With ``world`` names, the names it copies are the very tokens held-out
+   answers are made of (most are one token of the world's tokenizer), and the copy skill comes several
+   times sooner than with inventory names (mostly several tokens each). Demonstrations are tokenized
    exactly the way the orchestrator builds a rollout (chat-templated prompt, then each model segment and
    each observation tokenized on its own). The loss is cross-entropy on the model's tokens plus
    ``lm_weight`` times a language-model loss on every token (prompt and retrieved passages too): the
    repeated names in those passages are where a small model learns to copy fastest. Each batch is sorted
    by length and run in ``micro_batches`` chunks (gradient accumulation of one normalized loss), which
    cuts padding.
-4. Optionally (``sft.search_prob``), the SFT model's *first action* is calibrated: a few steps of a
-   soft-label loss on the first response token only, so that it opens with ``<search>`` with probability
-   ``p`` and with ``<answer>`` otherwise. With ``p < 0.5`` the warm start is a reluctant searcher: it knows
-   how to search, read and copy, but greedy decoding answers from memory and scores about 0 on a world
-   it has never read. That is the starting point of Search-R1 (a model that can call the tool but has
-   not learned that it pays), and what RL on a 2-core CPU can fix in minutes. Copying more reliably is
-   not: it took the SFT hundreds of steps at a batch of 16 gold demonstrations, while RL sees a few
-   correct samples per 5-second step.
+4. Optionally (``sft.search_prob``, off in the demo's config), the SFT model's *first action* is
+   calibrated: a few steps of a soft-label loss on the first response token only, so that it opens with
+   ``<search>`` with probability ``p`` and with ``<answer>`` otherwise. With ``p < 0.5`` greedy decoding
+   never searches, so the calibrated model scores about 0 by construction: a skill taken away, which RL
+   then gives back. The demo does not do that; its warm start is the SFT model as it is.
 
 The SFT loop here is plain PyTorch on the transformers model: the warm start is a fixed preprocessing
 step of this example, not part of the training system (``agentrl.trainer`` also has an SFT loss mode for
@@ -66,7 +67,9 @@ class TinyModelConfig(ConfigModel):
     intermediate_size: int = Field(384, ge=16, description="SwiGLU width")
     seed: int = Field(0, description="init seed")
     num_experts: int | None = Field(None, ge=1, description="qwen3_moe: experts per layer (default 8)")
-    num_experts_per_tok: int | None = Field(None, ge=1, description="qwen3_moe: experts per token, top-k (default 2)")
+    num_experts_per_tok: int | None = Field(
+        None, ge=1, description="qwen3_moe: experts per token, top-k (default 2)"
+    )
     moe_intermediate_size: int | None = Field(
         None, ge=16, description="qwen3_moe: SwiGLU width of each expert (default hidden_size)"
     )
@@ -108,6 +111,11 @@ class SFTConfig(ConfigModel):
     calibration_lr: float = Field(1e-3, gt=0, description="Adam learning rate of that calibration")
     micro_batches: int = Field(
         2, ge=1, description="each batch is sorted by length and run in this many chunks (less padding)"
+    )
+    practice_names: Literal["inventory", "world"] = Field(
+        "inventory",
+        description="names of the practice worlds: built from the evaluation world's syllable inventory, or "
+        "the evaluation world's own name words in other roles with other facts (the copy skill comes sooner)",
     )
     answer_loss: bool = Field(
         True,
@@ -212,9 +220,12 @@ def practice_worlds(cfg: BootstrapConfig) -> Iterator[World]:
     """The practice worlds, one at a time: same name pieces as the evaluation world, no shared entity.
 
     Practice world ``k`` is the evaluation world's config with seed ``seed + 1000 + k``, ``name_seed`` pinned
-    to the evaluation world's, and ``practice_entities`` entities.
+    to the evaluation world's, and ``practice_entities`` entities; with ``sft.practice_names: world`` its
+    names are the evaluation world's name words (:meth:`World.name_words`), drawn in the practice world's
+    own order.
     """
     w = cfg.world
+    pool = generate_world(**w.model_dump()).name_words() if cfg.sft.practice_names == "world" else None
     for k in range(cfg.sft.practice_worlds):
         yield generate_world(
             **w.model_dump()
@@ -222,7 +233,8 @@ def practice_worlds(cfg: BootstrapConfig) -> Iterator[World]:
                 "seed": w.seed + 1000 + k,
                 "num_entities": cfg.sft.practice_entities,
                 "name_seed": w.inventory_seed,
-            }
+            },
+            name_pool=pool,
         )
 
 

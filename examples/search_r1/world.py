@@ -29,7 +29,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,11 @@ class World:
         blob = json.dumps([self.corpus, self.rows], sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
+    def name_words(self) -> list[str]:
+        """The words the entities' names are made of (a company's suffix, a common word, left out), sorted."""
+        words = {w for e in self.entities.values() for w in e.name.split()}
+        return sorted(words - set(_COMPANY_SUFFIXES))
+
     def corpus_text(self) -> list[str]:
         """Every passage's text (title line included), for training a tokenizer."""
         return [p["contents"] for p in self.corpus]
@@ -222,10 +227,15 @@ def _syllable_inventory(rng: random.Random, n: int) -> list[str]:
 
 
 class _Namer:
-    """Unique capitalised names built from the syllable inventory; a name word is never reused."""
+    """Unique capitalised names built from the syllable inventory; a name word is never reused. With a
+    ``pool``, the words are drawn from it instead (in a random order, each once)."""
 
-    def __init__(self, rng: random.Random, syllables: list[str]) -> None:
+    def __init__(self, rng: random.Random, syllables: list[str], pool: Sequence[str] | None = None) -> None:
         from .retrieval_server import import_bm25s
+
+        self.pool = list(pool) if pool is not None else None
+        if self.pool is not None:
+            rng.shuffle(self.pool)
 
         stopwords = import_bm25s().stopwords.STOPWORDS_EN
 
@@ -240,6 +250,10 @@ class _Namer:
         self.used = {w.strip(".,?<>/{}").lower() for w in template_words.split()} | set(stopwords)
 
     def word(self) -> str:
+        if self.pool is not None:
+            if not self.pool:
+                raise ValueError("name pool exhausted: give a larger pool or fewer entities")
+            return self.pool.pop()
         for _ in range(1000):
             k = self.rng.choice((2, 2, 3))
             w = "".join(self.rng.choice(self.syllables) for _ in range(k)).capitalize()
@@ -249,7 +263,9 @@ class _Namer:
         raise ValueError(f"name space exhausted: raise num_syllables (now {len(self.syllables)})")
 
 
-def _build_entities(cfg: WorldConfig, rng: random.Random) -> tuple[dict[str, Entity], int]:
+def _build_entities(
+    cfg: WorldConfig, rng: random.Random, name_pool: Sequence[str] | None = None
+) -> tuple[dict[str, Entity], int]:
     per_country = (
         1
         + cfg.rivers_per_country
@@ -257,7 +273,8 @@ def _build_entities(cfg: WorldConfig, rng: random.Random) -> tuple[dict[str, Ent
         + cfg.companies_per_country
     )
     num_countries = max(2, round(cfg.num_entities / per_country))
-    namer = _Namer(rng, _syllable_inventory(random.Random(f"names:{cfg.inventory_seed}"), cfg.num_syllables))
+    inventory = _syllable_inventory(random.Random(f"names:{cfg.inventory_seed}"), cfg.num_syllables)
+    namer = _Namer(rng, inventory, name_pool)
     ents: dict[str, Entity] = {}
     counts: dict[str, int] = {}
 
@@ -446,11 +463,17 @@ def _row(q: dict[str, Any], split: str, index: int, seed: int) -> dict[str, Any]
     }
 
 
-def generate_world(seed: int = 0, num_entities: int = 200, **overrides: Any) -> World:
-    """Build a world (see the module docstring); ``overrides`` are further :class:`WorldConfig` fields."""
+def generate_world(
+    seed: int = 0, num_entities: int = 200, name_pool: Sequence[str] | None = None, **overrides: Any
+) -> World:
+    """Build a world (see the module docstring); ``overrides`` are further :class:`WorldConfig` fields.
+
+    ``name_pool``: the name words to use (e.g. another world's :meth:`World.name_words`), each at most
+    once, in an order drawn from ``seed``, instead of words built from the syllable inventory: a world
+    with another world's names in other roles and with other facts."""
     cfg = WorldConfig(seed=seed, num_entities=num_entities, **overrides)
     rng = random.Random(seed)
-    ents, num_countries = _build_entities(cfg, rng)
+    ents, num_countries = _build_entities(cfg, rng, name_pool)
     corpus = _passages(ents, cfg, rng)
     regions = list(range(num_countries))
     rng.shuffle(regions)
