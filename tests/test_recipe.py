@@ -7,6 +7,7 @@ non-search env with its verifier through the default recipe, end to end."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -148,10 +149,10 @@ def test_a_bad_task_line_is_named(tmp_path: Path) -> None:
 def test_default_and_search_r1_figures() -> None:
     trajs = [_traj(1.0), _traj(0.5), _traj(None, Status.FAILED), _traj(1.0, num_searches=2)]
     assert DefaultRecipe.eval_metrics(None, trajs) == {"eval/reward": 0.625, "eval/failed": 0.25}  # type: ignore[arg-type]
-    search = resolve_recipe(SEARCH_R1)
-    assert search.eval_metrics(None, trajs) == {"eval/exact_match": 0.5}  # type: ignore[arg-type]
-    assert search.batch_metrics(None, trajs) == {"batch/searches": 0.5}  # type: ignore[arg-type]
-    assert search.batch_metrics(None, trajs[:3]) == {}  # type: ignore[arg-type]  # an env that counts none
+    search = make_recipe(load_run_config(ROOT / "examples" / "search_r1" / "config.yaml"))
+    assert search.eval_metrics(trajs) == {"eval/exact_match": 0.5}
+    assert search.batch_metrics(trajs) == {"batch/searches": 0.5}
+    assert search.batch_metrics(trajs[:3]) == {}  # an env that counts none
 
 
 def test_finish_plots_and_prints_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -289,3 +290,45 @@ def test_the_help_text_names_the_reference_the_recipes_and_every_example_config(
         "(the default config)" in demo and "recipe agentrl.examples.search_r1.recipe:SearchR1Recipe" in demo
     )
     assert text.count("(the default config)") == 1
+
+
+# ---- the demo's headline: before and after on the same tasks, with standard errors ---------------------
+def test_the_gain_is_paired_over_the_tasks_both_evaluations_scored() -> None:
+    from agentrl.examples.search_r1.recipe import gain, standard_error
+
+    before = {"a": False, "b": False, "c": True, "d": False}
+    after = {"a": True, "b": False, "c": True, "d": True, "e": True}  # e was not scored before: left out
+    f = gain(before, after)
+    assert (f["eval_tasks"], f["em_before"], f["em_after"], f["em_gain"]) == (4, 0.25, 0.75, 0.5)
+    assert f["em_before_se"] == pytest.approx(math.sqrt(0.25 * 0.75 * 4 / 3 / 4))
+    assert f["em_gain_se"] == pytest.approx(math.sqrt(1 / 3) / 2)  # differences 1, 0, 0, 1
+    # a policy that is right on exactly the tasks it was right on before: gain 0, no spread
+    assert gain(before, before)["em_gain"] == 0 and gain(before, before)["em_gain_se"] == 0
+    assert standard_error([1.0]) == 0.0
+
+
+def test_search_r1_finish_prints_the_gain_with_its_standard_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = load_run_config(
+        ROOT / "examples" / "search_r1" / "config.yaml", [f"output_dir={tmp_path}", "pass_at_k=null"]
+    )
+    recipe = make_recipe(cfg)
+    trajs = [_traj(1.0 if i < 2 else 0.0) for i in range(4)]
+    for i, t in enumerate(trajs):
+        t.task_id = f"t{i}"
+    recipe.eval_metrics(trajs)  # before: t0, t1 right
+    for t in trajs:
+        t.reward = 1.0 if t.task_id != "t3" else 0.0
+    recipe.eval_metrics(trajs)  # after: t0, t1, t2 right
+    result = {"eval_before": {"eval/exact_match": 0.5}, "eval_after": {"eval/exact_match": 0.75}, "steps": 2,
+              "policy_version": 2, "wall_s": 3.0, "accounting": {"trained": 4}}  # fmt: skip
+    history = [{"step": 1.0, "batch/reward": 0.2, "batch/response_tokens": 9.0}]
+    summary = recipe.finish(
+        result, history, [(0, {"eval/exact_match": 0.5}), (2, {"eval/exact_match": 0.75})]
+    )
+    assert (summary["em_before"], summary["em_after"], summary["em_gain"]) == (0.5, 0.75, 0.25)
+    out = capsys.readouterr().out
+    assert re.search(r"held-out exact match before +0\.500 ± 0\.289 \(greedy, 4 tasks\)", out), out
+    assert re.search(r"RL gain over the warm start +\+0\.250 ± 0\.250 \(paired\)", out), out
+    assert "RL added +0.250 ± 0.250 held-out exact match over the warm start" in out

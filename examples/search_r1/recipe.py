@@ -16,6 +16,7 @@ Around the generic loop it adds (see :mod:`agentrl.recipe` for the hooks):
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,41 @@ class SearchR1Config(RunConfig):
         return self
 
 
+def is_correct(t: Trajectory) -> bool:
+    """An episode is right when its reward is 1 (a failed episode counts as wrong)."""
+    return t.status != Status.FAILED and (t.reward or 0) >= 1.0
+
+
 def exact_match(trajs: list[Trajectory]) -> float:
     """Held-out accuracy: the share of episodes whose reward is 1 (a failed episode counts as wrong)."""
-    return sum(1.0 for t in trajs if t.status != Status.FAILED and (t.reward or 0) >= 1.0) / max(
-        1, len(trajs)
-    )
+    return sum(map(is_correct, trajs)) / max(1, len(trajs))
+
+
+def standard_error(values: list[float]) -> float:
+    """The standard error of the mean of ``values`` (sample standard deviation / sqrt(n); 0 below two)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def gain(before: dict[str, bool], after: dict[str, bool]) -> dict[str, float]:
+    """Exact match before and after on the tasks both evaluations scored, each with its standard error,
+    and the gain with the standard error of the per-task differences (paired: the same tasks)."""
+    tasks = [k for k in before if k in after]
+    b = [float(before[k]) for k in tasks]
+    a = [float(after[k]) for k in tasks]
+    n = max(1, len(tasks))
+    return {
+        "em_before": sum(b) / n,
+        "em_before_se": standard_error(b),
+        "em_after": sum(a) / n,
+        "em_after_se": standard_error(a),
+        "em_gain": (sum(a) - sum(b)) / n,
+        "em_gain_se": standard_error([y - x for x, y in zip(b, a, strict=True)]),
+        "eval_tasks": float(len(tasks)),
+    }
 
 
 def behaviour_panel(ax: Any, rows: History) -> None:
@@ -111,6 +142,10 @@ class SearchR1Recipe(DefaultRecipe):
 
     config = SearchR1Config
     cfg: SearchR1Config
+
+    def __init__(self, cfg: SearchR1Config) -> None:
+        super().__init__(cfg)
+        self.per_task: list[dict[str, bool]] = []  # per evaluation: task id -> right
 
     def prepare(self) -> Prepared:
         """The model dir, the tasks and the corpus; the bootstrap makes what is ``auto`` (cached).
@@ -169,18 +204,43 @@ class SearchR1Recipe(DefaultRecipe):
         return {"batch/searches": sum(t.info.get("num_searches", 0) for t in batch) / len(batch)}
 
     def eval_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """Held-out exact match; each evaluation's per-task results are kept for :meth:`finish`."""
+        self.per_task.append({t.task_id: is_correct(t) for t in trajs})
         return {EXACT_MATCH: exact_match(trajs)}
 
     def finish(self, result: dict[str, Any], history: History, evals: Evals) -> dict[str, Any]:
-        """``reward_em.png`` and the summary; ``em_before`` / ``em_after`` lead ``summary.json``."""
+        """``reward_em.png`` and the summary, with the held-out exact match before and after RL, their
+        standard errors and RL's gain over the warm start (see :func:`gain`); those figures lead
+        ``summary.json``."""
         out, nan = Path(self.cfg.output_dir), float("nan")
         searches = any("batch/searches" in r for r in history if "batch/reward" in r)
         plot_run(history, evals, out / "reward_em.png", behaviour_panel if searches else None)
-        print_summary(summary_rows(result, history, out, "reward_em.png"))
+        rows = summary_rows(result, history, out, "reward_em.png")
         before, after = result.get("eval_before", {}), result.get("eval_after", {})
+        figures = {"em_before": before.get(EXACT_MATCH, nan), "em_after": after.get(EXACT_MATCH, nan)}
+        if before and after and len(self.per_task) >= 2:  # the first evaluation and the last, same tasks
+            figures = gain(self.per_task[0], self.per_task[-1])
+            f, n = figures, int(figures["eval_tasks"])
+            shown = {
+                "held-out exact match before": f"{f['em_before']:.3f} ± {f['em_before_se']:.3f} (greedy, {n} tasks)",
+                "held-out exact match after": f"{f['em_after']:.3f} ± {f['em_after_se']:.3f} (the same tasks)",
+            }
+            rows = [(k, shown.get(k, v)) for k, v in rows]
+            at = next(i for i, (k, _) in enumerate(rows) if k == "held-out exact match after") + 1
+            rows.insert(
+                at, ("RL gain over the warm start", f"{f['em_gain']:+.3f} ± {f['em_gain_se']:.3f} (paired)")
+            )
+        print_summary(rows)
+        if "em_gain" in figures:
+            print(
+                f"RL added {figures['em_gain']:+.3f} ± {figures['em_gain_se']:.3f} held-out exact match over "
+                f"the warm start ({figures['em_before']:.3f} -> {figures['em_after']:.3f}, greedy, the same "
+                f"{int(figures['eval_tasks'])} tasks; ± one standard error)",
+                flush=True,
+            )
         if self.cfg.pass_at_k is not None:
             result["pass_at_k"] = self.pass_at_k(out)
-        return {"em_before": before.get(EXACT_MATCH, nan), "em_after": after.get(EXACT_MATCH, nan), **result}
+        return {**figures, **result}
 
     def pass_at_k(self, out: Path) -> dict[str, dict[str, float]]:
         """Greedy exact match and pass@k of the warm start and of the final checkpoint (see
