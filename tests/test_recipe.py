@@ -332,3 +332,12 @@ def test_search_r1_finish_prints_the_gain_with_its_standard_error(
     assert re.search(r"held-out exact match before +0\.500 ± 0\.289 \(greedy, 4 tasks\)", out), out
     assert re.search(r"RL gain over the warm start +\+0\.250 ± 0\.250 \(paired\)", out), out
     assert "RL added +0.250 ± 0.250 held-out exact match over the warm start" in out
+
+
+def test_the_demo_measures_the_sft_warm_start_as_it_is() -> None:
+    """No step takes a skill away from the warm start before RL (the first-action calibration made greedy
+    decoding never search), and the warm start and the final policy are evaluated alike."""
+    cfg = load_run_config(ROOT / "examples" / "search_r1" / "config.yaml")
+    assert cfg.bootstrap is not None and cfg.bootstrap.sft.search_prob is None
+    assert cfg.eval.before and cfg.eval.after and cfg.eval.num_tasks >= 200
+    assert cfg.rollout.eval_sampling.temperature == 0.0  # greedy, before and after
