@@ -4,7 +4,8 @@ addition tasks, so the openai-SDK agent of ``examples/openai_agent.py`` trains o
 That run is a smoke run: a randomly initialised model earns no learning signal in a few steps, so its
 reward does not move. What it shows is the plumbing: the agent's openai-SDK calls went through the
 recording proxy and were trained on token-exact (the trainer's recompute of the engine's logprobs agrees,
-``trainer/mismatch_*``). The run that learns is the Search-R1 demo, ``python train_async.py``.
+``trainer/mismatch_*``). RL from a trained warm start on a real task is the Search-R1 demo,
+``python train_async.py``.
 Point ``model_path`` at a real checkpoint and ``data.path`` at your tasks to use the default recipe
 instead."""
 
@@ -18,8 +19,8 @@ from agentrl.recipe import DefaultRecipe, Evals, History, Prepared
 
 SMOKE_NOTE = (
     "smoke run: {steps} steps of a randomly initialised model, so the reward is not expected to move; it "
-    "checks that the agent's openai-SDK calls train token-exact. The run that learns: python train_async.py "
-    "(the Search-R1 demo)"
+    "checks that the agent's openai-SDK calls train token-exact. RL from a trained warm start on a real task: "
+    "python train_async.py (the Search-R1 demo)"
 )
 
 

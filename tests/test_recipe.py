@@ -244,7 +244,7 @@ def test_the_quick_start_needs_only_the_base_install() -> None:
 @pytest.mark.slow
 def test_the_quick_start_says_it_is_a_smoke_run(tmp_path: Path) -> None:
     """The README's quick start as shown (one step here): it says that its reward is not expected to move,
-    shows the token-exact figure it checks, and names the run that learns."""
+    shows the token-exact figure it checks, and names the Search-R1 demo."""
     config = ROOT / "examples" / "openai_agent.yaml"
     argv = [
         str(ROOT / "train_async.py"),
@@ -264,7 +264,7 @@ def test_the_quick_start_says_it_is_a_smoke_run(tmp_path: Path) -> None:
     assert proc.stdout.count("smoke run: 1 steps of a randomly initialised model") == 2, proc.stdout
     gap = re.search(r"token-exact: max \|engine logprob - trainer logprob\| over the run (\S+) ", proc.stdout)
     assert gap and float(gap.group(1)) < 1e-4, proc.stdout
-    assert "The run that learns: python train_async.py" in proc.stdout
+    assert "RL from a trained warm start on a real task: python train_async.py" in proc.stdout
 
 
 # ---- --help: where the config is described, the recipes, the example configs ---------------------------
