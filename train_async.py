@@ -204,10 +204,7 @@ async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> lis
     (``asyncio.wait_for`` of Python 3.11 returns the result then, and the run went on training)."""
 
     async def get() -> list[Trajectory]:
-        try:
-            return await rollout.get_batch.remote()
-        except Exception as err:  # the rollout's own error (a run that cannot progress), not Ray's wrapper
-            raise getattr(err, "cause", None) or err from None
+        return await rollout.get_batch.remote()
 
     fut = asyncio.ensure_future(get())
     try:
@@ -264,6 +261,7 @@ if __name__ == "__main__":
     try:
         asyncio.run(main(config, resume=cli.resume))
     except ConfigError as err:  # found once Ray is up (e.g. too few GPUs); everything was shut down
-        sys.exit(str(err))
+        # raised in an actor (a rollout that cannot progress), Ray wraps it: its text is a traceback
+        sys.exit(str(getattr(err, "cause", None) or err))
     except KeyboardInterrupt:
         sys.exit("interrupted: everything was shut down")

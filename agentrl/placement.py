@@ -209,37 +209,30 @@ class Fleet:
         from agentrl.trainer.ray_actor import TrainerGroup
 
         cfg, e = self.cfg, self.cfg.engine
-        bundles = colocated_bundles(cfg)
         self.start_engines(model_dir)
         self.monitor = EngineClient(
             self.engine_urls, api_key=e.api_key, timeout=10, max_retries=0, router=e.router
         )
-        sync_urls = (
-            await self.monitor.worker_urls()
-        )  # behind a router (engine.router): the workers it lists now
+        # behind a router (engine.router): the workers it lists now
+        sync_urls = await self.monitor.worker_urls()
         self.control = EngineClient(sync_urls, api_key=e.api_key, timeout=300, max_retries=0)
         self.trainer = TrainerGroup(
             self.trainer_config(model_dir),
             cfg.trainer_world_size,
             num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0,
             deterministic=cfg.deterministic,
-            placement_group=self.group,
-            bundle_indices=list(range(bundles)) if bundles else None,
+            placement_group=self.group,  # rank i on bundle i: the GPU of engine i
             resources=cfg.ray.trainer_resources,
         )
-        rollout_cfg = cfg.rollout.model_copy(
-            update={"seed": cfg.rollout.seed + cfg.seed}
-        )  # task order, seeds
+        # the run's seed added: task order, and request seeds when deterministic
+        rollout_cfg = cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed})
         spec = OrchestratorSpec(
             rollout_cfg, self.engine_urls, model_dir, env_factory, train_tasks, api_key=e.api_key,
             router=e.router, deterministic=cfg.deterministic,
         )  # fmt: skip
         self.rollout = make_rollout_actor(spec)  # the orchestrator is built inside the actor, from this spec
         await self.trainer.connect_engines(
-            cfg.weight_sync,
-            sync_urls,
-            out_dir=str(Path(cfg.output_dir) / "weights"),
-            num_engine_ranks=len(sync_urls),
+            cfg.weight_sync, sync_urls, out_dir=str(Path(cfg.output_dir) / "weights")
         )
         print(describe_placement(await self.where(Path(cfg.output_dir) / "placement.json")), flush=True)
 
