@@ -59,3 +59,30 @@ async def test_trainer_group_on_ray(tiny_model_dir: Path, tmp_path: Path) -> Non
             await group.shutdown()
         server.stop()
         ray.shutdown()
+
+
+async def test_every_rank_hands_weights_in_memory_to_its_own_engine(tiny_model_dir: Path) -> None:
+    """Two ranks, two engines, ``tensor``: engine j takes its weights from rank j (colocated on GPUs, the
+    rank on its GPU: a CUDA IPC handle opens nowhere else), so both ranks push and both engines move on."""
+    ray = pytest.importorskip("ray")
+    from agentrl.trainer.ray_actor import TrainerGroup
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    servers = [start_embedded_server(tiny_model_dir) for _ in range(2)]
+    group = None
+    try:
+        group = TrainerGroup(TrainerConfig(model_path=str(tiny_model_dir), lr=1e-3), world_size=2)
+        await group.train_step(make_trajectories(600, seed=5), max_staleness=0)
+        await group.connect_engines("tensor", [s.url for s in servers])
+        assert await group.sync_weights() == 1
+        assert [await _engine_version(s.url) for s in servers] == ["1", "1"]
+        pushed = ray.get([a.call.remote("last_sync_stats") for a in group.actors])
+        assert all(p["num_tensors"] > 0 for p in pushed), pushed  # each rank pushed to its engine
+        assert await group.sync_weights() == 2
+        assert [await _engine_version(s.url) for s in servers] == ["2", "2"]
+    finally:
+        if group is not None:
+            await group.shutdown()
+        for s in servers:
+            s.stop()
+        ray.shutdown()

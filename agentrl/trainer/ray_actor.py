@@ -73,18 +73,23 @@ class TrainerWorker:
         return self._loop.run_until_complete(out) if inspect.iscoroutine(out) else out
 
     def connect_engines(self, mode: str, engine_urls: list[str], **kwargs: Any) -> None:
-        """``trainer.connect_engines`` with rank 0's EngineClient for ``engine_urls`` (None elsewhere); a
-        broadcast group's rendezvous without ``master_address`` is this rank's node address (what the
-        engines, on other nodes too, reach it by)."""
+        """``trainer.connect_engines`` with an EngineClient for the engines this rank pushes to (None when
+        none): rank 0 pushes to all of them from disk or over a broadcast; in memory (``tensor``) engine j
+        takes its weights from rank ``j % world_size``, so colocated on GPUs, where engine i shares GPU i
+        with rank i, every CUDA IPC handle opens on its own GPU. A broadcast group's rendezvous without
+        ``master_address`` is this rank's node address (what the engines, on other nodes too, reach it
+        by)."""
         if kwargs.get("master_address") is None:
             kwargs["master_address"] = location()["node_ip"] or "127.0.0.1"
+        rank, world = self.trainer.rank, self.trainer.world_size
+        mine = engine_urls[rank::world] if mode == "tensor" else engine_urls if rank == 0 else []
         client = None
-        if self.trainer.rank == 0 and engine_urls:
+        if mine:
             from agentrl.engine.client import EngineClient
 
-            client = self._clients.get(tuple(engine_urls))
+            client = self._clients.get(tuple(mine))
             if client is None:
-                client = self._clients[tuple(engine_urls)] = EngineClient(engine_urls)
+                client = self._clients[tuple(mine)] = EngineClient(mine)
         self.call("connect_engines", mode, client, **kwargs)
 
     def location(self) -> dict[str, Any]:

@@ -494,8 +494,9 @@ class MegatronTrainer:
         backend: str | None = None,
         bucket_bytes: int | None = None,
     ) -> None:
-        """Choose how :meth:`sync_weights` reaches the engines behind ``client`` (an EngineClient on rank 0,
-        None elsewhere; disk mode with None writes the HF dir only): ``disk`` writes ``out_dir``,
+        """Choose how :meth:`sync_weights` reaches the engines behind ``client`` (an EngineClient of the
+        engines this rank pushes to, None where it pushes to none; disk mode with None writes the HF dir
+        only): ``disk`` writes ``out_dir``,
         ``tensor`` hands them over in memory, ``distributed`` opens the broadcast group with the engines
         now (``num_engine_ranks``, ``master_*``, ``backend``, ``bucket_bytes``; see
         :mod:`agentrl.trainer.weight_sync`). Every rank calls it."""
@@ -509,7 +510,8 @@ class MegatronTrainer:
 
     async def sync_weights(self, new_version: bool = True) -> int:
         """Push the current weights to the connected engines: every rank gathers the HF-named weights,
-        the version goes up by one, rank 0 pushes them, then a barrier. Collective; the version pushed.
+        the version goes up by one, the ranks with engines push them (rank 0; in memory, every rank to
+        the engines on its GPU), then a barrier. Collective; the version pushed.
         ``new_version=False``: push them under the version they already carry (a resume hands the
         engines the checkpoint's weights as the version they were saved at)."""
         if self._engines is None:
@@ -521,7 +523,7 @@ class MegatronTrainer:
             self.policy_version += 1
         else:
             self._changed_at = None  # the engines now hold exactly the weights of this version
-        if self.rank == 0:
+        if self._engines.pushes:
             stats = await self._engines.push(hf, self.policy_version)
             self.last_sync_stats = {**stats, "gather_seconds": gathered}
         del hf  # freed before the barrier: a colocated engine may need the memory

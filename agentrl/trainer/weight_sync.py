@@ -8,8 +8,8 @@ interface (:class:`EngineSync`: where the HF-named weights must be gathered, ``p
   (:class:`WeightBroadcaster`, SGLang's protocol, sender side; below).
 
 Tensors are HF-named full (unsharded) weights: every trainer rank assembles them
-(:func:`gather_hf_state_dict`, collective over TP and PP) on the mode's ``gather_device``; rank 0 alone
-talks to the engines. :func:`connect_engine_sync` builds a mode's side for one rank.
+(:func:`gather_hf_state_dict`, collective over TP and PP) on the mode's ``gather_device``; the ranks
+whose side ``pushes`` talk to the engines: rank 0, or in memory every rank to the engines on its GPU. :func:`connect_engine_sync` builds a mode's side for one rank.
 
 Broadcast protocol (SGLang's native API; the receiver is any SGLang server or the embedded engine, both
 built on :mod:`agentrl.engine.dist`):
@@ -252,12 +252,14 @@ SyncMode = Literal["disk", "tensor", "distributed"]
 
 class EngineSync(Protocol):
     """One way of getting a trainer's weights to the engines (a ``weight_sync`` mode), on one rank: every
-    rank gathers the HF-named weights onto ``gather_device``, rank 0 alone pushes them."""
+    rank gathers the HF-named weights onto ``gather_device``; the ranks whose side ``pushes`` push them."""
 
     gather_device: torch.device | str  # where the full HF-named weights must be gathered for the push
+    pushes: bool  # whether this rank hands the weights over (rank 0; in memory, a rank with engines)
 
     async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Hand ``hf`` to the engines as weight version ``version`` (rank 0); returns its figures."""
+        """Hand ``hf`` to the engines as weight version ``version`` (a rank that ``pushes``); returns its
+        figures."""
         ...
 
     async def close(self, timeout: float = 30.0) -> bool:
@@ -267,12 +269,14 @@ class EngineSync(Protocol):
 
 class DiskSync:
     """``disk``: rank 0 writes the weights as an HF dir to ``out_dir`` and the engines load it
-    (``/update_weights_from_disk``); without a client the dir is only written."""
+    (``/update_weights_from_disk``); without a client the dir is only written. Only the ``writer`` rank
+    pushes."""
 
     gather_device = "cpu"
 
-    def __init__(self, client: Any, out_dir: str | Path, model_path: str | Path) -> None:
+    def __init__(self, client: Any, out_dir: str | Path, model_path: str | Path, writer: bool = True) -> None:
         self.client = client
+        self.pushes = writer
         self.out_dir = out_dir
         self.model_path = model_path  # the HF dir whose config and tokenizer files go beside the weights
 
@@ -292,11 +296,13 @@ class DiskSync:
 class TensorSync:
     """``tensor``: the weights, gathered on the trainer's device, go to engines on the same machine in
     memory (``/update_weights_from_tensor`` with CUDA IPC handles, or shared memory on the CPU; see
-    :func:`agentrl.trainer.colocate.push_tensors`)."""
+    :func:`agentrl.trainer.colocate.push_tensors`). Every rank with engines (``client``) pushes to its own:
+    a CUDA IPC handle opens only on the GPU it was made on."""
 
     def __init__(self, client: Any, device: torch.device) -> None:
         self.client = client
         self.gather_device = device
+        self.pushes = client is not None
 
     async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         stats = await push_tensors(self.client, hf, version)
@@ -314,6 +320,7 @@ class BroadcastSync:
     def __init__(self, broadcaster: WeightBroadcaster | None, gather_device: torch.device | str) -> None:
         self.broadcaster = broadcaster
         self.gather_device = gather_device
+        self.pushes = broadcaster is not None
 
     async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         if self.broadcaster is None:
@@ -343,19 +350,19 @@ async def connect_engine_sync(
     backend: str | None = None,
     bucket_bytes: int = 512 << 20,
 ) -> EngineSync:
-    """Trainer rank ``rank``'s side of ``mode`` with the engines behind ``client`` (an EngineClient on
-    rank 0; other ranks pass None and never talk to the engines). ``distributed`` opens the broadcast
+    """Trainer rank ``rank``'s side of ``mode`` with the engines behind ``client`` (an EngineClient of the
+    engines this rank pushes to: all on rank 0, or in memory those on its GPU; None for none). ``distributed`` opens the broadcast
     group now: rank 0 joins it while every engine does (backend default: NCCL on a GPU, else gloo)."""
     if mode == "disk":
         if out_dir is None:
             raise ValueError("weight sync from disk needs out_dir (where the HF dir is written)")
-        return DiskSync(client if rank == 0 else None, out_dir, model_path)
+        return DiskSync(client if rank == 0 else None, out_dir, model_path, writer=rank == 0)
     if mode not in ("tensor", "distributed"):
         raise ValueError(f"unknown weight sync mode {mode!r}: disk, tensor or distributed")
     if rank == 0 and client is None:
         raise ValueError(f"weight sync {mode!r} needs the engines' client on rank 0")
     if mode == "tensor":
-        return TensorSync(client if rank == 0 else None, device)
+        return TensorSync(client, device)
     if rank != 0:
         return BroadcastSync(None, "cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
