@@ -17,7 +17,7 @@ from agentrl.config import ConfigError, ConfigModel
 from agentrl.engine.launcher import SGLangConfig
 from agentrl.metrics import MetricsConfig
 from agentrl.rollout.config import RolloutConfig
-from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.config import LORA_NOT_EXACT, TrainerConfig
 
 
 class DataConfig(ConfigModel):
@@ -289,6 +289,8 @@ class RunConfig(ConfigModel):
                 "deterministic: needs engines this run starts (engine.backend: embedded, or sglang with its "
                 "deterministic inference); external engines batch with numerics the run cannot fix"
             )
+        if self.deterministic and t.lora is not None:
+            raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
         if (t.true_on_policy or (self.deterministic and t.device == "cuda")) and (t.tp, t.pp) != (1, 1):
             field = "trainer.true_on_policy" if t.true_on_policy else "deterministic"
             raise ValueError(f"{field}: the exact forward needs trainer.tp = 1 and trainer.pp = 1")

@@ -49,6 +49,11 @@ def build_rank_model(
         grouped_experts=grouped_experts,
     )
     load_local_state(model, initial_shard(cfg, arch, ps, grouped_experts))
+    if cfg.lora is not None and not frozen:  # the KL reference stays the base model
+        from agentrl.trainer.lora import add_lora
+
+        first_layer = arch.layer_range(ps.get_pipeline_model_parallel_rank(), cfg.pp)[0]
+        add_lora(model, cfg.lora, arch, cfg.tp, ps.get_tensor_model_parallel_rank(), first_layer, cfg.seed)
     model.to(device)
     if frozen:
         model.eval()

@@ -36,6 +36,41 @@ class MoEConfig(ConfigModel):
     )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The HF module names a LoRA adapter may target (dense attention and MLP projections)."""
+
+
+class LoRAConfig(ConfigModel):
+    """Low-rank adapters (LoRA) on the attention and MLP projections; the base weights stay frozen
+    (:mod:`agentrl.trainer.lora`)."""
+
+    rank: int = Field(8, gt=0, description="adapter rank r")
+    alpha: float = Field(
+        16.0, gt=0, description="scale numerator: the adapter's output is (alpha / rank) B A x"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (training only)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="HF module names to adapt: " + ", ".join(LORA_TARGETS),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(
+                f"trainer.lora.target_modules: unknown {', '.join(unknown)}; known: {', '.join(LORA_TARGETS)}"
+            )
+        return self
+
+
+LORA_NOT_EXACT = (
+    "{field}: not with trainer.lora: the engines run merged weights (W + s*B@A) while the trainer runs "
+    "W x + s*B(A x), which differ in the last bits, so the run cannot be exact"
+)
+
+
 class TrainerConfig(ConfigModel):
     """Model, parallelism, optimizer, batching and loss of the Megatron trainer."""
 
@@ -132,6 +167,11 @@ class TrainerConfig(ConfigModel):
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per train_step")
     loss: LossConfig = Field(default_factory=LossConfig, description="advantages and policy loss")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture-of-experts options")
+    lora: LoRAConfig | None = Field(
+        None,
+        description="train low-rank adapters instead of the full model (None: full fine-tuning); the "
+        "engines then receive only the adapters and merge them into their resident base weights",
+    )
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"
     )
@@ -163,4 +203,13 @@ class TrainerConfig(ConfigModel):
         if self.moe.routing_replay and (self.pp > 1 or self.recompute_activations):
             # recomputation would route the backward's forward again, outside the replayed micro-batch
             raise ValueError("trainer.moe.routing_replay: needs pp = 1 and no recompute_activations")
+        if self.lora is not None:
+            if (
+                self.lora.dropout > 0 and self.tp > 1
+            ):  # a replicated adapter input needs one mask on all ranks
+                raise ValueError(
+                    "trainer.lora.dropout: needs trainer.tp = 1 (dropout 0 with tensor parallelism)"
+                )
+            if self.true_on_policy:
+                raise ValueError(LORA_NOT_EXACT.format(field="trainer.true_on_policy"))
         return self

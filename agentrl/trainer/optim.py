@@ -138,13 +138,14 @@ class TorchOptimizer:
         """Sum q/k-norm gradients over TP ranks (each rank saw only its heads; megatron's
         ``finalize_model_grads`` does the same) and all gradients over data-parallel ranks (losses
         are already divided by global counts, so a sum is the full-batch gradient)."""
-        for p in self.model.parameters():
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the base is frozen
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.cfg.tp > 1 and self.qk_norm:
             tp_group = self.ps.get_tensor_model_parallel_group()
             for name, p in self.model.named_parameters():
-                if "q_layernorm" in name or "k_layernorm" in name:
+                if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
                     dist.all_reduce(p.grad, group=tp_group)
         if self.dp_size == 1:
             return
@@ -152,7 +153,7 @@ class TorchOptimizer:
         # MoE expert parallelism: a rank's experts (megatron marks them allreduce=False) are replicated
         # only over the expert-data-parallel ranks, the ranks holding the same experts
         expert_group = self.ps.get_expert_data_parallel_group() if self.cfg.ep > 1 else None
-        for p in self.model.parameters():
+        for p in params:
             if getattr(p, "allreduce", True):
                 dist.all_reduce(p.grad, group=group)
             elif dist.get_world_size(expert_group) > 1:

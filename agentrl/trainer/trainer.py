@@ -74,6 +74,7 @@ from agentrl.trainer.distributed import (
     set_rng_state,
 )
 from agentrl.trainer.logprobs import ModelLogprobs
+from agentrl.trainer.lora import merge_into_hf, peft_state_dict, save_peft_dir
 from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
 from agentrl.trainer.mcore_compat import apply_cpu_patches
 from agentrl.trainer.model import ModelArch, save_hf_dir
@@ -469,9 +470,33 @@ class MegatronTrainer:
 
     # ---- weights out ------------------------------------------------------------------------------
     def hf_state_dict(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The full HF-named state dict, assembled on every rank (collective over TP and PP)."""
+        """The full HF-named state dict, assembled on every rank (collective over TP and PP); with LoRA
+        the adapters merged into the base weights."""
         self._check_onloaded()
-        return gather_hf_state_dict(self.module, self.arch, self.ps, device)
+        hf = gather_hf_state_dict(self.module, self.arch, self.ps, device)
+        lora = self.cfg.lora
+        if lora is not None:
+            hf = merge_into_hf(
+                hf, {k: v.to(device) for k, v in self.lora_state_dict().items()}, lora.alpha / lora.rank
+            )
+        return hf
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters as a PEFT state dict (HF module names, on the CPU), assembled on every rank
+        (collective over TP and PP; :func:`agentrl.trainer.lora.peft_state_dict`)."""
+        if self.cfg.lora is None:
+            raise RuntimeError("no adapters: trainer.lora is not set")
+        self._check_onloaded()
+        return peft_state_dict(self.module, self.arch, self.cfg.lora, self.ps)
+
+    def save_lora(self, out_dir: str | Path) -> Path | None:
+        """Write the adapters as a PEFT dir (rank 0 writes; collective). Returns the dir on rank 0."""
+        tensors = self.lora_state_dict()
+        out = None
+        if self.rank == 0:
+            out = save_peft_dir(tensors, self.cfg.lora, out_dir, self.cfg.model_path)  # type: ignore[arg-type]
+        dist.barrier()
+        return out
 
     def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path | None:
         """Write the current weights as an HF dir (rank 0 writes; collective). Returns the dir on rank 0."""
