@@ -291,6 +291,11 @@ class RunConfig(ConfigModel):
             )
         if self.deterministic and t.lora is not None:
             raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
+        if t.lora is not None and e.backend != "embedded":
+            raise ValueError(
+                f"trainer.lora: needs engine.backend: embedded, not {e.backend} (the embedded engine merges "
+                "the adapters into its weights; SGLang serves an adapter only to requests that name it)"
+            )
         if (t.true_on_policy or (self.deterministic and t.device == "cuda")) and (t.tp, t.pp) != (1, 1):
             field = "trainer.true_on_policy" if t.true_on_policy else "deterministic"
             raise ValueError(f"{field}: the exact forward needs trainer.tp = 1 and trainer.pp = 1")

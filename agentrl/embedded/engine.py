@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from agentrl.embedded.lora import MergedAdapter, adapter_pairs, is_adapter_tensor, peft_scale, read_peft_dir
 from agentrl.embedded.memory import TAGS, EngineMemory, MemoryMode
 from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
@@ -117,6 +118,7 @@ class EmbeddedEngine:
         self.paused_mode: str | None = None
         self._sleeping = False  # from the start of a release until every tag is resumed
         self.groups = WeightGroups(self.device)
+        self.lora = MergedAdapter()  # a LoRA adapter merged into the weights, and their base copies
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
         self.scheduler = Scheduler(
             self.runner,
@@ -497,6 +499,7 @@ class EmbeddedEngine:
 
             def apply() -> None:
                 copy_weights(self.model, tensors)
+                self.lora.forget(list(tensors))
                 if self.device.type == "cuda":  # done reading the sender's memory before it is freed
                     torch.cuda.synchronize(self.device)
 
@@ -519,7 +522,7 @@ class EmbeddedEngine:
         except (OSError, ValueError) as err:
             raise EngineBadRequest(f"cannot load weights from {model_path!r}: {err}") from None
         check_weights(self.model, tensors)
-        await self._update(lambda: copy_weights(self.model, tensors), abort_all, weight_version, flush)
+        await self._update(lambda: self._replace_weights(tensors), abort_all, weight_version, flush)
         self.model_path = str(path)
 
     async def init_weights_update_group(
@@ -550,8 +553,86 @@ class EmbeddedEngine:
         # Receive first (the trainer is blocked in broadcast until we do), even if the names turn out to be
         # wrong: refusing before receiving would leave the trainer hanging in its collective.
         tensors = await self.groups.receive(group_name, names, dtypes, shapes)
+        adapter = [is_adapter_tensor(n) for n in tensors]
+        if any(adapter):  # a LoRA adapter, sent whole in one call, its B scaled already
+            if not all(adapter):
+                raise EngineBadRequest("an update holds LoRA tensors and weights together; send them apart")
+            scaled = {"r": 1, "lora_alpha": 1.0}
+            await self._merge_adapter("broadcast", scaled, tensors, abort_all, weight_version, flush)
+            return
         check_weights(self.model, tensors)
-        await self._update(lambda: copy_weights(self.model, tensors), abort_all, weight_version, flush)
+        await self._update(lambda: self._replace_weights(tensors), abort_all, weight_version, flush)
+
+    def _replace_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        copy_weights(self.model, tensors)
+        self.lora.forget(list(tensors))  # these are the new base weights
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, weight_version: str | None, abort_all: bool, flush: bool = True
+    ) -> None:
+        """SGLang's ``/load_lora_adapter`` (a PEFT dir), merged into the served weights: every request then
+        runs base + adapter (:mod:`agentrl.embedded.lora`; SGLang instead serves it by name per request)."""
+        try:
+            config, tensors = await asyncio.to_thread(read_peft_dir, lora_path)
+        except (OSError, ValueError) as err:
+            raise EngineBadRequest(f"cannot load the adapter from {lora_path!r}: {err}") from None
+        await self._merge_adapter(lora_name, config, tensors, abort_all, weight_version, flush)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        serialized_tensors: str,
+        load_format: str | None,
+        weight_version: str | None,
+        abort_all: bool,
+        flush: bool = True,
+    ) -> None:
+        """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT state dict in memory (a payload of
+        :func:`agentrl.engine.named_tensors.pack_named_tensors`) and its ``adapter_config.json`` mapping,
+        merged into the served weights as :meth:`load_lora_adapter` does."""
+        from agentrl.engine.named_tensors import unpack_named_tensors
+
+        self._check_weights_resident()
+
+        def unpack():
+            try:
+                return unpack_named_tensors(serialized_tensors, load_format)
+            except ValueError as err:
+                raise EngineBadRequest(str(err)) from None
+
+        named, release = await self._on_device(unpack)
+        try:
+            await self._merge_adapter(lora_name, config_dict, dict(named), abort_all, weight_version, flush)
+        finally:
+            named = None
+            await self._on_device(release)
+
+    async def _merge_adapter(
+        self,
+        lora_name: str,
+        config: dict,
+        tensors: dict[str, torch.Tensor],
+        abort_all: bool,
+        weight_version: str | None,
+        flush: bool,
+    ) -> None:
+        scale = peft_scale(config)
+        pairs = adapter_pairs(self.model.state_dict(keep_vars=True), tensors)
+
+        def apply() -> None:
+            self.lora.load(self.model, pairs, scale, lora_name)
+            if self.device.type == "cuda":  # done reading the sender's memory before it is freed
+                torch.cuda.synchronize(self.device)
+
+        await self._update(apply, abort_all, weight_version, flush)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """SGLang's ``/unload_lora_adapter``: the base weights back."""
+        if self.lora.name != lora_name:
+            raise EngineBadRequest(f"no adapter {lora_name!r} is loaded (loaded: {self.lora.name})")
+        await self._update(lambda: self.lora.unload(self.model), False, None)
 
 
 __all__ = [

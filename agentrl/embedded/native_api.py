@@ -38,6 +38,11 @@ Semantics worth knowing (all as SGLang, unless marked):
 * ``/update_weights_from_tensor`` takes SGLang's ``serialized_named_tensors`` (one entry: tp_size 1),
   CUDA IPC handles or, with ``load_format: "shared_memory"``, a shared-memory block on the CPU
   (:mod:`agentrl.engine.named_tensors`).
+* ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT dir), ``/load_lora_adapter_from_tensors``
+  (``lora_name``, ``config_dict``, ``serialized_tensors``, ``load_format``) and ``/unload_lora_adapter``
+  take SGLang's names, but the adapter is merged into the served weights (one adapter at a time, used by
+  every request; the base weights stay resident beside them), and a load takes ``weight_version`` like a
+  weight update (:mod:`agentrl.embedded.lora`). SGLang serves adapters by name per request instead.
 * With an API key, every endpoint except ``/health`` and ``/health_generate`` requires
   ``Authorization: Bearer KEY``.
 """
@@ -327,6 +332,40 @@ class NativeAPI:
             return web.json_response({"success": False, "message": str(err)}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to update model weights."})
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not body.get("lora_name") or not body.get("lora_path"):
+            raise EngineBadRequest("lora_name and lora_path are required")
+        await self.engine.load_lora_adapter(
+            str(body["lora_name"]), str(body["lora_path"]), body.get("weight_version"),
+            bool(body.get("abort_all_requests", False)), bool(body.get("flush_cache", True)),
+        )  # fmt: skip
+        return web.json_response(
+            {"success": True, "message": "LoRA adapter loaded (merged into the weights)."}
+        )
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if (
+            not body.get("lora_name")
+            or "serialized_tensors" not in body
+            or not isinstance(body.get("config_dict"), dict)
+        ):
+            raise EngineBadRequest("lora_name, config_dict and serialized_tensors are required")
+        await self.engine.load_lora_adapter_from_tensors(
+            str(body["lora_name"]), body["config_dict"], body["serialized_tensors"], body.get("load_format"),
+            body.get("weight_version"), bool(body.get("abort_all_requests", False)),
+            bool(body.get("flush_cache", True)),
+        )  # fmt: skip
+        return web.json_response(
+            {"success": True, "message": "LoRA adapter loaded (merged into the weights)."}
+        )
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        await self.engine.unload_lora_adapter(str(body.get("lora_name", "")))
+        return web.json_response({"success": True, "message": "LoRA adapter unloaded."})
+
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         tags = await self.engine.release_memory_occupation(body.get("tags"))
@@ -431,6 +470,9 @@ class NativeAPI:
             web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
             web.post("/update_weights_from_tensor", self.update_weights_from_tensor),
+            web.post("/load_lora_adapter", self.load_lora_adapter),
+            web.post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors),
+            web.post("/unload_lora_adapter", self.unload_lora_adapter),
             web.post("/release_memory_occupation", self.release_memory_occupation),
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/update_weight_version", self.update_weight_version),

@@ -419,6 +419,43 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         await self._all("POST", "/update_weights_from_tensor", payload)
 
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Every endpoint loads the PEFT adapter dir ``lora_path`` as ``lora_name`` (the embedded engine
+        merges it into its weights, as version ``weight_version``)."""
+        payload: dict[str, Any] = {
+            "lora_name": lora_name, "lora_path": str(lora_path), "abort_all_requests": abort_all_requests,
+        }  # fmt: skip
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._all("POST", "/load_lora_adapter", payload)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict[str, Any],
+        serialized_tensors: str,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Every endpoint loads an adapter handed over in memory: a PEFT state dict packed by
+        :func:`agentrl.engine.named_tensors.pack_named_tensors` and its ``adapter_config.json`` mapping."""
+        payload: dict[str, Any] = {
+            "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors,
+            "abort_all_requests": abort_all_requests,
+        }  # fmt: skip
+        if load_format is not None:
+            payload["load_format"] = load_format
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._all("POST", "/load_lora_adapter_from_tensors", payload)
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Every endpoint frees the GPU memory of ``tags`` (``weights``, ``kv_cache``, and on SGLang
         ``cuda_graph``; None: all) and holds requests until :meth:`resume_memory_occupation` (SGLang needs

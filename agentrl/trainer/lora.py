@@ -286,14 +286,13 @@ def save_peft_dir(
 def merge_into_hf(
     hf: dict[str, torch.Tensor], peft: dict[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
-    """``hf`` (HF-named base weights) with each adapted weight replaced by ``W + scale · B @ A``, computed
-    in fp32 and cast to the weight's dtype (what an engine serves after merging the adapters)."""
+    """``hf`` (HF-named base weights) with each adapted weight replaced by ``W + scale · B @ A``: the
+    engines' merge (:func:`agentrl.embedded.lora.merged_weight`), so both give the same bits."""
+    from agentrl.embedded.lora import merged_weight
+
     out = dict(hf)
     for name, a in peft.items():
-        if not name.endswith(".lora_A.weight"):
-            continue
-        module = name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = peft[name.replace(".lora_A.", ".lora_B.")]
-        w = hf[module + ".weight"]
-        out[module + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        if name.endswith(".lora_A.weight"):
+            weight = name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight"
+            out[weight] = merged_weight(hf[weight], a, peft[name.replace(".lora_A.", ".lora_B.")], scale)
     return out

@@ -531,10 +531,12 @@ class MegatronTrainer:
             mode, client, self.rank, self.device, self.cfg.model_path, out_dir=out_dir,
             num_engine_ranks=num_engine_ranks, master_address=master_address, master_port=master_port,
             backend=backend, bucket_bytes=bucket_bytes or self.cfg.weight_sync_bucket_mb << 20,
+            lora=self.cfg.lora,
         )  # fmt: skip
 
     async def sync_weights(self, new_version: bool = True) -> int:
-        """Push the current weights to the connected engines: every rank gathers the HF-named weights,
+        """Push the current weights to the connected engines (with LoRA: the adapters only, PEFT-named): every
+        rank gathers the HF-named weights,
         the version goes up by one, the ranks with engines push them (rank 0; in memory, every rank to
         the engines on its GPU), then a barrier. Collective; the version pushed.
         ``new_version=False``: push them under the version they already carry (a resume hands the
@@ -542,7 +544,10 @@ class MegatronTrainer:
         if self._engines is None:
             raise RuntimeError("connect_engines() first")
         t0 = time.perf_counter()
-        hf = await asyncio.to_thread(self.hf_state_dict, self._engines.gather_device)
+        if self.cfg.lora is not None:  # only the adapters travel; the engines keep the base
+            hf = await asyncio.to_thread(self.lora_state_dict)
+        else:
+            hf = await asyncio.to_thread(self.hf_state_dict, self._engines.gather_device)
         gathered = time.perf_counter() - t0
         if new_version:
             self.policy_version += 1

@@ -7,6 +7,12 @@ interface (:class:`EngineSync`: where the HF-named weights must be gathered, ``p
 * ``distributed`` (:class:`BroadcastSync`): a broadcast over a process group shared with the engines
   (:class:`WeightBroadcaster`, SGLang's protocol, sender side; below).
 
+With LoRA (``trainer.lora``) only the adapters travel, PEFT-named (:mod:`agentrl.trainer.lora`), and the
+engines merge them into their resident base weights: ``disk`` writes a PEFT dir (:class:`LoRADiskSync`,
+``/load_lora_adapter``), ``tensor`` hands them over in memory (:class:`LoRATensorSync`,
+``/load_lora_adapter_from_tensors``), ``distributed`` broadcasts them in one bucket with ``B`` scaled
+(:class:`LoRABroadcastSync`; the engine recognises PEFT names and merges).
+
 Tensors are HF-named full (unsharded) weights: every trainer rank assembles them
 (:func:`gather_hf_state_dict`, collective over TP and PP) on the mode's ``gather_device``; the ranks
 whose side ``pushes`` talk to the engines: rank 0, or in memory every rank to the engines on its GPU. :func:`connect_engine_sync` builds a mode's side for one rank.
@@ -336,6 +342,110 @@ class BroadcastSync:
         return await broadcaster.close(timeout)
 
 
+LORA_NAME = "agentrl"  # the lora_name the trainer's adapter is loaded under
+
+
+def _num_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class LoRADiskSync:
+    """``disk`` with LoRA: rank 0 writes the adapters as a PEFT dir to ``out_dir`` and the engines load it
+    (``/load_lora_adapter``, merged into their resident base weights)."""
+
+    gather_device = "cpu"
+
+    def __init__(
+        self, client: Any, out_dir: str | Path, model_path: str | Path, lora: Any, writer: bool
+    ) -> None:
+        self.client = client
+        self.pushes = writer
+        self.out_dir = out_dir
+        self.model_path = model_path
+        self.lora = lora
+
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        from agentrl.trainer.lora import save_peft_dir
+
+        t0 = time.perf_counter()
+        await asyncio.to_thread(save_peft_dir, hf, self.lora, self.out_dir, str(self.model_path))
+        if self.client is not None:
+            await self.client.load_lora_adapter(LORA_NAME, str(self.out_dir), weight_version=str(version))
+        return {
+            "seconds": time.perf_counter() - t0,
+            "num_tensors": float(len(hf)),
+            "num_bytes": float(_num_bytes(hf)),
+        }
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        return True
+
+
+class LoRATensorSync:
+    """``tensor`` with LoRA: the adapters go to the engines on this rank's machine in memory (shared memory:
+    they are small), ``/load_lora_adapter_from_tensors`` with the PEFT config beside them."""
+
+    gather_device = "cpu"
+
+    def __init__(self, client: Any, model_path: str | Path, lora: Any) -> None:
+        self.client = client
+        self.pushes = client is not None
+        self.model_path = model_path
+        self.lora = lora
+
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        from agentrl.engine.named_tensors import pack_named_tensors
+        from agentrl.trainer.lora import adapter_config
+
+        t0 = time.perf_counter()
+        packed = pack_named_tensors(list(hf.items()))
+        try:
+            await self.client.load_lora_adapter_from_tensors(
+                LORA_NAME, adapter_config(self.lora, str(self.model_path)), packed.payload,
+                load_format=packed.load_format, weight_version=str(version),
+            )  # fmt: skip
+        finally:
+            packed.close()
+        return {
+            "seconds": time.perf_counter() - t0,
+            "num_tensors": float(len(hf)),
+            "num_bytes": float(_num_bytes(hf)),
+        }
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        return True
+
+
+class LoRABroadcastSync:
+    """``distributed`` with LoRA: rank 0 broadcasts the adapters in one bucket (the engine merges a whole
+    adapter at once), each ``B`` sent as ``s · B``: SGLang's broadcast protocol has no field for the scale,
+    and the engines' merge (:func:`agentrl.embedded.lora.merged_weight`) scales ``B`` first, so a
+    pre-scaled ``B`` merges to the same bits."""
+
+    def __init__(self, broadcast: BroadcastSync, scale: float) -> None:
+        self.broadcast = broadcast
+        self.scale = scale
+        self.gather_device = (
+            "cpu"  # the adapters are gathered on the CPU, then sent from the backend's device
+        )
+        self.pushes = broadcast.pushes
+
+    async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        to = self.broadcast.gather_device
+        scaled = {
+            n: ((self.scale * t.float()).to(t.dtype) if n.endswith(".lora_B.weight") else t).to(to)
+            for n, t in hf.items()
+        }
+        if self.broadcast.broadcaster is not None:  # one bucket
+            self.broadcast.broadcaster.bucket_bytes = max(
+                self.broadcast.broadcaster.bucket_bytes, _num_bytes(hf)
+            )
+        return await self.broadcast.push(scaled, version)
+
+    async def close(self, timeout: float = 30.0) -> bool:
+        return await self.broadcast.close(timeout)
+
+
 async def connect_engine_sync(
     mode: SyncMode,
     client: Any,
@@ -349,10 +459,16 @@ async def connect_engine_sync(
     master_port: int | None = None,
     backend: str | None = None,
     bucket_bytes: int = 512 << 20,
+    lora: Any = None,
 ) -> EngineSync:
     """Trainer rank ``rank``'s side of ``mode`` with the engines behind ``client`` (an EngineClient of the
     engines this rank pushes to: all on rank 0, or in memory those on its GPU; None for none). ``distributed`` opens the broadcast
-    group now: rank 0 joins it while every engine does (backend default: NCCL on a GPU, else gloo)."""
+    group now: rank 0 joins it while every engine does (backend default: NCCL on a GPU, else gloo).
+    ``lora`` (a LoRAConfig): push only the adapters (PEFT-named), disk or tensor."""
+    if lora is not None and mode == "disk" and out_dir is not None:
+        return LoRADiskSync(client if rank == 0 else None, out_dir, model_path, lora, writer=rank == 0)
+    if lora is not None and mode == "tensor":
+        return LoRATensorSync(client, model_path, lora)
     if mode == "disk":
         if out_dir is None:
             raise ValueError("weight sync from disk needs out_dir (where the HF dir is written)")
@@ -363,6 +479,12 @@ async def connect_engine_sync(
         raise ValueError(f"weight sync {mode!r} needs the engines' client on rank 0")
     if mode == "tensor":
         return TensorSync(client, device)
+    if lora is not None:
+        sync = await connect_engine_sync(
+            mode, client, rank, device, model_path, num_engine_ranks=num_engine_ranks,
+            master_address=master_address, master_port=master_port, backend=backend, bucket_bytes=bucket_bytes,
+        )  # fmt: skip
+        return LoRABroadcastSync(sync, lora.alpha / lora.rank)  # type: ignore[arg-type]
     if rank != 0:
         return BroadcastSync(None, "cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")

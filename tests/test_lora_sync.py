@@ -1,0 +1,128 @@
+"""LoRA weight sync to the embedded engine on CPU (fp32): after a trained step only the adapters travel
+(in memory, as a PEFT dir, by broadcast), the engine merges them into its resident base weights, and its greedy
+generations and logprobs equal those of an engine that loaded the trainer's merged weights from disk; a
+second adapter merges from the base, not on top of the first; unloading gives the base model back."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+from _trainer_helpers import free_port, make_trajectories, offset_rollout_logprobs
+
+from agentrl.embedded.server import start_embedded_server
+from agentrl.engine.client import EngineClient, EngineRequestError
+from agentrl.engine.types import SamplingParams
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [64, 65, 66, 67, 68, 69, 70]]
+
+
+@pytest.fixture
+def trainer(tiny_model_dir: Path):
+    warnings.filterwarnings("ignore")
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    cfg = TrainerConfig(
+        model_path=str(tiny_model_dir), lr=5e-2, micro_batch_size=3, lora={"rank": 4, "alpha": 8}
+    )
+    tr = MegatronTrainer(cfg)
+    yield tr
+    tr.shutdown()
+
+
+async def _greedy(client: EngineClient) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for p in PROMPTS:
+        res = await client.generate(p, SamplingParams(max_new_tokens=8, temperature=0.0))
+        out.append((res.output_ids, res.logprobs))
+    return out
+
+
+def _step(trainer, seed: int) -> None:
+    trajs = make_trajectories(trainer.arch.vocab_size, seed=seed)
+    offset_rollout_logprobs(trajs, trainer.compute_logprobs(trajs))
+    trainer.train_step(trajs)
+
+
+async def _merged_engine_answers(trainer, out_dir: Path) -> list[tuple[list[int], list[float]]]:
+    trainer.save_hf(out_dir)
+    server = start_embedded_server(out_dir)
+    client = EngineClient(server.url)
+    try:
+        return await _greedy(client)
+    finally:
+        await client.close()
+        server.stop()
+
+
+async def test_adapter_sync_equals_merged_weights(trainer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_embedded_server(tiny_model_dir)
+    client = EngineClient(server.url)
+    try:
+        base_answers = await _greedy(client)
+
+        _step(trainer, seed=1)
+        await trainer.connect_engines("tensor", client)
+        assert await trainer.sync_weights() == 1
+        stats = trainer.last_sync_stats
+        adapters = trainer.lora_state_dict()
+        full_bytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+        assert stats["num_bytes"] == sum(t.numel() * t.element_size() for t in adapters.values())
+        assert stats["num_bytes"] < full_bytes / 10
+        synced = await _greedy(client)
+        assert synced == await _merged_engine_answers(trainer, tmp_path / "merged_v1")
+        assert [lp for _, lp in synced] != [lp for _, lp in base_answers]  # the adapters changed the model
+        assert await trainer.disconnect_engines()
+
+        # a second adapter, from disk: merged from the base weights, not on top of the first
+        _step(trainer, seed=2)
+        await trainer.connect_engines("disk", client, out_dir=tmp_path / "adapter")
+        assert await trainer.sync_weights() == 2
+        assert {p.name for p in (tmp_path / "adapter").iterdir()} == {
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        }
+        res = await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        assert res.weight_version == "2"
+        assert await _greedy(client) == await _merged_engine_answers(trainer, tmp_path / "merged_v2")
+        assert await trainer.disconnect_engines()
+
+        # a third, broadcast (gloo): one bucket of adapters, B scaled, the same bits again
+        _step(trainer, seed=3)
+        await trainer.connect_engines("distributed", client)
+        assert await trainer.sync_weights() == 3
+        assert trainer.last_sync_stats["num_buckets"] == 1
+        assert trainer.last_sync_stats["num_bytes"] == stats["num_bytes"]
+        assert await _greedy(client) == await _merged_engine_answers(trainer, tmp_path / "merged_v3")
+        assert await trainer.disconnect_engines()
+
+        # unloading puts the base back; unknown adapters and bad dirs are refused with a message
+        with pytest.raises(EngineRequestError, match="no adapter 'other' is loaded"):
+            await client._all("POST", "/unload_lora_adapter", {"lora_name": "other"})
+        # (a broadcast adapter has no name of its own: the engine calls it "broadcast")
+        await client._all("POST", "/unload_lora_adapter", {"lora_name": "broadcast"})
+        assert await _greedy(client) == base_answers
+        with pytest.raises(EngineRequestError, match="not a PEFT adapter dir"):
+            await client.load_lora_adapter("x", str(tmp_path / "merged_v1"))
+    finally:
+        await trainer.disconnect_engines()
+        await client.close()
+        server.stop()
+
+
+def test_lora_needs_the_embedded_engine() -> None:
+    from agentrl.config import ConfigError
+    from agentrl.recipe import load_run_config
+
+    base = ["model_path=/m", "data.path=/d", "env.name=math", "trainer.lora.rank=8"]
+    assert load_run_config(None, base).weight_sync == "distributed"  # adapters travel by broadcast too
+    with pytest.raises(ConfigError, match=r"trainer\.lora: needs engine\.backend: embedded"):
+        load_run_config(
+            None, [*base, "engine.backend=external", "engine.urls=[http://x:1]", "weight_sync=disk"]
+        )
