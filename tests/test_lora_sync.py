@@ -15,6 +15,7 @@ from _trainer_helpers import free_port, make_trajectories, offset_rollout_logpro
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.types import SamplingParams
+from agentrl.types import Trajectory
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [64, 65, 66, 67, 68, 69, 70]]
 
@@ -76,6 +77,14 @@ async def test_adapter_sync_equals_merged_weights(trainer, tiny_model_dir: Path,
         assert stats["num_bytes"] == sum(t.numel() * t.element_size() for t in adapters.values())
         assert stats["num_bytes"] < full_bytes / 10
         synced = await _greedy(client)
+        # the trainer's unmerged forward scores the engine's tokens alike, to rounding
+        trajs = []
+        for p, (ids, lps) in zip(PROMPTS, synced, strict=True):
+            t = Trajectory(task_id="t", group_id="g", prompt_ids=p)
+            t.append_model_tokens(ids, lps, 1)
+            trajs.append(t)
+        for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True):
+            assert max(abs(a - b) for a, b in zip(lp, t.rollout_logprobs, strict=True)) <= 1e-4
         assert synced == await _merged_engine_answers(trainer, tmp_path / "merged_v1")
         assert [lp for _, lp in synced] != [lp for _, lp in base_answers]  # the adapters changed the model
         assert await trainer.disconnect_engines()

@@ -48,7 +48,9 @@ class LoRAConfig(ConfigModel):
     alpha: float = Field(
         16.0, gt=0, description="scale numerator: the adapter's output is (alpha / rank) B A x"
     )
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (training only)")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapter's input (training only; needs trainer.tp = 1)"
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS),
         min_length=1,
