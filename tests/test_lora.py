@@ -70,6 +70,15 @@ def test_lora_config_defaults_and_override() -> None:
     ]
 
 
+def test_trainer_refuses_lora_with_deterministic(tiny_model_dir: Path) -> None:
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    cfg = TrainerConfig(model_path=str(tiny_model_dir), lora={"rank": 4})
+    with pytest.raises(ValueError, match=r"deterministic: not with trainer\.lora"):
+        MegatronTrainer(cfg, deterministic=True)
+
+
 def _hf_logprobs(model: torch.nn.Module, trajs) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
@@ -222,3 +231,33 @@ def test_tp2_matches_tp1(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-5, abs=1e-6), key
     for name, a in one["trained"].items():
         torch.testing.assert_close(a, two["trained"][name], atol=1e-5, rtol=0)
+
+
+def test_checkpoint_resumes_the_adapters(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # a LoRA trainer's checkpoint restores its adapters and their optimizer state: the next step after
+    # the resume equals the next step of the trainer that never stopped
+    kw = {"lr": 1e-2, "micro_batch_size": 2, "lora": {"rank": 4, "alpha": 8}}
+    trajs = make_trajectories(600, seed=6)
+    tr = _trainer(tiny_model_dir, **kw)
+    offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))
+    tr.train_step(trajs)
+    tr.save_checkpoint(tmp_path / "ckpt")
+    tr.train_step(trajs)
+    expected = tr.lora_state_dict()
+    tr.shutdown()
+
+    resumed = _trainer(tiny_model_dir, **kw)
+    try:
+        assert resumed.load_checkpoint(tmp_path / "ckpt") == 1
+        resumed.train_step(trajs)
+        got = resumed.lora_state_dict()
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    finally:
+        resumed.shutdown()
+    full = _trainer(tiny_model_dir)  # a full fine-tuning trainer refuses the LoRA checkpoint, naming why
+    try:
+        with pytest.raises(KeyError, match=r"unexpected .*adapter\.lora_"):
+            full.load_checkpoint(tmp_path / "ckpt")
+    finally:
+        full.shutdown()

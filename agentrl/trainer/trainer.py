@@ -63,7 +63,7 @@ from agentrl.trainer.checkpoint import (
     save_checkpoint,
 )
 from agentrl.trainer.colocate import TrainerOffload
-from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.config import LORA_NOT_EXACT, TrainerConfig
 from agentrl.trainer.distributed import (
     all_reduce_scalar,
     init_distributed,
@@ -107,6 +107,8 @@ class MegatronTrainer:
     def __init__(self, cfg: TrainerConfig, deterministic: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
+        if deterministic and cfg.lora is not None:  # the run config refuses it at load; so does the class
+            raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
         self.cfg = cfg
         self.deterministic = deterministic
         self.device = resolve_device(cfg)
