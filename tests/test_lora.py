@@ -144,9 +144,12 @@ def test_lora_step_trains_only_the_adapters_and_exports_to_peft(tiny_model_dir: 
         tr.shutdown()
 
 
-def test_some_targets_of_a_fused_layer(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_some_targets_of_a_fused_layer(arch: str, tiny_model_factory, tmp_path: Path) -> None:
     # q and up only: the k/v rows of the fused qkv adapter and the gate rows of fc1 stay zero and are not
-    # exported; the exported adapter still gives the trainer's logprobs in transformers + peft
+    # exported; the exported adapter still gives the trainer's logprobs in transformers + peft (Qwen3's
+    # q/k norms, Llama's layout)
+    tiny_model_dir = tiny_model_factory(arch)
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

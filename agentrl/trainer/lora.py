@@ -89,10 +89,12 @@ def _targets(cfg: LoRAConfig, hf_names: tuple[str, ...]) -> list[str]:
 
 
 def _b_rows(arch: ModelArch, hf_name: str) -> int:
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": arch.hidden_size}.get(
-        hf_name, arch.hidden_size if hf_name == "down_proj" else arch.ffn_hidden_size
-    )
+    """The output size of HF module ``hf_name`` (its ``B``'s rows)."""
+    if hf_name == "q_proj":
+        return arch.num_attention_heads * arch.head_dim
+    if hf_name in ("k_proj", "v_proj"):
+        return arch.num_kv_heads * arch.head_dim
+    return arch.ffn_hidden_size if hf_name in ("gate_proj", "up_proj") else arch.hidden_size
 
 
 def _in_features(arch: ModelArch, suffix: str) -> int:
