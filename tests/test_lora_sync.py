@@ -1,7 +1,8 @@
 """LoRA weight sync to the embedded engine on CPU (fp32): after a trained step only the adapters travel
-(in memory, as a PEFT dir, by broadcast), the engine merges them into its resident base weights, and its greedy
-generations and logprobs equal those of an engine that loaded the trainer's merged weights from disk; a
-second adapter merges from the base, not on top of the first; unloading gives the base model back."""
+(in memory, as a PEFT dir, by broadcast), the engine merges them into a kept copy of its base weights,
+and its greedy generations and logprobs equal those of an engine that loaded the trainer's merged
+weights from disk; each adapter merges from the base, not on top of the last; unloading gives the base
+model back."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """LoRA adapters in the embedded engine: an adapter update merges ``W = W_base + s · B @ A`` into the
 served weights in place (the forward and its CUDA graphs are unchanged), with a copy of each adapted
-base weight kept resident so that the next adapter merges from the base, not from the previous merge.
+base weight kept in host memory so that the next adapter merges from the base, not from the previous
+merge.
 
 An adapter is PEFT's form: tensors ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
 ``...lora_B.weight`` ``[out, r]`` per HF module, and ``adapter_config.json``'s ``r`` and ``lora_alpha``
@@ -102,11 +103,19 @@ def adapter_pairs(
     return pairs
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory (pinned when ``t`` is on a GPU: the GPU keeps the weights once, and a
+    memory release frees them as before)."""
+    if t.device.type == "cuda":
+        return t.detach().to("cpu", copy=True).pin_memory()
+    return t.detach().clone()
+
+
 class MergedAdapter:
     """The served model's base copies of its adapted weights, and the merges of adapters into it."""
 
     def __init__(self) -> None:
-        self.base: dict[str, torch.Tensor] = {}  # weight name -> the base weight (a resident copy)
+        self.base: dict[str, torch.Tensor] = {}  # weight name -> the base weight (a host copy)
         self.name: str | None = None  # the loaded adapter's lora_name
 
     @torch.no_grad()
@@ -125,8 +134,8 @@ class MergedAdapter:
                 params[weight].data.copy_(self.base.pop(weight))
         for weight, (a, b) in pairs.items():
             dst = params[weight].data
-            base = self.base.setdefault(weight, dst.clone())
-            dst.copy_(merged_weight(base, a, b, scale))
+            base = self.base.setdefault(weight, _host_copy(dst))
+            dst.copy_(merged_weight(base.to(dst.device, non_blocking=True), a, b, scale))
         self.name = name
 
     @torch.no_grad()

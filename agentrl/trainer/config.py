@@ -172,7 +172,7 @@ class TrainerConfig(ConfigModel):
     lora: LoRAConfig | None = Field(
         None,
         description="train low-rank adapters instead of the full model (None: full fine-tuning); the "
-        "engines then receive only the adapters and merge them into their resident base weights",
+        "engines then receive only the adapters and merge them into a kept copy of the base weights",
     )
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"

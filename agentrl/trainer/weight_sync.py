@@ -8,7 +8,7 @@ interface (:class:`EngineSync`: where the HF-named weights must be gathered, ``p
   (:class:`WeightBroadcaster`, SGLang's protocol, sender side; below).
 
 With LoRA (``trainer.lora``) only the adapters travel, PEFT-named (:mod:`agentrl.trainer.lora`), and the
-engines merge them into their resident base weights: ``disk`` writes a PEFT dir (:class:`LoRADiskSync`,
+engines merge them into a kept copy of the base weights: ``disk`` writes a PEFT dir (:class:`LoRADiskSync`,
 ``/load_lora_adapter``), ``tensor`` hands them over in memory (:class:`LoRATensorSync`,
 ``/load_lora_adapter_from_tensors``), ``distributed`` broadcasts them in one bucket with ``B`` scaled
 (:class:`LoRABroadcastSync`; the engine recognises PEFT names and merges).
@@ -351,7 +351,7 @@ def _num_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 class LoRADiskSync:
     """``disk`` with LoRA: rank 0 writes the adapters as a PEFT dir to ``out_dir`` and the engines load it
-    (``/load_lora_adapter``, merged into their resident base weights)."""
+    (``/load_lora_adapter``, merged into a kept copy of the base weights)."""
 
     gather_device = "cpu"
 
@@ -482,7 +482,8 @@ async def connect_engine_sync(
     if lora is not None:
         sync = await connect_engine_sync(
             mode, client, rank, device, model_path, num_engine_ranks=num_engine_ranks,
-            master_address=master_address, master_port=master_port, backend=backend, bucket_bytes=bucket_bytes,
+            master_address=master_address, master_port=master_port, backend=backend,
+            bucket_bytes=bucket_bytes,
         )  # fmt: skip
         return LoRABroadcastSync(sync, lora.alpha / lora.rank)  # type: ignore[arg-type]
     if rank != 0:
