@@ -264,3 +264,23 @@ def test_checkpoint_resumes_the_adapters(tiny_model_dir: Path, tmp_path: Path) -
             full.load_checkpoint(tmp_path / "ckpt")
     finally:
         full.shutdown()
+
+
+def test_kl_reference_is_the_base_model(tiny_model_dir: Path) -> None:
+    # the reference model carries no adapters: the KL to it is 0 while B is 0 and grows once it is not
+    tr = _trainer(
+        tiny_model_dir,
+        lr=1e-2,
+        micro_batch_size=2,
+        lora={"rank": 4},
+        loss={"kl_coef": 0.5, "kl_estimator": "k3"},
+    )
+    try:
+        assert tr.ref_model is not None
+        assert not any(".adapter." in n for n, _ in tr.ref_model.named_parameters())
+        trajs = make_trajectories(600, seed=8)
+        offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))
+        assert tr.train_step(trajs)["ref_kl"] == 0.0
+        assert tr.train_step(trajs)["ref_kl"] > 0.0
+    finally:
+        tr.shutdown()
