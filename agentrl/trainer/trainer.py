@@ -26,7 +26,9 @@ Its parts live beside it: process world and RNGs in :mod:`~agentrl.trainer.distr
 its compile warm-up in :mod:`~agentrl.trainer.build`, steps 1-3 in :mod:`~agentrl.trainer.batch`, the
 optimizer paths (plain torch AdamW on CPU; megatron-core DDP + distributed optimizer + pipeline schedule
 on GPU, see :mod:`agentrl.trainer.mcore_compat`) in :mod:`~agentrl.trainer.optim`, the weight sync modes
-in :mod:`~agentrl.trainer.weight_sync` and checkpoints in :mod:`~agentrl.trainer.checkpoint`.
+in :mod:`~agentrl.trainer.weight_sync` and checkpoints in :mod:`~agentrl.trainer.checkpoint`. With
+``trainer.lora`` the model is frozen and low-rank adapters train (:mod:`~agentrl.trainer.lora`); the
+weight sync then carries only the adapters.
 
 Ray: :class:`agentrl.trainer.ray_actor.TrainerGroup` runs one instance per rank, one actor each.
 """
