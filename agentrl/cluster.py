@@ -98,8 +98,10 @@ def start_service(
     num_gpus: float = 0,
     scheduling: Any = None,
     resources: dict[str, float] | None = None,
+    wait: bool = True,
 ) -> Any:
-    """A Ray actor running ``start()``; blocks until the server is up and returns the actor handle.
+    """A Ray actor running ``start()``; blocks until the server is up and returns the actor handle
+    (``wait=False``: returns at once; ``actor.url.remote()`` then waits for it and surfaces a failure).
     ``scheduling``: a Ray scheduling strategy (a placement group's bundle, agentrl.placement);
     ``resources``: custom Ray resources the actor asks for (which nodes may take it)."""
     import ray
@@ -110,7 +112,8 @@ def start_service(
         .options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, **options)
         .remote(name, start)
     )
-    ray.get(actor.url.remote())  # surfaces a start failure here, with the server's log tail
+    if wait:
+        ray.get(actor.url.remote())  # surfaces a start failure here, with the server's log tail
     return actor
 
 

@@ -237,8 +237,9 @@ class Fleet:
         print(describe_placement(await self.where(Path(cfg.output_dir) / "placement.json")), flush=True)
 
     def start_engines(self, model_dir: str) -> list[str]:
-        """The engines (or the external URLs), each engine in a Ray actor of its own; colocated on GPUs,
-        engine i on the bundle of GPU i. Returns their URLs."""
+        """The engines (or the external URLs), each engine in a Ray actor of its own, all starting at once
+        (an engine's start, CUDA graphs included, takes about a minute on a GPU); colocated on GPUs,
+        engine i on the bundle of GPU i. Returns their URLs once every engine is up."""
         import ray
 
         e, r = self.cfg.engine, self.cfg.ray
@@ -251,11 +252,12 @@ class Fleet:
             start, scheduling = engine_starter(self.cfg, model_dir, i), on_bundle(self.group, i)
             engine = start_service(
                 f"engine_{i}", start, num_gpus=e.gpus_per_engine or 0, scheduling=scheduling,
-                resources=r.engine_resources,
+                resources=r.engine_resources, wait=False,
             )  # fmt: skip
-            self.services.append(engine)
+            self.services.append(engine)  # stopped by stop() even when another engine fails to start
             self.engines.append(engine)
-            self.engine_urls.append(ray.get(engine.url.remote()))
+        # the first failure surfaces here, with its server's log tail
+        self.engine_urls += ray.get([engine.url.remote() for engine in self.engines])
         return self.engine_urls
 
     async def where(self, out: Path | None = None) -> dict[str, Any]:
