@@ -539,10 +539,10 @@ class MegatronTrainer:
         )  # fmt: skip
 
     async def sync_weights(self, new_version: bool = True) -> int:
-        """Push the current weights to the connected engines (with LoRA: the adapters only, PEFT-named): every
-        rank gathers the HF-named weights,
-        the version goes up by one, the ranks with engines push them (rank 0; in memory, every rank to
-        the engines on its GPU), then a barrier. Collective; the version pushed.
+        """Push the current weights to the connected engines: every rank gathers the HF-named weights
+        (with LoRA the adapters only, PEFT-named), the version goes up by one, the ranks with engines
+        push them (rank 0; in memory, every rank to the engines on its GPU), then a barrier. Collective;
+        the version pushed.
         ``new_version=False``: push them under the version they already carry (a resume hands the
         engines the checkpoint's weights as the version they were saved at)."""
         if self._engines is None:

@@ -15,7 +15,8 @@ engines merge them into a kept copy of the base weights: ``disk`` writes a PEFT 
 
 Tensors are HF-named full (unsharded) weights: every trainer rank assembles them
 (:func:`gather_hf_state_dict`, collective over TP and PP) on the mode's ``gather_device``; the ranks
-whose side ``pushes`` talk to the engines: rank 0, or in memory every rank to the engines on its GPU. :func:`connect_engine_sync` builds a mode's side for one rank.
+whose side ``pushes`` talk to the engines: rank 0, or in memory every rank to the engines on its GPU.
+:func:`connect_engine_sync` builds a mode's side for one rank.
 
 Broadcast protocol (SGLang's native API; the receiver is any SGLang server or the embedded engine, both
 built on :mod:`agentrl.engine.dist`):
@@ -462,8 +463,9 @@ async def connect_engine_sync(
     lora: Any = None,
 ) -> EngineSync:
     """Trainer rank ``rank``'s side of ``mode`` with the engines behind ``client`` (an EngineClient of the
-    engines this rank pushes to: all on rank 0, or in memory those on its GPU; None for none). ``distributed`` opens the broadcast
-    group now: rank 0 joins it while every engine does (backend default: NCCL on a GPU, else gloo).
+    engines this rank pushes to: all on rank 0, or in memory those on its GPU; None for none).
+    ``distributed`` opens the broadcast group now: rank 0 joins it while every engine does (backend
+    default: NCCL on a GPU, else gloo).
     ``lora`` (a LoRAConfig): push only the adapters (PEFT-named), disk or tensor."""
     if lora is not None and mode == "disk" and out_dir is not None:
         return LoRADiskSync(client if rank == 0 else None, out_dir, model_path, lora, writer=rank == 0)
