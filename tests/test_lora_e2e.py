@@ -1,13 +1,15 @@
 """End to end with LoRA: ``python train_async.py ... trainer.lora.rank=8`` on the CI-sized Search-R1 config
 trains, syncing only the adapters to the embedded engine by broadcast each step; the engine's logprobs of
-its tokens match the trainer's, and the checkpoint holds the trained adapters."""
+its tokens match the trainer's, and the checkpoint holds the trained adapters, also as a PEFT dir."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_train_async_e2e import CONFIG, _left_after, _leftovers, _run
 
 from agentrl.metrics import read_metrics
@@ -36,4 +38,10 @@ def test_train_async_with_lora(tmp_path: Path) -> None:
     state = torch.load(out / "checkpoints" / "step_00000002" / "rank_00000.pt", weights_only=False)["model"]
     b = [t for n, t in state.items() if n.endswith("adapter.lora_B")]
     assert len(b) == 2 * 4 and all(t.abs().max() > 0 for t in b)  # 2 layers x (qkv, proj, fc1, fc2)
+    # and beside it, the adapters as a PEFT dir: 2 layers x 7 HF modules x (A, B), B trained
+    peft_dir = out / "checkpoints" / "step_00000002" / "adapter"
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["r"] == 8
+    tensors = load_file(str(peft_dir / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 7 * 2
+    assert all(t.abs().max() > 0 for n, t in tensors.items() if "lora_B" in n)
     assert not _left_after(), "the run left processes behind"

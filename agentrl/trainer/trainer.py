@@ -573,14 +573,18 @@ class MegatronTrainer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
         """``ckpt_dir/step_{N}/rank_{R}.pt`` (model, optimizer, LR schedule, RNG, step, version); then
-        ``ckpt_dir/latest`` names it (see :mod:`agentrl.trainer.checkpoint`). Collective."""
+        ``ckpt_dir/latest`` names it (see :mod:`agentrl.trainer.checkpoint`). With LoRA the adapters also
+        go to ``step_{N}/adapter/`` as a PEFT dir. Collective."""
         self._check_onloaded()
         progress = TrainerCounters(self.step, self.optimizer_steps, self.policy_version)
         # what the weights were trained under: the config and the numerics switch the trainer got
         config = {**self.cfg.model_dump(mode="json"), "deterministic": self.deterministic}
-        return save_checkpoint(
+        step_dir = save_checkpoint(
             ckpt_dir, self.module, self.optim, progress, config, self.rank, self.world_size
         )
+        if self.cfg.lora is not None:  # what peft and other servers load, beside the trainer's own files
+            self.save_lora(step_dir / "adapter")
+        return step_dir
 
     @staticmethod
     def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
