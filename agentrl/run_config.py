@@ -66,6 +66,14 @@ class EngineSetupConfig(ConfigModel):
         description="embedded engine on GPU: share of the memory free after loading the model that its KV "
         "cache may take (None: transformers' default; colocated runs need room for the trainer)",
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: the engines serve the decoder's linear weights in float8 e4m3, re-quantized from "
+        "the trainer's weights at every sync, and token TIS corrects the mismatch (embedded: a scale per "
+        "output channel, Llama / Qwen2 / Qwen3 dense models, compute capability 8.9+ on a GPU, a CPU runs the "
+        "same arithmetic unfused; sglang: --quantization fp8). Not with deterministic or "
+        "trainer.true_on_policy",
+    )
     urls: list[str] = Field(default_factory=list, description="external: engine or sglang-router URLs")
     router: bool = Field(
         False,
@@ -275,7 +283,11 @@ class RunConfig(ConfigModel):
             raise ValueError(
                 "engine.router: needs engine.backend: external (the router's URL in engine.urls)"
             )
-        run_sets = {"deterministic": "deterministic", "memory_saver": "colocation.engine_release"}
+        run_sets = {
+            "deterministic": "deterministic",
+            "memory_saver": "colocation.engine_release",
+            "quantization": "engine.quantization",
+        }
         for field, instead in run_sets.items():
             if e.sglang is not None and field in e.sglang.model_fields_set:
                 raise ValueError(f"engine.sglang.{field}: the run sets it from {instead}; set that instead")
@@ -284,6 +296,8 @@ class RunConfig(ConfigModel):
                 f"trainer.true_on_policy: needs engine.backend: embedded, not {e.backend} (the engine is exact "
                 "because it runs the trainer's own batch-invariant kernels; another engine's logprobs differ)"
             )
+        if e.quantization is not None:
+            _check_quantization(self)
         if self.deterministic and e.backend == "external":
             raise ValueError(
                 "deterministic: needs engines this run starts (engine.backend: embedded, or sglang with its "
@@ -353,6 +367,38 @@ class RunConfig(ConfigModel):
         )
 
 
+def _check_quantization(cfg: RunConfig) -> None:
+    """``engine.quantization``: the engine's weights differ from the trainer's by design, so nothing that
+    promises equal logprobs goes with it; an embedded engine on a visible GPU must have fp8 GEMMs (when no
+    GPU is visible here, the engine server checks its own at start)."""
+    e, q = cfg.engine, cfg.engine.quantization
+    if cfg.deterministic:
+        raise ValueError(
+            f"engine.quantization: {q} serves weights that differ from the trainer's; deterministic promises "
+            "the trainer's logprobs bit for bit: turn one off"
+        )
+    if cfg.trainer.true_on_policy:
+        raise ValueError(
+            f"engine.quantization: {q} serves weights that differ from the trainer's; "
+            "trainer.true_on_policy needs the engine's logprobs equal to the trainer's: turn one off"
+        )
+    if e.backend == "external":
+        raise ValueError(
+            f"engine.quantization: {q} is set when the run starts the engines, not for external ones"
+        )
+    if e.backend == "embedded" and e.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            from agentrl.embedded.fp8 import check_fp8_device
+
+            index = torch.device(e.device).index
+            try:
+                check_fp8_device(torch.device("cuda", 0 if index is None else index))
+            except ValueError as err:
+                raise ValueError(f"engine.quantization: {err}") from None
+
+
 def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
     """The checks that need the model's shape (its HF ``config.json``, once the recipe resolved the model):
     tensor parallelism must divide the attention heads and the KV heads. Raises ConfigError naming the
@@ -365,6 +411,15 @@ def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
         return  # not an HF directory here (a hub id an SGLang server resolves itself)
     shape = json.loads(path.read_text())
     shape = shape.get("text_config", shape)
+    if cfg.engine.quantization == "fp8" and cfg.engine.backend == "embedded":
+        from agentrl.embedded.fp8 import FP8_MODEL_TYPES
+
+        model_type = shape.get("model_type")
+        if model_type not in FP8_MODEL_TYPES:
+            raise ConfigError(
+                f"engine.quantization: fp8 in the embedded engine covers the dense {', '.join(FP8_MODEL_TYPES)} "
+                f"families, not {model_type!r} ({model_dir}); serve it unquantized or with engine.backend: sglang"
+            )
     heads = int(shape.get("num_attention_heads", 0))
     kv_heads = int(shape.get("num_key_value_heads") or heads)
     sizes = {"trainer.tp": cfg.trainer.tp}

@@ -72,6 +72,7 @@ class EmbeddedEngine:
         compile: bool = False,
         memory_mode: MemoryMode = "auto",
         batch_invariant: bool = False,
+        quantization: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,6 +85,8 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         # a request's tokens and logprobs do not depend on what else runs (agentrl.batch_invariant)
         self.batch_invariant = batch_invariant
+        # fp8: the layers' projections served in fp8, quantized again after every weight update (.fp8)
+        self.quantization = quantization
         on_gpu = self.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens or (16384 if on_gpu else 2048)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -120,6 +123,8 @@ class EmbeddedEngine:
         self.groups = WeightGroups(self.device)
         self.lora = MergedAdapter()  # a LoRA adapter merged into the weights, and their base copies
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
+        if quantization is not None:  # seconds the last quantization of the weights took (load or update)
+            self.stats["quantize_s"] = self._quantize_s
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
@@ -159,7 +164,7 @@ class EmbeddedEngine:
             cells = Scheduler.PADDED_CELLS * self.max_prefill_tokens
             act = cells * (3 * inter + 6 * hidden) * self.dtype.itemsize
             reserve = 6 * max_batch_size * self.vocab_size * 4 + act + 2**29
-            budget = int((mem_fraction or 0.8) * free) - reserve
+            budget = int((mem_fraction or 0.8) * free) - reserve - self._quantized_bytes()
         else:
             budget = 2 * 2**30
         model_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
@@ -167,6 +172,7 @@ class EmbeddedEngine:
         self.context_len, slots = plan_kv_cache(
             budget, per_token, max_batch_size, slots, model_context, context_len
         )
+        t0 = time.perf_counter()
         self.runner = ModelRunner(
             self.model,
             max_batch_size + slots,
@@ -175,10 +181,12 @@ class EmbeddedEngine:
             cuda_graphs=cuda_graphs,
             compile=compile,
             batch_invariant=self.batch_invariant,
+            quantization=self.quantization,
             # virtual memory: the cache lives in its releasable region from the start (allocating it
             # elsewhere first left those blocks in the caching allocator)
             kv_region=(lambda: self.memory.region("kv_cache")) if self.memory.mode == "virtual" else None,
         )
+        self._quantize_s = time.perf_counter() - t0 if self.quantization else 0.0  # the runner quantizes
         self.memory.register("weights", self.model.parameters())
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
@@ -453,11 +461,29 @@ class EmbeddedEngine:
         if abort_all:
             self.abort(None)
         async with self._drain.write(), self.scheduler.step_lock:
-            await self._on_device(apply)
+            await self._on_device(self._then_requantize, apply)
             if flush:
                 self.scheduler.flush_prefix_cache()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
+
+    def _quantized_bytes(self) -> int:
+        """Device bytes of the fp8 copies of the layers' projections (0 without quantization)."""
+        if self.quantization is None:
+            return 0
+        layers = self.model.model.layers
+        linear = [m.weight for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+        return sum(w.numel() + 4 * w.shape[0] for w in linear)  # a byte per value, a fp32 scale per row
+
+    def _then_requantize(self, apply: Callable[[], object]) -> None:
+        """Device thread: ``apply`` (it writes the weights), then the fp8 copies quantized from them again."""
+        apply()
+        if self.quantization is not None:
+            t0 = time.perf_counter()
+            self.runner.requantize()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the kernels' time, not their launch
+            self.stats["quantize_s"] = time.perf_counter() - t0
 
     def _check_weights_resident(self) -> None:
         if "weights" in self.memory.released:

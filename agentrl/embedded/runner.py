@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
+from agentrl.embedded import fp8
 from agentrl.embedded.slot_copy import copy_slots
 from agentrl.models.decoder import (
     BATCH_INVARIANT_OPS,
@@ -164,6 +165,7 @@ class ModelRunner:
         compile: bool = False,
         batch_invariant: bool = False,
         kv_region: Callable[[], AbstractContextManager] | None = None,
+        quantization: str | None = None,
     ) -> None:
         cfg = model.config
         refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
@@ -188,10 +190,14 @@ class ModelRunner:
             raise ValueError(f"the embedded engine's MLP is SwiGLU; {cfg.hidden_act!r} is not served")
         self.moe = MoESpec.from_hf_config(cfg.to_dict())
         self.weights = [_layer_weights(layer, self.moe) for layer in self.layers]
+        self.device = next(model.parameters()).device
+        # quantization fp8: the projections served from fp8 copies of the parameters (agentrl.embedded.fp8)
+        self.quantization = quantization
+        if quantization is not None:
+            self.weights = self._quantized(quantization, batch_invariant)
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
-        self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.context_len = context_len
         self.max_batch = max_batch
@@ -252,6 +258,8 @@ class ModelRunner:
         # The pieces are functions of tensors (not modules), so one compilation serves every layer. The
         # layer's ops (agentrl.models.decoder): plain torch, or agentrl.batch_invariant's.
         self.ops = BATCH_INVARIANT_OPS if batch_invariant else TORCH_OPS
+        if quantization == "fp8":
+            self.ops = fp8.FP8_OPS
         self._pre, self._post, self._attn, self._head = (
             pre_attention,
             post_attention,
@@ -316,6 +324,25 @@ class ModelRunner:
         if self.routed is None:
             raise ValueError("routed_experts: the served model is not a mixture-of-experts model")
         return self.routed[:, slot, :n].permute(1, 0, 2).to("cpu", copy=True)
+
+    def _quantized(self, quantization: str, batch_invariant: bool) -> list[LayerWeights]:
+        if quantization != "fp8":
+            raise ValueError(f"quantization: fp8 or none, not {quantization!r}")
+        if self.moe is not None:
+            raise ValueError(
+                "quantization fp8 serves dense models only (Llama, Qwen2, Qwen3); the experts of a "
+                "mixture-of-experts model are not covered: serve it unquantized, or with SGLang"
+            )
+        if batch_invariant:
+            raise ValueError("quantization fp8 and batch-invariant mode exclude each other")
+        fp8.check_fp8_device(self.device)
+        return [fp8.quantize_layer(w) for w in self.weights]
+
+    def requantize(self) -> None:
+        """Quantize the served projections again from the model's parameters, in place (after a weight
+        update wrote them); nothing to do without quantization."""
+        if self.quantization is not None:
+            fp8.requantize(self.weights)
 
     # ------------------------------------------------------------------ shared pieces
     def _pre_attention(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor) -> tuple:

@@ -97,6 +97,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "no torch.compile); what deterministic runs use",
     )
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: the layers' projections served in float8 with a scale per output channel, quantized "
+        "again after every weight update (agentrl.embedded.fp8); needs compute capability 8.9+ on a GPU",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -132,6 +139,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit("--device cuda but no CUDA device is available")
         dev = torch.device(args.device)
         torch.cuda.set_device(dev.index if dev.index is not None else 0)  # plain "cuda" means GPU 0
+        if args.quantization == "fp8":  # checked here too: the run's config check may have seen no GPU
+            from agentrl.embedded.fp8 import check_fp8_device
+
+            try:
+                check_fp8_device(torch.device("cuda", torch.cuda.current_device()))
+            except ValueError as err:
+                sys.exit(str(err))
     # The generation step runs in a worker thread beside the HTTP loop; a short GIL switch interval keeps
     # either from waiting the default 5 ms for the other.
     sys.setswitchinterval(0.0005)
@@ -157,6 +171,7 @@ async def _serve(args: argparse.Namespace) -> None:
         compile=args.compile,
         memory_mode=args.memory_mode,
         batch_invariant=args.batch_invariant,
+        quantization=args.quantization,
     )
     if args.warmup_len:
         t0 = time.perf_counter()

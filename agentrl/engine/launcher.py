@@ -187,6 +187,11 @@ class SGLangConfig(ConfigModel):
         "depend on what else the server batches (seeded requests repeat exactly); set by a run from its "
         "deterministic switch",
     )
+    quantization: str | None = Field(
+        None,
+        description="--quantization: fp8 quantizes a bf16 checkpoint's linear weights to fp8 as it loads "
+        "(online quantization; an fp8 checkpoint needs no flag); set by a run from engine.quantization",
+    )
     site_dir: str | None = Field(
         None,
         description=f"directory with SGLang installed apart (scripts/gpu_setup.sh --sglang), put first on the "
@@ -356,6 +361,7 @@ class SGLangLauncher(_Launcher):
             "enable-memory-saver": c.memory_saver,
             "enable-weights-cpu-backup": c.weights_cpu_backup,
             "enable-deterministic-inference": c.deterministic,
+            "quantization": c.quantization,
         }
         given = {str(k).lstrip("-").replace("_", "-") for k in c.extra_args}
         reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key"}

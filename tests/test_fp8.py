@@ -1,0 +1,166 @@
+"""fp8 rollout on CPU: the per-channel quantization, the fp8 linear's arithmetic, the fp8 embedded engine
+(its logprobs near the fp32 engine's, re-quantized at every weight update) and the config checks.
+
+The GPU kernel (``torch._scaled_mm``) is not run here; the CPU path runs the same quantize-dequantize
+arithmetic in plain torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.config import ConfigError
+from agentrl.embedded.engine import EmbeddedEngine
+from agentrl.embedded.fp8 import (
+    FP8_MAX,
+    Fp8Weight,
+    dequantize_rows,
+    fp8_linear,
+    quantize_rows,
+)
+from agentrl.embedded.runner import ExtendBatch, ModelRunner
+from agentrl.embedded.sampling import RequestSampling
+from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
+from agentrl.models.decoder import torch_linear
+from agentrl.recipe import load_run_config
+from agentrl.run_config import check_model_shape
+
+GENERIC = ["model_path=/m", "data.path=/d", "env.name=math"]
+
+
+# ---- the quantization -----------------------------------------------------------------------------
+def test_rows_round_trip_within_e4m3_precision_of_each_rows_scale() -> None:
+    g = torch.Generator().manual_seed(0)
+    # rows of very different magnitudes: one scale per row keeps each row's relative error
+    w = torch.randn(6, 40, generator=g) * torch.tensor([1e-4, 1e-2, 1.0, 3.0, 100.0, 0.0])[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6,) and scale.dtype == torch.float32
+    back = dequantize_rows(q, scale, torch.float32)
+    amax = w.abs().amax(dim=1)
+    err = (back - w).abs()
+    # e4m3: 3 mantissa bits, so a value keeps a relative error of at most 2^-4 (half an ulp), and values
+    # under the smallest normal (2^-6 in scaled units) an absolute one of half the subnormal step (2^-10)
+    bound = torch.maximum(w.abs() * 2**-4, scale[:, None] * 2**-10)
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert (err.amax(dim=1) <= amax * 2**-4 + 1e-12).all()
+    assert torch.allclose(q.float().abs().amax(dim=1)[:5], torch.full((5,), FP8_MAX))  # amax -> 448
+    assert scale[5] == 1.0 and (back[5] == 0).all()  # an all-zero row
+    assert (err > 0).any()  # quantization does change the weights
+
+
+def test_fp8_linear_is_the_quantize_dequantize_product_and_plain_weights_stay_plain() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w, b, r = (torch.randn(*s, generator=g) for s in ((2, 3, 32), (48, 32), (48,), (2, 3, 48)))
+    fw = Fp8Weight.of(w)
+    xq, xs = quantize_rows(x.reshape(-1, 32))
+    want = dequantize_rows(xq, xs, x.dtype) @ dequantize_rows(fw.qweight, fw.scale, x.dtype).T + b
+    got = fp8_linear(x, fw, b, residual=r)
+    assert torch.equal(got, r + want.view(2, 3, 48))
+    assert not torch.equal(got, torch_linear(x, w, b, r))
+    assert torch.equal(fp8_linear(x, w, b, r), torch_linear(x, w, b, r))  # the LM head's path: untouched
+
+
+# ---- the engine -----------------------------------------------------------------------------------
+def _last_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    logits = runner.extend(ExtendBatch([0], [tokens], [0]))
+    return torch.log_softmax(logits.float(), dim=-1)[0]
+
+
+def _greedy(n: int) -> RequestSampling:
+    return RequestSampling(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+async def test_fp8_engine_generates_with_logprobs_near_the_fp32_engines(tiny_model_dir: Path) -> None:
+    plain = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0)
+    fp8 = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
+    try:
+        assert fp8.runner.weights[0].q is not plain.runner.weights[0].q
+        assert isinstance(fp8.runner.weights[0].down, Fp8Weight)
+        assert fp8.runner.lm_head_weight.dtype == torch.float32  # the LM head stays in the engine dtype
+        prompt = list(range(20, 52))
+        a = _last_logprobs(plain.runner, prompt)
+        b = _last_logprobs(fp8.runner, prompt)
+        gap = (a - b).abs().max().item()
+        assert 0 < gap < 0.1, gap
+        rec = await fp8.generate(prompt, _greedy(8), "r")
+        assert len(rec.output_ids) == 8 and len(rec.logprobs) == 8
+        assert all(lp <= 0 for lp in rec.logprobs)
+        assert fp8.stats["quantize_s"] > 0 and "quantize_s" not in plain.stats
+    finally:
+        plain.shutdown()
+        fp8.shutdown()
+
+
+async def test_a_weight_update_requantizes(
+    tiny_model_factory: Callable[..., Path], tiny_model_dir: Path
+) -> None:
+    from agentrl.embedded.weights import load_checkpoint
+    from agentrl.engine.named_tensors import pack_named_tensors
+
+    new_dir = tiny_model_factory("qwen2", seed=7)
+    prompt = list(range(30, 60))
+    fresh = EmbeddedEngine(new_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
+    disk = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
+    mem = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
+    try:
+        want = await fresh.generate(prompt, _greedy(6), "f")
+        before = await disk.generate(prompt, _greedy(6), "b")
+        assert before.logprobs != want.logprobs
+        await disk.update_weights_from_disk(str(new_dir), "v1", abort_all=False)
+        packed = pack_named_tensors(list(load_checkpoint(new_dir, torch.float32).items()))
+        try:
+            await mem.update_weights_from_tensor([packed.payload], packed.load_format, "v1", abort_all=False)
+        finally:
+            packed.close()
+        for engine in (disk, mem):
+            got = await engine.generate(prompt, _greedy(6), "a")
+            # bit for bit what a fresh fp8 engine of the new weights serves
+            assert got.output_ids == want.output_ids and got.logprobs == want.logprobs
+            for w_got, w_want in zip(engine.runner.weights, fresh.runner.weights, strict=True):
+                assert torch.equal(w_got.o.qweight.view(torch.uint8), w_want.o.qweight.view(torch.uint8))
+                assert torch.equal(w_got.o.scale, w_want.o.scale)
+            assert engine.stats["quantize_s"] > 0
+    finally:
+        for engine in (fresh, disk, mem):
+            engine.shutdown()
+
+
+def test_fp8_refuses_what_it_does_not_cover(tiny_model_factory: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match="dense models only"):
+        EmbeddedEngine(tiny_model_factory("qwen3_moe"), max_batch_size=1, quantization="fp8")
+    with pytest.raises(ValueError, match="batch-invariant"):
+        EmbeddedEngine(
+            tiny_model_factory("qwen2"), max_batch_size=1, quantization="fp8", batch_invariant=True
+        )
+
+
+# ---- the config -----------------------------------------------------------------------------------
+def test_config_checks_name_the_field(tiny_model_factory: Callable[..., Path]) -> None:
+    cfg = load_run_config(None, [*GENERIC, "engine.quantization=fp8"])
+    assert cfg.engine.quantization == "fp8"
+    bad = {
+        "deterministic=true": "deterministic promises",
+        "trainer.true_on_policy=true": "trainer.true_on_policy needs",
+        "engine.backend=external": "not for external",
+        "engine.quantization=int4": "engine.quantization",
+    }
+    for override, why in bad.items():
+        extra = ["engine.urls=[http://x:1]"] if "external" in override else []
+        with pytest.raises(ConfigError, match=rf"engine\.quantization.*{why}|{why}"):
+            load_run_config(None, [*GENERIC, "engine.quantization=fp8", override, *extra])
+    with pytest.raises(ConfigError, match=r"engine\.sglang\.quantization: the run sets it from engine"):
+        load_run_config(None, [*GENERIC, "engine.backend=sglang", "engine.sglang.quantization=fp8"])
+    check_model_shape(cfg, str(tiny_model_factory("qwen3")))  # covered
+    with pytest.raises(ConfigError, match=r"engine\.quantization: fp8 in the embedded engine covers"):
+        check_model_shape(cfg, str(tiny_model_factory("qwen3_moe")))
+
+
+def test_sglang_gets_quantization_fp8() -> None:
+    cfg = SGLangConfig(model_path="m", python="py", quantization="fp8", skip_tokenizer_init=False)
+    cmd = SGLangLauncher(cfg).command()
+    assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd.count("--quantization") == 1
+    assert "--quantization" not in SGLangLauncher(SGLangConfig(model_path="m", python="py")).command()
