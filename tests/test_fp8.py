@@ -164,3 +164,28 @@ def test_sglang_gets_quantization_fp8() -> None:
     cmd = SGLangLauncher(cfg).command()
     assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd.count("--quantization") == 1
     assert "--quantization" not in SGLangLauncher(SGLangConfig(model_path="m", python="py")).command()
+
+
+# ---- the bench ------------------------------------------------------------------------------------
+def test_mismatch_bench_prints_one_line_where_fp8_moves_the_logprobs() -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    args = ["--prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "fp8_mismatch.py"), *args],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    assert out["bench"] == "fp8_mismatch" and out["tokens"] == 16 and out["quantize_s"] > 0
+    fields = {"mismatch_kl", "max_abs_dlogp", "tis_min", "tis_mean", "tis_max", "tis_std"}
+    fp8, plain = out["fp8"], out["unquantized"]
+    assert set(fp8) == fields == set(plain)
+    assert fp8["mismatch_kl"] > 0 and fp8["mismatch_kl"] > plain["mismatch_kl"]
+    assert fp8["max_abs_dlogp"] > plain["max_abs_dlogp"]
+    assert 0 < fp8["tis_min"] <= fp8["tis_mean"] <= fp8["tis_max"] <= out["tis_cap"]
