@@ -1,0 +1,242 @@
+"""LoRA against full fine-tuning on one device: trainable parameters, step time, peak memory, and what a
+weight sync moves and how long it takes.
+
+For each mode (``full``, then ``lora`` with ``--rank``) a process of its own builds the Megatron trainer
+on a model of ``--shape`` (random weights written once, shared by both), trains ``--steps`` timed steps
+after one warm-up on the same synthetic batches, then gathers what a sync pushes (the full HF-named
+weights, or the PEFT-named adapters) and, with ``--engine``, pushes it in memory (``weight_sync:
+tensor``) to an embedded engine started on the same device after the steps (its KV cache held to
+``--engine-mem-fraction`` of the free memory), three times, and checks that the engine serves the new
+version. A mode that runs out of GPU memory is reported as ``"fits": false`` with the error's first line:
+a full fine-tune of the 7B shape does not fit one 80 GB GPU (bf16 weights and gradients, fp32 master
+weights and two Adam moments: 16 bytes a parameter), its LoRA does.
+
+    python bench/lora.py --device cuda --shape qwen2.5-7b --engine        # one GPU
+    python bench/lora.py --device cuda --shape smollm2-135m --engine
+    python bench/lora.py                                                 # CPU: the tiny model (CI)
+
+Prints ONE JSON line: the two modes side by side and ``lora_over_full`` ratios where both fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from trainer_gpu_modes import make_batch, sync
+
+from agentrl.models.tiny import QWEN25_05B, SMOLLM2_135M
+
+QWEN25_7B = dict(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False,
+    rope_theta=1e6, rms_norm_eps=1e-6,
+)  # fmt: skip
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m": ("llama", SMOLLM2_135M),
+    "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
+    "qwen2.5-7b": ("qwen2", QWEN25_7B),
+}
+
+
+def build_model(shape: str, dtype: str, out: Path) -> Path:
+    """An HF dir of ``shape`` with random weights (N(0, 0.02), norms 1), drawn tensor by tensor on the GPU
+    when there is one: a 7B model initialised by transformers on the CPU takes many minutes."""
+    from agentrl.models.tiny import build_tiny_model
+
+    if shape == "tiny":
+        return build_tiny_model(out, arch="qwen2", dtype=dtype)
+    import transformers
+    from safetensors.torch import save_file
+
+    arch, dims = SHAPES[shape]
+    build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
+    config_cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    cfg = config_cls(**dims, eos_token_id=2, pad_token_id=0)
+    with torch.device("meta"):
+        names = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(dev).manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    for name, meta in names.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the embedding's
+        if name.endswith("norm.weight"):
+            t = torch.ones(meta.shape, dtype=getattr(torch, dtype))
+        else:
+            t = (torch.randn(meta.shape, generator=g, device=dev) * 0.02).to(getattr(torch, dtype)).cpu()
+        shard[name] = t
+    save_file(shard, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(out / "tok" / f, out / f)
+    return out
+
+
+def run_mode(a: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """One mode in this process: the trainer's figures, or ``fits: false`` on running out of memory."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    from agentrl.cluster import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    cuda = a.device == "cuda"
+    out: dict[str, Any] = {"mode": a.mode}
+    try:
+        out.update(asyncio.run(_train_and_sync(a, model_dir)))
+        out["fits"] = True
+    except torch.cuda.OutOfMemoryError as err:
+        out.update(fits=False, error=str(err).splitlines()[0][:300])
+    if cuda:
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+async def _train_and_sync(a: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    cuda = a.device == "cuda"
+    lora = {"rank": a.rank, "alpha": 2.0 * a.rank} if a.mode == "lora" else None
+    cfg = TrainerConfig(
+        model_path=str(model_dir), device=a.device, dtype="bfloat16" if cuda else "float32", lr=1e-5,
+        micro_batch_size=a.micro_batch_size, vocab_divisible_by=128 if cuda else 1, lora=lora,
+    )  # fmt: skip
+    trainer = MegatronTrainer(cfg)
+    out: dict[str, Any] = {
+        "params": trainer.arch.num_params(),
+        "trainable_params": sum(p.numel() for p in trainer.module.parameters() if p.requires_grad),
+    }
+    vocab = min(trainer.arch.vocab_size, 150000)
+    trainer.train_step(make_batch(a.batch, a.prompt_len, a.response_len, vocab, group=8, seed=0))  # warm-up
+    sync(a.device)
+    times = []
+    for s in range(a.steps):
+        batch = make_batch(a.batch, a.prompt_len, a.response_len, vocab, group=8, seed=s + 1)
+        t0 = time.perf_counter()
+        trainer.train_step(batch)
+        sync(a.device)
+        times.append(time.perf_counter() - t0)
+    out["step_s"] = statistics.median(times)
+    out["train_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+
+    t0 = time.perf_counter()
+    pushed = trainer.lora_state_dict() if lora else trainer.hf_state_dict(trainer.device)
+    out["gather_s"] = time.perf_counter() - t0
+    out["sync_tensors"] = len(pushed)
+    out["sync_bytes"] = sum(t.numel() * t.element_size() for t in pushed.values())
+    del pushed
+    if a.engine:
+        out.update(await _engine_sync(a, trainer, model_dir))
+    return out
+
+
+async def _engine_sync(a: argparse.Namespace, trainer: Any, model_dir: Path) -> dict[str, Any]:
+    """Three in-memory syncs to an embedded engine on the same device; the version it then serves."""
+    import httpx
+
+    from agentrl.embedded.server import start_embedded_server
+    from agentrl.engine.client import EngineClient
+
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the memory free now
+    server = start_embedded_server(
+        model_dir, device=a.device, dtype="bfloat16" if cuda else "float32", timeout=900,
+        extra_args=["--mem-fraction", str(a.engine_mem_fraction)] if cuda else [],
+    )  # fmt: skip
+    client = EngineClient(server.url, timeout=3600)
+    try:
+        await trainer.connect_engines("tensor", client)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            version = await trainer.sync_weights()
+            times.append(time.perf_counter() - t0)
+        async with httpx.AsyncClient() as http:
+            served = (await http.get(server.url + "/get_weight_version")).json()["weight_version"]
+        return {
+            "sync_s": statistics.median(times),
+            "engine_weight_version": served,
+            "pushed_version": version,
+        }
+    finally:
+        await trainer.disconnect_engines()
+        await client.close()
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--shape", default=None, choices=["tiny", *SHAPES], help="default: tiny on cpu, qwen2.5-7b on cuda"
+    )
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    p.add_argument("--batch", type=int, default=None, help="trajectories a step (default 8 cpu, 16 cuda)")
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--response-len", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--engine", action="store_true", help="also time in-memory syncs to an embedded engine")
+    p.add_argument(
+        "--engine-mem-fraction", type=float, default=0.3, help="the engine's KV cache share (cuda)"
+    )
+    p.add_argument("--mode", default=None, choices=["full", "lora"], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    cuda = a.device == "cuda"
+    a.shape = a.shape or ("qwen2.5-7b" if cuda else "tiny")
+    a.batch = a.batch or (16 if cuda else 8)
+    a.prompt_len = a.prompt_len or (256 if cuda else 16)
+    a.response_len = a.response_len or (768 if cuda else 32)
+    if a.mode is not None:  # a worker: one mode, one JSON line
+        print(json.dumps(run_mode(a, Path(a.model_dir))), flush=True)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="agentrl-bench-lora-"))
+    try:
+        model_dir = build_model(a.shape, "bfloat16" if cuda else "float32", work / "model")
+        modes = {}
+        for mode in ("full", "lora"):
+            argv = [arg for arg in sys.argv[1:]] + ["--mode", mode, "--model-dir", str(model_dir)]
+            proc = subprocess.run(
+                [sys.executable, __file__, *argv], capture_output=True, text=True, timeout=3600
+            )
+            if proc.returncode != 0:
+                modes[mode] = {
+                    "mode": mode,
+                    "fits": None,
+                    "error": proc.stderr.strip().splitlines()[-1][:300],
+                }
+                continue
+            modes[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        result: dict[str, Any] = {
+            "bench": "lora", "device": a.device, "gpu": torch.cuda.get_device_name() if cuda else None,
+            "shape": a.shape, "rank": a.rank, "batch": a.batch, "seq_len": a.prompt_len + a.response_len - 1,
+            "steps": a.steps, **modes,
+        }  # fmt: skip
+        full, lora = modes["full"], modes["lora"]
+        if full.get("fits") and lora.get("fits"):
+            result["lora_over_full"] = {
+                k: lora[k] / full[k]
+                for k in ("trainable_params", "step_s", "sync_bytes", "sync_s", "peak_mem_gb")
+                if full.get(k) and lora.get(k) is not None
+            }
+        print(json.dumps(result), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
