@@ -129,6 +129,23 @@ async def test_a_weight_update_requantizes(
             engine.shutdown()
 
 
+async def test_fp8_copies_go_and_come_back_with_the_weights(tiny_model_dir: Path) -> None:
+    engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
+    try:
+        prompt = list(range(10, 40))
+        before = await engine.generate(prompt, _greedy(6), "b")
+        q = engine.runner.weights[0].q.qweight
+        params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        assert engine.memory_state()["weights_bytes"] > params  # the fp8 copies are counted in
+        await engine.release_memory_occupation(["weights"])
+        assert q.untyped_storage().nbytes() == 0  # released with the weights
+        await engine.resume_memory_occupation(["weights"])
+        after = await engine.generate(prompt, _greedy(6), "a")
+        assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
+    finally:
+        engine.shutdown()
+
+
 def test_fp8_refuses_what_it_does_not_cover(tiny_model_factory: Callable[..., Path]) -> None:
     with pytest.raises(ValueError, match="dense models only"):
         EmbeddedEngine(tiny_model_factory("qwen3_moe"), max_batch_size=1, quantization="fp8")

@@ -182,12 +182,14 @@ class EmbeddedEngine:
             compile=compile,
             batch_invariant=self.batch_invariant,
             quantization=self.quantization,
+            weights_region=(lambda: self.memory.region("weights")) if self.memory.mode == "virtual" else None,
             # virtual memory: the cache lives in its releasable region from the start (allocating it
             # elsewhere first left those blocks in the caching allocator)
             kv_region=(lambda: self.memory.region("kv_cache")) if self.memory.mode == "virtual" else None,
         )
         self._quantize_s = time.perf_counter() - t0 if self.quantization else 0.0  # the runner quantizes
-        self.memory.register("weights", self.model.parameters())
+        # the fp8 copies of the projections (quantization) go and come back with the weights they copy
+        self.memory.register("weights", [*self.model.parameters(), *self.runner.quantized_tensors()])
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
         return slots

@@ -61,16 +61,20 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 @dataclass(frozen=True, eq=False)
 class Fp8Weight:
     """One projection served in fp8: ``qweight`` [out, in] float8_e4m3fn and ``scale`` [out] fp32,
-    quantized from ``source``, the model's own parameter (which weight updates write)."""
+    quantized from ``source``, the model's own parameter (which weight updates write). ``scaled_mm``:
+    whether its product runs ``torch._scaled_mm`` (decided once here, not in the traced forward)."""
 
     source: Tensor
     qweight: Tensor
     scale: Tensor
+    scaled_mm: bool = False
 
     @classmethod
     def of(cls, source: Tensor) -> Fp8Weight:
         q, scale = quantize_rows(source.detach())
-        return cls(source, q, scale)
+        # the fp8 GEMM wants both sizes of the weight in multiples of 16
+        fits = q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
+        return cls(source, q, scale, scaled_mm=fits and supports_fp8(source.device))
 
     def requantize(self) -> None:
         """Quantize ``source`` again, into the same storage (captured CUDA graphs read it)."""
@@ -95,13 +99,6 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
-def _scaled_mm_fits(x: Tensor, w: Fp8Weight) -> bool:
-    # _scaled_mm's fp8 GEMM wants both matrix sizes of the weight in multiples of 16
-    # and, with rowwise scales, a bf16 output
-    fits = w.qweight.shape[0] % 16 == 0 and w.qweight.shape[1] % 16 == 0
-    return x.is_cuda and x.dtype == torch.bfloat16 and fits
-
-
 def fp8_linear(
     x: Tensor, weight: Tensor | Fp8Weight, bias: Tensor | None = None, residual: Tensor | None = None
 ) -> Tensor:
@@ -113,7 +110,7 @@ def fp8_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(x2)
-    if _scaled_mm_fits(x2, weight) and supports_fp8(x2.device):
+    if weight.scaled_mm and x.dtype == torch.bfloat16:  # rowwise scales: a bf16 output
         y = torch._scaled_mm(
             xq,
             weight.qweight.t(),  # column-major [in, out], as the kernel's second operand must be
@@ -149,6 +146,17 @@ def quantize_layer(w: LayerWeights) -> LayerWeights:
     return replace(w, **{n: Fp8Weight.of(t) for n, t in given.items() if t is not None})
 
 
+def quantized_tensors(layers: list[LayerWeights]) -> list[Tensor]:
+    """The fp8 weights and scales of ``layers``: device memory the engine releases with its weights."""
+    out = []
+    for w in layers:
+        for name in LINEAR_FIELDS:
+            t = getattr(w, name)
+            if isinstance(t, Fp8Weight):
+                out += [t.qweight, t.scale]
+    return out
+
+
 def requantize(layers: list[LayerWeights]) -> None:
     """Quantize every :class:`Fp8Weight` of ``layers`` again from its source parameter (after a weight
     update wrote the parameters)."""
@@ -170,6 +178,7 @@ __all__ = [
     "fp8_linear",
     "quantize_layer",
     "quantize_rows",
+    "quantized_tensors",
     "requantize",
     "supports_fp8",
 ]

@@ -166,6 +166,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         kv_region: Callable[[], AbstractContextManager] | None = None,
         quantization: str | None = None,
+        weights_region: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         cfg = model.config
         refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
@@ -193,8 +194,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # quantization fp8: the projections served from fp8 copies of the parameters (agentrl.embedded.fp8)
         self.quantization = quantization
-        if quantization is not None:
-            self.weights = self._quantized(quantization, batch_invariant)
+        if quantization is not None:  # weights_region: where the copies live (released with the weights)
+            with weights_region() if weights_region is not None else contextlib.nullcontext():
+                self.weights = self._quantized(quantization, batch_invariant)
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
@@ -337,6 +339,10 @@ class ModelRunner:
             raise ValueError("quantization fp8 and batch-invariant mode exclude each other")
         fp8.check_fp8_device(self.device)
         return [fp8.quantize_layer(w) for w in self.weights]
+
+    def quantized_tensors(self) -> list[torch.Tensor]:
+        """The device tensors of the quantized projections (none without quantization)."""
+        return fp8.quantized_tensors(self.weights) if self.quantization is not None else []
 
     def requantize(self) -> None:
         """Quantize the served projections again from the model's parameters, in place (after a weight
