@@ -158,9 +158,9 @@ async def test_a_broadcast_update_requantizes(
     from agentrl.embedded.weights import load_checkpoint
 
     new_dir = tiny_model_factory("qwen2", seed=7)
-    sd = {
-        n: t.contiguous() for n, t in load_checkpoint(new_dir, torch.float32).items() if n != "lm_head.weight"
-    }
+    weights = load_checkpoint(new_dir, torch.float32)
+    assert weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+    sd = {n: t.contiguous() for n, t in weights.items() if n != "lm_head.weight"}  # tied: sent once
     save_file(sd, str(tmp_path / "w.safetensors"))
     names, port = list(sd), free_port()
     prompt = list(range(30, 60))
