@@ -70,7 +70,7 @@ class EngineSetupConfig(ConfigModel):
         None,
         description="fp8: the engines serve the decoder's linear weights in float8 e4m3, re-quantized from "
         "the trainer's weights at every sync, and token TIS corrects the mismatch (embedded: a scale per "
-        "output channel, Llama / Qwen2 / Qwen3 dense models, compute capability 8.9+ on a GPU, a CPU runs the "
+        "output channel, Llama / Qwen2 / Qwen3 dense models, a GPU of compute capability 8.9+ with engine.dtype bfloat16, a CPU runs the "
         "same arithmetic unfused; sglang: --quantization fp8). Not with deterministic or "
         "trainer.true_on_policy",
     )
@@ -387,6 +387,8 @@ def _check_quantization(cfg: RunConfig) -> None:
             f"engine.quantization: {q} is set when the run starts the engines, not for external ones"
         )
     if e.backend == "embedded" and e.device.startswith("cuda"):
+        if e.dtype != "bfloat16":  # the fp8 GEMM's rowwise scaling writes bf16
+            raise ValueError(f"engine.quantization: {q} on cuda needs engine.dtype: bfloat16, not {e.dtype}")
         import torch
 
         if torch.cuda.is_available():

@@ -57,7 +57,7 @@ def test_fp8_linear_is_the_quantize_dequantize_product_and_plain_weights_stay_pl
     x, w, b, r = (torch.randn(*s, generator=g) for s in ((2, 3, 32), (48, 32), (48,), (2, 3, 48)))
     fw = Fp8Weight.of(w)
     xq, xs = quantize_rows(x.reshape(-1, 32))
-    want = dequantize_rows(xq, xs, x.dtype) @ dequantize_rows(fw.qweight, fw.scale, x.dtype).T + b
+    want = dequantize_rows(xq, xs, torch.float32) @ dequantize_rows(fw.qweight, fw.scale, torch.float32).T + b
     got = fp8_linear(x, fw, b, residual=r)
     assert torch.equal(got, r + want.view(2, 3, 48))
     assert not torch.equal(got, torch_linear(x, w, b, r))
@@ -223,6 +223,7 @@ def test_config_checks_name_the_field(tiny_model_factory: Callable[..., Path]) -
         "trainer.true_on_policy=true": "trainer.true_on_policy needs",
         "engine.backend=external": "not for external",
         "engine.quantization=int4": "engine.quantization",
+        "engine.device=cuda": "needs engine.dtype: bfloat16",
     }
     for override, why in bad.items():
         extra = ["engine.urls=[http://x:1]"] if "external" in override else []

@@ -118,9 +118,10 @@ def fp8_linear(
             scale_b=weight.scale[None, :],
             out_dtype=x.dtype,
         )
-    else:  # the same arithmetic in plain torch: dequantized operands, a product in x's dtype
-        xd = dequantize_rows(xq, xs, x.dtype)
-        y = torch.nn.functional.linear(xd, dequantize_rows(weight.qweight, weight.scale, x.dtype))
+    else:  # the same arithmetic in plain torch: fp32 products of the dequantized operands, one rounding
+        xd = dequantize_rows(xq, xs, torch.float32)
+        wd = dequantize_rows(weight.qweight, weight.scale, torch.float32)
+        y = torch.nn.functional.linear(xd, wd).to(x.dtype)
     if bias is not None:
         y = y + bias
     y = y.view(*lead, -1)
