@@ -266,3 +266,15 @@ def test_mismatch_bench_prints_one_line_where_fp8_moves_the_logprobs() -> None:
     assert fp8["mismatch_kl"] > 0 and fp8["mismatch_kl"] > plain["mismatch_kl"]
     assert fp8["max_abs_dlogp"] > plain["max_abs_dlogp"]
     assert 0 < fp8["tis_min"] <= fp8["tis_mean"] <= fp8["tis_max"] <= out["tis_cap"]
+
+
+def test_the_server_serves_fp8_and_reports_the_quantization_time(tiny_model_dir: Path) -> None:
+    import json
+    import urllib.request
+
+    from agentrl.embedded.server import start_embedded_server
+
+    with start_embedded_server(tiny_model_dir, max_batch_size=2, extra_args=["--quantization", "fp8"]) as srv:
+        with urllib.request.urlopen(srv.url + "/get_server_info", timeout=30) as resp:
+            info = json.loads(resp.read())
+    assert info["quantize_s"] > 0
