@@ -17,7 +17,8 @@ mode changes, never the order:
 * :data:`TORCH_OPS` -- plain torch: the engine's default forward (torch.compile fuses it on a GPU);
 * :data:`BATCH_INVARIANT_OPS` -- the kernels of :mod:`agentrl.batch_invariant`, which pick row-padded
   BLAS on a CPU or Triton on a GPU by the tensors' device: the engine's batch-invariant mode and the
-  trainer's true on-policy forward, which thereby compute a token's logprob in the same order, bit for bit.
+  trainer's true on-policy forward, which thereby compute a token's logprob in the same order, bit for bit;
+* ``agentrl.embedded.fp8.FP8_OPS`` -- the engine's fp8 rollout: projections as fp8 records.
 
 The layer lives in :mod:`agentrl.models`, beside :mod:`agentrl.models.moe`, because the engine and the
 trainer both run it: here neither imports the other. The mixture-of-experts MLP (router, experts run
@@ -186,7 +187,9 @@ class DecoderOps:
     ``residual + (x @ weight.T + bias)``; ``rms_norm(x, weight, eps)``, ``rope(x, cos, sin)`` (``x``
     [..., heads, d], tables without the head dim) and ``silu_mul(g, u)`` as in
     :mod:`agentrl.batch_invariant`; ``experts`` runs a mixture-of-experts MLP's experts (None: these
-    ops serve dense layers only)."""
+    ops serve dense layers only). A ``linear`` may take weights of its own kind in a layer's projection
+    fields: the fp8 records of :mod:`agentrl.embedded.fp8` (its ``FP8_OPS``), the LM head staying a
+    tensor."""
 
     linear: Callable[..., Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
