@@ -403,8 +403,9 @@ def _check_quantization(cfg: RunConfig) -> None:
 
 def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
     """The checks that need the model's shape (its HF ``config.json``, once the recipe resolved the model):
-    tensor parallelism must divide the attention heads and the KV heads. Raises ConfigError naming the
-    field, before Ray or any engine starts."""
+    tensor parallelism must divide the attention heads and the KV heads, and an embedded engine's
+    ``engine.quantization`` must cover the model's family. Raises ConfigError naming the field, before Ray
+    or any engine starts."""
     import json
     from pathlib import Path
 

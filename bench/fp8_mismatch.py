@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import tempfile
@@ -97,8 +98,14 @@ def run(a: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    context = max(64, -(-(a.prompt_len + a.max_new_tokens) // 16) * 16)
+    # two engines and the model in one process: each engine's KV cache sized to the run, not the GPU
     kw: dict[str, Any] = dict(
-        device=a.device, dtype=dtype, max_batch_size=max(a.prompts, 1), prefix_cache_slots=0
+        device=a.device,
+        dtype=dtype,
+        max_batch_size=max(a.prompts, 1),
+        prefix_cache_slots=0,
+        context_len=context,
     )
     fp8 = EmbeddedEngine(model_dir, quantization="fp8", **kw)
     base = EmbeddedEngine(model_dir, **kw)
@@ -120,6 +127,10 @@ def run(a: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     finally:
         fp8.shutdown()
         base.shutdown()
+    del fp8, base  # their device memory goes before the model's forward
+    gc.collect()
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     model = (
         AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(a.device).eval()
     )
