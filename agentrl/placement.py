@@ -134,6 +134,8 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
         extra = ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
         if cfg.deterministic or cfg.trainer.true_on_policy:  # batch-invariant kernels: a request's bits do
             extra += ["--batch-invariant"]  # not depend on what else the engine batches (nor the trainer's)
+        if e.quantization:  # fp8 weights, quantized again at every update (agentrl.embedded.fp8)
+            extra += ["--quantization", e.quantization]
         return functools.partial(
             start_embedded_server,
             model_dir,
@@ -153,6 +155,7 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
             "port": 0 if e.num_engines > 1 else (e.sglang.port if e.sglang else 30000),
             "memory_saver": releases,  # SGLang serves the release / resume endpoints only with it
             "deterministic": cfg.deterministic,  # the run's one switch
+            "quantization": e.quantization,  # and engine.quantization's
         }
     )
     return functools.partial(_start_sglang, sg)

@@ -1,5 +1,6 @@
 """Placement on Ray's fake GPUs (CPU only): a colocated run's placement group pairs engine i and trainer
-rank i on GPU i, and a group Ray cannot place fails with the field to change instead of waiting."""
+rank i on GPU i, and a group Ray cannot place fails with the field to change instead of waiting; the
+engines a run starts get the run's switches."""
 
 from __future__ import annotations
 
@@ -51,3 +52,18 @@ def test_a_group_ray_cannot_place_names_the_field(two_fake_gpus, monkeypatch) ->
     monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 2.0)
     with pytest.raises(ConfigError, match=r"could not place 3 bundles .* \(trainer_world_size = 3\)"):
         placement_group(3)
+
+
+def test_engine_quantization_reaches_the_engines_it_starts() -> None:
+    """``engine.quantization`` is the one switch: the embedded engine gets ``--quantization``, an SGLang
+    server's config its ``quantization``."""
+    from agentrl.placement import engine_starter
+    from agentrl.recipe import load_run_config
+
+    run = ["model_path=/m", "data.path=/d", "env.name=math", "engine.quantization=fp8"]
+    embedded = engine_starter(load_run_config(None, run), "/m", 0)
+    assert embedded.keywords["extra_args"][-2:] == ["--quantization", "fp8"]
+    plain = engine_starter(load_run_config(None, run[:-1]), "/m", 0)
+    assert "--quantization" not in plain.keywords["extra_args"]
+    sglang = engine_starter(load_run_config(None, [*run, "engine.backend=sglang"]), "/m", 0)
+    assert sglang.args[0].quantization == "fp8"
