@@ -35,7 +35,7 @@ from agentrl.colocation import Handover
 from agentrl.config import ConfigError, dump_config
 from agentrl.episodes import EpisodeDump, episode_table
 from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_metrics, step_time_summary
-from agentrl.placement import Fleet, check_gpus
+from agentrl.placement import Fleet, check_cluster
 from agentrl.recipe import describe_for_help, load_run_config, make_recipe, metric_label
 from agentrl.run_config import RunConfig, check_model_shape
 from agentrl.types import Trajectory
@@ -62,7 +62,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     start_ray(cfg.ray.address, cfg.ray.num_cpus)  # workers at the driver's priority, not Ray's nice 15
     fleet, handover = Fleet(cfg), None
     try:
-        check_gpus(cfg)
+        check_cluster(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then engines, trainer, rollout
         env_kwargs = {**recipe.start_services(fleet.services), **cfg.env.kwargs}
         await check_verifier(cfg, env_kwargs)  # before the engines: a run nothing would score fails now

@@ -15,7 +15,7 @@ them (``ray start --resources``) takes the engines on some nodes and the trainer
 actor ran is written to ``<output_dir>/placement.json`` (:meth:`Fleet.where`).
 
 Every check that needs only the config ran when it loaded (agentrl.run_config); the ones here need Ray:
-:func:`check_gpus` (the GPUs and the custom resources), before anything starts.
+:func:`check_cluster` (the GPUs, the CPUs and the custom resources), before anything starts.
 """
 
 from __future__ import annotations
@@ -35,18 +35,31 @@ from agentrl.run_config import RunConfig
 PLACEMENT_TIMEOUT_S = 60.0
 
 
-def check_gpus(cfg: RunConfig) -> None:
-    """Fail now, naming the fields, when Ray has fewer GPUs than the engines and trainer reserve, or not
-    the custom resources they ask for (:func:`check_resources`): Ray would otherwise wait forever for
-    what is missing."""
+TRAINER_CPUS_PER_RANK = 1.0  # what each trainer rank's actor reserves (agentrl.trainer.ray_actor)
+ROLLOUT_CPUS = 1.0  # and the rollout's (agentrl.rollout.ray_actor)
+
+
+def check_cluster(cfg: RunConfig) -> None:
+    """Fail now, naming the fields, when Ray has fewer GPUs or CPUs than the engines, the trainer ranks and
+    the rollout reserve, or not the custom resources they ask for (:func:`check_resources`): Ray would
+    otherwise wait forever for what is missing, and the run would hang without a word."""
     import ray
 
-    need, have = cfg.gpus_needed(), float(ray.cluster_resources().get("GPU", 0))
+    held = ray.cluster_resources()
+    need, have = cfg.gpus_needed(), float(held.get("GPU", 0))
     if need > have:
         raise ConfigError(
             f"the run reserves {need:g} GPUs (engine.num_engines x engine.gpus_per_engine + "
             f"trainer_world_size x trainer_gpus_per_rank) but Ray has {have:g}; lower those, or use "
             "placement: colocated to share GPUs"
+        )
+    need, have = cfg.trainer_world_size * TRAINER_CPUS_PER_RANK + ROLLOUT_CPUS, float(held.get("CPU", 0))
+    if need > have:
+        raise ConfigError(
+            f"trainer_world_size: the run reserves {need:g} CPUs in Ray ({TRAINER_CPUS_PER_RANK:g} per trainer "
+            f"rank, {ROLLOUT_CPUS:g} for the rollout) but Ray has {have:g}; set ray.num_cpus={need:g} (Ray's "
+            "CPUs are logical: more than the machine's cores is fine) or start the cluster's nodes with more "
+            "--num-cpus"
         )
     check_resources(cfg, ray.nodes())
 
@@ -223,6 +236,7 @@ class Fleet:
             self.trainer_config(model_dir),
             cfg.trainer_world_size,
             num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0,
+            num_cpus_per_rank=TRAINER_CPUS_PER_RANK,
             deterministic=cfg.deterministic,
             placement_group=self.group,  # rank i on bundle i: the GPU of engine i
             resources=cfg.ray.trainer_resources,
@@ -233,7 +247,7 @@ class Fleet:
             rollout_cfg, self.engine_urls, model_dir, env_factory, train_tasks, api_key=e.api_key,
             router=e.router, deterministic=cfg.deterministic,
         )  # fmt: skip
-        self.rollout = make_rollout_actor(spec)  # the orchestrator is built inside the actor, from this spec
+        self.rollout = make_rollout_actor(spec, num_cpus=ROLLOUT_CPUS)  # the orchestrator is built inside
         await self.trainer.connect_engines(
             cfg.weight_sync, sync_urls, out_dir=str(Path(cfg.output_dir) / "weights")
         )

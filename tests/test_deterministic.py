@@ -207,30 +207,52 @@ eval: {{num_tasks: 8}}
 TIMING = re.compile(r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|^engine/|^engine_")
 
 
-def _deterministic_run(tmp: Path, name: str) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+def _deterministic_run(
+    tmp: Path, name: str, *overrides: str, rank: int = 0
+) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     cfg = tmp / f"{name}.yaml"
     out = tmp / name
     cfg.write_text(CONFIG.format(out=out, cache=tmp / "cache"))
     proc = subprocess.run(
-        [sys.executable, "train_async.py", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True
-    )
+        [sys.executable, "train_async.py", "--config", str(cfg), *overrides],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "rank_00000.pt"
-    weights = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
+    step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]
     rows = [{k: v for k, v in r.items() if not TIMING.search(k)} for r in read_metrics(out / "metrics.jsonl")]
     return weights, rows
+
+
+def _same_bytes(wa: dict[str, Any], wb: dict[str, Any]) -> None:
+    tensors = [k for k, v in wa.items() if isinstance(v, torch.Tensor)]
+    assert wa.keys() == wb.keys() and tensors
+    for k in tensors:  # the same bytes (torch.equal would pass -0.0 == 0.0)
+        assert wa[k].numpy().tobytes() == wb[k].numpy().tobytes(), f"{k} differs"
 
 
 @pytest.mark.slow
 def test_two_seeded_runs_are_bit_identical(tmp_path: Path) -> None:
     wa, ma = _deterministic_run(tmp_path, "a")
     wb, mb = _deterministic_run(tmp_path, "b")
-    tensors = [k for k, v in wa.items() if isinstance(v, torch.Tensor)]
-    assert wa.keys() == wb.keys() and tensors
-    for k in tensors:  # the same bytes (torch.equal would pass -0.0 == 0.0)
-        assert wa[k].numpy().tobytes() == wb[k].numpy().tobytes(), f"{k} differs"
+    _same_bytes(wa, wb)
     assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
     train = [r for r in ma if "policy_version" in r]
     assert [r["policy_version"] for r in train] == [1, 2, 3]
     assert [r["batch/staleness_max"] for r in train] == [0.0, 1.0, 1.0]  # batch k ran under max(0, k - η)
     assert any(r["trainer/grad_norm"] > 0 for r in train)  # it trained
+
+
+@pytest.mark.slow
+def test_two_seeded_data_parallel_runs_are_bit_identical(tmp_path: Path) -> None:
+    """Two engines and two trainer ranks (data parallel): each rank's weights are the same bytes in both
+    runs, the two ranks hold the same replica, and every logged value is equal."""
+    dp2 = ("trainer_world_size=2", "engine.num_engines=2", "ray.num_cpus=4")  # 2 ranks + the rollout
+    wa, ma = _deterministic_run(tmp_path, "a", *dp2, rank=1)
+    wb, mb = _deterministic_run(tmp_path, "b", *dp2, rank=1)
+    _same_bytes(wa, wb)
+    step = tmp_path / "a" / "checkpoints" / (tmp_path / "a" / "checkpoints" / "latest").read_text().strip()
+    _same_bytes(torch.load(step / "rank_00000.pt", map_location="cpu", weights_only=False)["model"], wa)
+    assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
+    train = [r for r in ma if "policy_version" in r]
+    assert [r["policy_version"] for r in train] == [1, 2, 3] and any(r["trainer/grad_norm"] > 0 for r in train)

@@ -103,16 +103,20 @@ def test_tp_must_divide_the_models_heads_before_anything_starts(tmp_path) -> Non
     check_model_shape(three, str(tmp_path))  # 9 and 3 heads split three ways
 
 
-def test_too_few_gpus_fails_at_start_instead_of_waiting() -> None:
+def test_too_few_gpus_or_cpus_fail_at_start_instead_of_waiting() -> None:
     import ray
 
-    from agentrl.placement import check_gpus
+    from agentrl.placement import check_cluster
 
     cfg = load_run_config(GPU_CONFIG, ["placement=disaggregated", "weight_sync=distributed"])
-    ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(ConfigError, match=r"reserves 2 GPUs .* but Ray has 1"):
-            check_gpus(cfg)
-        check_gpus(load_run_config(GPU_CONFIG, []))  # colocated: one GPU is enough
+            check_cluster(cfg)
+        check_cluster(load_run_config(GPU_CONFIG, []))  # colocated: one GPU is enough
+        # a trainer rank and the rollout reserve a CPU each: two ranks and the rollout do not fit in 2
+        cpu = load_run_config(None, ["model_path=/m", "data.path=/d", "env.name=math", "trainer_world_size=2"])
+        with pytest.raises(ConfigError, match=r"trainer_world_size: .* reserves 3 CPUs .* set ray.num_cpus=3"):
+            check_cluster(cpu)
     finally:
         ray.shutdown()
