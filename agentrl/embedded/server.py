@@ -149,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The generation step runs in a worker thread beside the HTTP loop; a short GIL switch interval keeps
     # either from waiting the default 5 ms for the other.
     sys.setswitchinterval(0.0005)
-    log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, args.dtype)
+    weights = f"{args.dtype}, {args.quantization} projections" if args.quantization else args.dtype
+    log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, weights)
     asyncio.run(_serve(args))
 
 
