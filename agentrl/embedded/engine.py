@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from agentrl.embedded.lora import MergedAdapter, adapter_pairs, is_adapter_tensor, peft_scale, read_peft_dir
+from agentrl.embedded import fp8
+from agentrl.embedded.lora import AdapterEndpoints, MergedAdapter, is_adapter_tensor
 from agentrl.embedded.memory import TAGS, EngineMemory, MemoryMode
 from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
@@ -53,7 +54,7 @@ from agentrl.embedded.weights import (
 log = logging.getLogger("agentrl.engine")
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(AdapterEndpoints):
     """One HF causal LM served with continuous batching (see the module docstring)."""
 
     def __init__(
@@ -164,7 +165,7 @@ class EmbeddedEngine:
             cells = Scheduler.PADDED_CELLS * self.max_prefill_tokens
             act = cells * (3 * inter + 6 * hidden) * self.dtype.itemsize
             reserve = 6 * max_batch_size * self.vocab_size * 4 + act + 2**29
-            budget = int((mem_fraction or 0.8) * free) - reserve - self._quantized_bytes()
+            budget = int((mem_fraction or 0.8) * free) - reserve - fp8.copies_bytes(self.model, self.quantization)
         else:
             budget = 2 * 2**30
         model_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
@@ -189,7 +190,7 @@ class EmbeddedEngine:
         )
         self._quantize_s = time.perf_counter() - t0 if self.quantization else 0.0  # the runner quantizes
         # the fp8 copies of the projections (quantization) go and come back with the weights they copy
-        self.memory.register("weights", [*self.model.parameters(), *self.runner.quantized_tensors()])
+        self.memory.register("weights", [*self.model.parameters(), *fp8.quantized_tensors(self.runner.weights)])
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
         return slots
@@ -469,20 +470,12 @@ class EmbeddedEngine:
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
-    def _quantized_bytes(self) -> int:
-        """Device bytes of the fp8 copies of the layers' projections (0 without quantization)."""
-        if self.quantization is None:
-            return 0
-        layers = self.model.model.layers
-        linear = [m.weight for m in layers.modules() if isinstance(m, torch.nn.Linear)]
-        return sum(w.numel() + 4 * w.shape[0] for w in linear)  # a byte per value, a fp32 scale per row
-
     def _then_requantize(self, apply: Callable[[], object]) -> None:
         """Device thread: ``apply`` (it writes the weights), then the fp8 copies quantized from them again."""
         apply()
         if self.quantization is not None:
             t0 = time.perf_counter()
-            self.runner.requantize()
+            fp8.requantize(self.runner.weights)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the kernels' time, not their launch
             self.stats["quantize_s"] = time.perf_counter() - t0
@@ -594,73 +587,6 @@ class EmbeddedEngine:
     def _replace_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         copy_weights(self.model, tensors)
         self.lora.forget(list(tensors))  # these are the new base weights
-
-    # ------------------------------------------------------------------ LoRA adapters
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, weight_version: str | None, abort_all: bool, flush: bool = True
-    ) -> None:
-        """SGLang's ``/load_lora_adapter`` (a PEFT dir), merged into the served weights: every request then
-        runs base + adapter (:mod:`agentrl.embedded.lora`; SGLang instead serves it by name per request)."""
-        try:
-            config, tensors = await asyncio.to_thread(read_peft_dir, lora_path)
-        except (OSError, ValueError) as err:
-            raise EngineBadRequest(f"cannot load the adapter from {lora_path!r}: {err}") from None
-        await self._merge_adapter(lora_name, config, tensors, abort_all, weight_version, flush)
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        config_dict: dict,
-        serialized_tensors: str,
-        load_format: str | None,
-        weight_version: str | None,
-        abort_all: bool,
-        flush: bool = True,
-    ) -> None:
-        """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT state dict in memory (a payload of
-        :func:`agentrl.engine.named_tensors.pack_named_tensors`) and its ``adapter_config.json`` mapping,
-        merged into the served weights as :meth:`load_lora_adapter` does."""
-        from agentrl.engine.named_tensors import unpack_named_tensors
-
-        self._check_weights_resident()
-
-        def unpack():
-            try:
-                return unpack_named_tensors(serialized_tensors, load_format)
-            except ValueError as err:
-                raise EngineBadRequest(str(err)) from None
-
-        named, release = await self._on_device(unpack)
-        try:
-            await self._merge_adapter(lora_name, config_dict, dict(named), abort_all, weight_version, flush)
-        finally:
-            named = None
-            await self._on_device(release)
-
-    async def _merge_adapter(
-        self,
-        lora_name: str,
-        config: dict,
-        tensors: dict[str, torch.Tensor],
-        abort_all: bool,
-        weight_version: str | None,
-        flush: bool,
-    ) -> None:
-        scale = peft_scale(config)
-        pairs = adapter_pairs(self.model.state_dict(keep_vars=True), tensors)
-
-        def apply() -> None:
-            self.lora.load(self.model, pairs, scale, lora_name)
-            if self.device.type == "cuda":  # done reading the sender's memory before it is freed
-                torch.cuda.synchronize(self.device)
-
-        await self._update(apply, abort_all, weight_version, flush)
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        """SGLang's ``/unload_lora_adapter``: the base weights back."""
-        if self.lora.name != lora_name:
-            raise EngineBadRequest(f"no adapter {lora_name!r} is loaded (loaded: {self.lora.name})")
-        await self._update(lambda: self.lora.unload(self.model), False, None)
 
 
 __all__ = [

@@ -169,16 +169,46 @@ def requantize(layers: list[LayerWeights]) -> None:
                     t.requantize()
 
 
+def quantized_layers(
+    quantization: str, layers: list[LayerWeights], moe: bool, batch_invariant: bool, device: torch.device
+) -> list[LayerWeights]:
+    """The layers' weights with their projections quantized (what the engine's runner serves), after the
+    checks that the engine can: fp8 only, dense models only, not with batch-invariant kernels, a device
+    with fp8 GEMMs."""
+    if quantization != "fp8":
+        raise ValueError(f"quantization: fp8 or none, not {quantization!r}")
+    if moe:
+        raise ValueError(
+            "quantization fp8 serves dense models only (Llama, Qwen2, Qwen3); the experts of a "
+            "mixture-of-experts model are not covered: serve it unquantized, or with SGLang"
+        )
+    if batch_invariant:
+        raise ValueError("quantization fp8 and batch-invariant mode exclude each other")
+    check_fp8_device(device)
+    return [quantize_layer(w) for w in layers]
+
+
+def copies_bytes(model: torch.nn.Module, quantization: str | None) -> int:
+    """Device bytes the fp8 copies of ``model``'s layers' projections take (0 without quantization): a
+    byte per value and an fp32 scale per row."""
+    if quantization is None:
+        return 0
+    linear = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(w.numel() + 4 * w.shape[0] for w in linear)
+
+
 __all__ = [
     "FP8_MODEL_TYPES",
     "FP8_OPS",
     "LINEAR_FIELDS",
     "Fp8Weight",
     "check_fp8_device",
+    "copies_bytes",
     "dequantize_rows",
     "fp8_linear",
     "quantize_layer",
     "quantize_rows",
+    "quantized_layers",
     "quantized_tensors",
     "requantize",
     "supports_fp8",

@@ -14,6 +14,7 @@ loaded the trainer's merged weights serve the same bits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -158,3 +159,76 @@ class MergedAdapter:
     def num_bytes(self) -> int:
         """Memory the base copies take."""
         return sum(t.numel() * t.element_size() for t in self.base.values())
+
+
+class AdapterEndpoints:
+    """SGLang's LoRA endpoints on the embedded engine (mixed into :class:`~agentrl.embedded.engine.
+    EmbeddedEngine`, whose ``model``, ``device``, ``lora`` (a :class:`MergedAdapter`), ``_update``,
+    ``_on_device`` and ``_check_weights_resident`` they use): an adapter is merged into the served
+    weights, so every request runs base + adapter."""
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, weight_version: str | None, abort_all: bool, flush: bool = True
+    ) -> None:
+        """SGLang's ``/load_lora_adapter`` (a PEFT dir), merged into the served weights: every request then
+        runs base + adapter (:mod:`agentrl.embedded.lora`; SGLang instead serves it by name per request)."""
+        try:
+            config, tensors = await asyncio.to_thread(read_peft_dir, lora_path)
+        except (OSError, ValueError) as err:
+            raise EngineBadRequest(f"cannot load the adapter from {lora_path!r}: {err}") from None
+        await self._merge_adapter(lora_name, config, tensors, abort_all, weight_version, flush)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        serialized_tensors: str,
+        load_format: str | None,
+        weight_version: str | None,
+        abort_all: bool,
+        flush: bool = True,
+    ) -> None:
+        """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT state dict in memory (a payload of
+        :func:`agentrl.engine.named_tensors.pack_named_tensors`) and its ``adapter_config.json`` mapping,
+        merged into the served weights as :meth:`load_lora_adapter` does."""
+        from agentrl.engine.named_tensors import unpack_named_tensors
+
+        self._check_weights_resident()
+
+        def unpack():
+            try:
+                return unpack_named_tensors(serialized_tensors, load_format)
+            except ValueError as err:
+                raise EngineBadRequest(str(err)) from None
+
+        named, release = await self._on_device(unpack)
+        try:
+            await self._merge_adapter(lora_name, config_dict, dict(named), abort_all, weight_version, flush)
+        finally:
+            named = None
+            await self._on_device(release)
+
+    async def _merge_adapter(
+        self,
+        lora_name: str,
+        config: dict,
+        tensors: dict[str, torch.Tensor],
+        abort_all: bool,
+        weight_version: str | None,
+        flush: bool,
+    ) -> None:
+        scale = peft_scale(config)
+        pairs = adapter_pairs(self.model.state_dict(keep_vars=True), tensors)
+
+        def apply() -> None:
+            self.lora.load(self.model, pairs, scale, lora_name)
+            if self.device.type == "cuda":  # done reading the sender's memory before it is freed
+                torch.cuda.synchronize(self.device)
+
+        await self._update(apply, abort_all, weight_version, flush)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """SGLang's ``/unload_lora_adapter``: the base weights back."""
+        if self.lora.name != lora_name:
+            raise EngineBadRequest(f"no adapter {lora_name!r} is loaded (loaded: {self.lora.name})")
+        await self._update(lambda: self.lora.unload(self.model), False, None)

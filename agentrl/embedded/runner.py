@@ -196,7 +196,9 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:  # weights_region: where the copies live (released with the weights)
             with weights_region() if weights_region is not None else contextlib.nullcontext():
-                self.weights = self._quantized(quantization, batch_invariant)
+                self.weights = fp8.quantized_layers(
+                    quantization, self.weights, self.moe is not None, batch_invariant, self.device
+                )
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
@@ -326,29 +328,6 @@ class ModelRunner:
         if self.routed is None:
             raise ValueError("routed_experts: the served model is not a mixture-of-experts model")
         return self.routed[:, slot, :n].permute(1, 0, 2).to("cpu", copy=True)
-
-    def _quantized(self, quantization: str, batch_invariant: bool) -> list[LayerWeights]:
-        if quantization != "fp8":
-            raise ValueError(f"quantization: fp8 or none, not {quantization!r}")
-        if self.moe is not None:
-            raise ValueError(
-                "quantization fp8 serves dense models only (Llama, Qwen2, Qwen3); the experts of a "
-                "mixture-of-experts model are not covered: serve it unquantized, or with SGLang"
-            )
-        if batch_invariant:
-            raise ValueError("quantization fp8 and batch-invariant mode exclude each other")
-        fp8.check_fp8_device(self.device)
-        return [fp8.quantize_layer(w) for w in self.weights]
-
-    def quantized_tensors(self) -> list[torch.Tensor]:
-        """The device tensors of the quantized projections (none without quantization)."""
-        return fp8.quantized_tensors(self.weights) if self.quantization is not None else []
-
-    def requantize(self) -> None:
-        """Quantize the served projections again from the model's parameters, in place (after a weight
-        update wrote them); nothing to do without quantization."""
-        if self.quantization is not None:
-            fp8.requantize(self.weights)
 
     # ------------------------------------------------------------------ shared pieces
     def _pre_attention(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor) -> tuple:

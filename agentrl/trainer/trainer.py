@@ -156,12 +156,9 @@ class MegatronTrainer:
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
         )
         self.logprobs = ModelLogprobs(
-            self.arch.vocab_size,
-            self.tp_rank,
-            ps.get_tensor_model_parallel_group(),
-            cfg.logprob_chunk_tokens,
+            self.arch.vocab_size, self.tp_rank, ps.get_tensor_model_parallel_group(), cfg.logprob_chunk_tokens,
             self.compile_kernels,
-        )
+        )  # fmt: skip
         gpu_deterministic = deterministic and self.device.type == "cuda"
         if cfg.true_on_policy or gpu_deterministic:  # π_old and the loss's logprobs in the batch-invariant
             from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs  # engine's kernels
@@ -177,15 +174,9 @@ class MegatronTrainer:
             build_rank_model(cfg, self.arch, ps, *how, frozen=True) if cfg.loss.kl_coef > 0 else None
         )
         self.optim = build_optimizer(
-            cfg,
-            model,
-            self.logprobs,
-            ps,
-            self.device,
-            self.use_megatron_optim,
-            self.params_dtype,
+            cfg, model, self.logprobs, ps, self.device, self.use_megatron_optim, self.params_dtype,
             self.arch.qk_norm,
-        )
+        )  # fmt: skip
         self.model = self.optim.model  # inside megatron's DDP wrapper on the megatron path
 
         # one optimizer step per train_step: π_old are the weights of the update's own forward
@@ -478,12 +469,10 @@ class MegatronTrainer:
         the adapters merged into the base weights."""
         self._check_onloaded()
         hf = gather_hf_state_dict(self.module, self.arch, self.ps, device)
-        lora = self.cfg.lora
-        if lora is not None:
-            hf = merge_into_hf(
-                hf, {k: v.to(device) for k, v in self.lora_state_dict().items()}, lora.alpha / lora.rank
-            )
-        return hf
+        if self.cfg.lora is None:
+            return hf
+        adapters = {k: v.to(device) for k, v in self.lora_state_dict().items()}
+        return merge_into_hf(hf, adapters, self.cfg.lora.alpha / self.cfg.lora.rank)
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA adapters as a PEFT state dict (HF module names, on the CPU), assembled on every rank
@@ -495,19 +484,15 @@ class MegatronTrainer:
 
     def save_lora(self, out_dir: str | Path) -> Path | None:
         """Write the adapters as a PEFT dir (rank 0 writes; collective). Returns the dir on rank 0."""
-        tensors = self.lora_state_dict()
-        out = None
-        if self.rank == 0:
-            out = save_peft_dir(tensors, self.cfg.lora, out_dir, self.cfg.model_path)  # type: ignore[arg-type]
+        tensors, lora = self.lora_state_dict(), self.cfg.lora
+        out = save_peft_dir(tensors, lora, out_dir, self.cfg.model_path) if self.rank == 0 else None  # type: ignore[arg-type]
         dist.barrier()
         return out
 
     def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path | None:
         """Write the current weights as an HF dir (rank 0 writes; collective). Returns the dir on rank 0."""
         hf = self.hf_state_dict("cpu")
-        out = None
-        if self.rank == 0:
-            out = save_hf_dir(hf, out_dir, self.cfg.model_path, dtype=dtype)
+        out = save_hf_dir(hf, out_dir, self.cfg.model_path, dtype=dtype) if self.rank == 0 else None
         dist.barrier()
         return out
 
@@ -525,10 +510,9 @@ class MegatronTrainer:
     ) -> None:
         """Choose how :meth:`sync_weights` reaches the engines behind ``client`` (an EngineClient of the
         engines this rank pushes to, None where it pushes to none; disk mode with None writes the HF dir
-        only): ``disk`` writes ``out_dir``,
-        ``tensor`` hands them over in memory, ``distributed`` opens the broadcast group with the engines
-        now (``num_engine_ranks``, ``master_*``, ``backend``, ``bucket_bytes``; see
-        :mod:`agentrl.trainer.weight_sync`). Every rank calls it."""
+        only): ``disk`` writes ``out_dir``, ``tensor`` hands them over in memory, ``distributed`` opens
+        the broadcast group with the engines now (``num_engine_ranks``, ``master_*``, ``backend``,
+        ``bucket_bytes``; see :mod:`agentrl.trainer.weight_sync`). Every rank calls it."""
         if self._engines is not None:
             raise RuntimeError("engines already connected: disconnect_engines() first")
         self._engines = await connect_engine_sync(
@@ -542,9 +526,8 @@ class MegatronTrainer:
         """Push the current weights to the connected engines: every rank gathers the HF-named weights
         (with LoRA the adapters only, PEFT-named), the version goes up by one, the ranks with engines
         push them (rank 0; in memory, every rank to the engines on its GPU), then a barrier. Collective;
-        the version pushed.
-        ``new_version=False``: push them under the version they already carry (a resume hands the
-        engines the checkpoint's weights as the version they were saved at)."""
+        the version pushed. ``new_version=False``: push them under the version they already carry (a
+        resume hands the engines the checkpoint's weights as the version they were saved at)."""
         if self._engines is None:
             raise RuntimeError("connect_engines() first")
         t0 = time.perf_counter()
