@@ -7,9 +7,9 @@ An adapter is PEFT's form: tensors ``base_model.model.<module>.lora_A.weight`` `
 ``...lora_B.weight`` ``[out, r]`` per HF module, and ``adapter_config.json``'s ``r`` and ``lora_alpha``
 (``s = alpha / r``; ``alpha / sqrt(r)`` with ``use_rslora``); an adapter broadcast over a weight-update
 group (``/update_weights_from_distributed``, whose protocol has no place for the scale) arrives with
-``s · B`` in place of ``B`` and merges with scale 1. :func:`merged_weight` is the one merge
-formula; the trainer's merged HF weights use it too, so an engine that merged an adapter and one that
-loaded the trainer's merged weights serve the same bits.
+``s · B`` in place of ``B`` and merges with scale 1. :func:`agentrl.models.lora.merged_weight` is the one
+merge formula; the trainer's merged HF weights use it too, so an engine that merged an adapter and one
+that loaded the trainer's merged weights serve the same bits.
 """
 
 from __future__ import annotations
@@ -22,15 +22,9 @@ from pathlib import Path
 import torch
 
 from agentrl.embedded.sampling import EngineBadRequest
+from agentrl.models.lora import merged_weight
 
 PEFT_PREFIX = "base_model.model."
-
-
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``base + (scale · b) @ a`` computed in fp32 on ``base``'s device, in ``base``'s dtype. The scale goes
-    on ``b`` first, so a ``b`` that arrives scaled already (a broadcast adapter) merges to the same bits."""
-    a, b = a.to(base.device, torch.float32), b.to(base.device, torch.float32)
-    return (base.float() + (scale * b) @ a).to(base.dtype)
 
 
 def is_adapter_tensor(name: str) -> bool:

@@ -289,8 +289,8 @@ def merge_into_hf(
     hf: dict[str, torch.Tensor], peft: dict[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
     """``hf`` (HF-named base weights) with each adapted weight replaced by ``W + scale · B @ A``: the
-    engines' merge (:func:`agentrl.embedded.lora.merged_weight`), so both give the same bits."""
-    from agentrl.embedded.lora import merged_weight
+    engines' merge (:func:`agentrl.models.lora.merged_weight`), so both give the same bits."""
+    from agentrl.models.lora import merged_weight
 
     out = dict(hf)
     for name, a in peft.items():

@@ -420,7 +420,7 @@ class LoRATensorSync:
 class LoRABroadcastSync:
     """``distributed`` with LoRA: rank 0 broadcasts the adapters in one bucket (the engine merges a whole
     adapter at once), each ``B`` sent as ``s · B``: SGLang's broadcast protocol has no field for the scale,
-    and the engines' merge (:func:`agentrl.embedded.lora.merged_weight`) scales ``B`` first, so a
+    and the engines' merge (:func:`agentrl.models.lora.merged_weight`) scales ``B`` first, so a
     pre-scaled ``B`` merges to the same bits."""
 
     def __init__(self, broadcast: BroadcastSync, scale: float) -> None:
