@@ -165,7 +165,9 @@ class EmbeddedEngine(AdapterEndpoints):
             cells = Scheduler.PADDED_CELLS * self.max_prefill_tokens
             act = cells * (3 * inter + 6 * hidden) * self.dtype.itemsize
             reserve = 6 * max_batch_size * self.vocab_size * 4 + act + 2**29
-            budget = int((mem_fraction or 0.8) * free) - reserve - fp8.copies_bytes(self.model, self.quantization)
+            budget = (
+                int((mem_fraction or 0.8) * free) - reserve - fp8.copies_bytes(self.model, self.quantization)
+            )
         else:
             budget = 2 * 2**30
         model_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
@@ -190,7 +192,9 @@ class EmbeddedEngine(AdapterEndpoints):
         )
         self._quantize_s = time.perf_counter() - t0 if self.quantization else 0.0  # the runner quantizes
         # the fp8 copies of the projections (quantization) go and come back with the weights they copy
-        self.memory.register("weights", [*self.model.parameters(), *fp8.quantized_tensors(self.runner.weights)])
+        self.memory.register(
+            "weights", [*self.model.parameters(), *fp8.quantized_tensors(self.runner.weights)]
+        )
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
         return slots
@@ -408,9 +412,7 @@ class EmbeddedEngine(AdapterEndpoints):
         tags = self._tags(tags, list(TAGS))
         already = [t for t in tags if t in self.memory.released]
         if already:
-            raise EngineBadRequest(
-                f"{', '.join(already)} already released; resume_memory_occupation first"
-            )
+            raise EngineBadRequest(f"{', '.join(already)} already released; resume_memory_occupation first")
         self._sleeping = True
         self._set_gate()
         self.scheduler.retract_all()
@@ -474,11 +476,7 @@ class EmbeddedEngine(AdapterEndpoints):
         """Device thread: ``apply`` (it writes the weights), then the fp8 copies quantized from them again."""
         apply()
         if self.quantization is not None:
-            t0 = time.perf_counter()
-            fp8.requantize(self.runner.weights)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the kernels' time, not their launch
-            self.stats["quantize_s"] = time.perf_counter() - t0
+            self.stats["quantize_s"] = fp8.requantize(self.runner.weights)
 
     def _check_weights_resident(self) -> None:
         if "weights" in self.memory.released:
@@ -498,22 +496,12 @@ class EmbeddedEngine(AdapterEndpoints):
         """SGLang's ``/update_weights_from_tensor``: the tensors arrive as views of the sender's memory
         (CUDA IPC handles, or shared memory on the CPU: :mod:`agentrl.engine.named_tensors`); they are
         checked, copied in place and let go of before this returns."""
-        from agentrl.engine.named_tensors import unpack_named_tensors
-
         if not isinstance(serialized_named_tensors, list) or len(serialized_named_tensors) != 1:
             raise EngineBadRequest(
                 "serialized_named_tensors must be a list with one entry per tensor-parallel rank (tp_size 1)"
             )
         self._check_weights_resident()  # before mapping anything
-        payload = serialized_named_tensors[0]
-
-        def unpack():
-            try:
-                return unpack_named_tensors(payload, load_format)
-            except ValueError as err:
-                raise EngineBadRequest(str(err)) from None
-
-        named, release = await self._on_device(unpack)
+        named, release = await self._unpacked(serialized_named_tensors[0], load_format)
         try:
             tensors = dict(named)
             check_weights(self.model, tensors)
@@ -528,6 +516,18 @@ class EmbeddedEngine(AdapterEndpoints):
         finally:
             tensors = named = None
             await self._on_device(release)
+
+    async def _unpacked(self, payload: str, load_format: str | None) -> tuple:
+        """The named tensors of an in-memory payload, mapped on the device thread, and their release."""
+        from agentrl.engine.named_tensors import unpack_named_tensors
+
+        def unpack():  # a malformed payload is the client's error
+            try:
+                return unpack_named_tensors(payload, load_format)
+            except ValueError as err:
+                raise EngineBadRequest(str(err)) from None
+
+        return await self._on_device(unpack)
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None, abort_all: bool, flush: bool = True

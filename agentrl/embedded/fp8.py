@@ -25,6 +25,7 @@ the same quantize-dequantize arithmetic in plain torch, so CPU tests check the n
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -158,15 +159,21 @@ def quantized_tensors(layers: list[LayerWeights]) -> list[Tensor]:
     return out
 
 
-def requantize(layers: list[LayerWeights]) -> None:
+def requantize(layers: list[LayerWeights]) -> float:
     """Quantize every :class:`Fp8Weight` of ``layers`` again from its source parameter (after a weight
-    update wrote the parameters)."""
+    update wrote the parameters); the seconds it took (on a GPU until the kernels ended, not their launch)."""
+    t0, devices = time.perf_counter(), set()
     with torch.no_grad():
         for w in layers:
             for name in LINEAR_FIELDS:
                 t = getattr(w, name)
                 if isinstance(t, Fp8Weight):
                     t.requantize()
+                    devices.add(t.qweight.device)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def quantized_layers(

@@ -158,8 +158,8 @@ class MergedAdapter:
 class AdapterEndpoints:
     """SGLang's LoRA endpoints on the embedded engine (mixed into :class:`~agentrl.embedded.engine.
     EmbeddedEngine`, whose ``model``, ``device``, ``lora`` (a :class:`MergedAdapter`), ``_update``,
-    ``_on_device`` and ``_check_weights_resident`` they use): an adapter is merged into the served
-    weights, so every request runs base + adapter."""
+    ``_on_device``, ``_unpacked`` and ``_check_weights_resident`` they use): an adapter is merged into
+    the served weights, so every request runs base + adapter."""
 
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, weight_version: str | None, abort_all: bool, flush: bool = True
@@ -185,17 +185,8 @@ class AdapterEndpoints:
         """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT state dict in memory (a payload of
         :func:`agentrl.engine.named_tensors.pack_named_tensors`) and its ``adapter_config.json`` mapping,
         merged into the served weights as :meth:`load_lora_adapter` does."""
-        from agentrl.engine.named_tensors import unpack_named_tensors
-
         self._check_weights_resident()
-
-        def unpack():
-            try:
-                return unpack_named_tensors(serialized_tensors, load_format)
-            except ValueError as err:
-                raise EngineBadRequest(str(err)) from None
-
-        named, release = await self._on_device(unpack)
+        named, release = await self._unpacked(serialized_tensors, load_format)
         try:
             await self._merge_adapter(lora_name, config_dict, dict(named), abort_all, weight_version, flush)
         finally:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,18 @@ FUSED: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(" + "|".join(re.escape(k) for k in FUSED) + r")$")
 PEFT_PREFIX = "base_model.model."
+
+
+def _fused_linears(
+    module: torch.nn.Module, first_layer: int, adapted: bool = False
+) -> Iterator[tuple[int, str, torch.nn.Module]]:
+    """(global layer index, megatron name of the linear, the linear) of every adaptable linear of
+    ``module``'s layers (``adapted``: only those holding an adapter); listed first, so the caller may add
+    modules while it walks them."""
+    for name, m in list(module.named_modules()):
+        hit = _LAYER.match(name)
+        if hit is not None and (not adapted or hasattr(m, "adapter")):
+            yield first_layer + int(hit.group(1)), hit.group(2), m
 
 
 class LoRAAdapter(torch.nn.Module):
@@ -142,11 +155,7 @@ def add_lora(
         p.requires_grad_(False)
     scale = cfg.alpha / cfg.rank
     trainable = 0
-    for name, module in list(model.named_modules()):
-        hit = _LAYER.match(name)
-        if hit is None:
-            continue
-        layer, suffix = first_layer + int(hit.group(1)), hit.group(2)
+    for layer, suffix, module in _fused_linears(model, first_layer):
         kind, hf_names, _ = FUSED[suffix]
         targets = _targets(cfg, hf_names)
         if not targets:
@@ -189,11 +198,7 @@ def peft_state_dict(
     pp = ps.get_pipeline_model_parallel_world_size()
     first = arch.layer_range(ps.get_pipeline_model_parallel_rank(), pp)[0]
     out: dict[str, torch.Tensor] = {}
-    for name, m in module.named_modules():
-        hit = _LAYER.match(name)
-        if hit is None or not hasattr(m, "adapter"):
-            continue
-        layer, suffix = first + int(hit.group(1)), hit.group(2)
+    for layer, suffix, m in _fused_linears(module, first, adapted=True):
         kind, hf_names, prefix = FUSED[suffix]
         ad = m.adapter
         a_parts, b_parts = [ad.lora_A.detach()], [ad.lora_B.detach()]
@@ -230,11 +235,7 @@ def load_peft_state_dict(
 ) -> None:  # fmt: skip
     """Set this rank's adapters of ``module`` from a PEFT state dict (the inverse of
     :func:`peft_state_dict`; a fused layer takes ``A`` from its first target module)."""
-    for name, m in module.named_modules():
-        hit = _LAYER.match(name)
-        if hit is None or not hasattr(m, "adapter"):
-            continue
-        layer, suffix = first_layer + int(hit.group(1)), hit.group(2)
+    for layer, suffix, m in _fused_linears(module, first_layer, adapted=True):
         _, hf_names, prefix = FUSED[suffix]
         present = [n for n in hf_names if _peft_name(layer, prefix, n, "A") in peft]
         if not present:

@@ -350,6 +350,15 @@ def _num_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _adapter_push_stats(started: float, adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+    """An adapter push's figures: seconds since ``started``, tensors and bytes pushed."""
+    return {
+        "seconds": time.perf_counter() - started,
+        "num_tensors": float(len(adapters)),
+        "num_bytes": float(_num_bytes(adapters)),
+    }
+
+
 class LoRADiskSync:
     """``disk`` with LoRA: rank 0 writes the adapters as a PEFT dir to ``out_dir`` and the engines load it
     (``/load_lora_adapter``, merged into a kept copy of the base weights)."""
@@ -372,11 +381,7 @@ class LoRADiskSync:
         await asyncio.to_thread(save_peft_dir, hf, self.lora, self.out_dir, str(self.model_path))
         if self.client is not None:
             await self.client.load_lora_adapter(LORA_NAME, str(self.out_dir), weight_version=str(version))
-        return {
-            "seconds": time.perf_counter() - t0,
-            "num_tensors": float(len(hf)),
-            "num_bytes": float(_num_bytes(hf)),
-        }
+        return _adapter_push_stats(t0, hf)
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
@@ -407,11 +412,7 @@ class LoRATensorSync:
             )  # fmt: skip
         finally:
             packed.close()
-        return {
-            "seconds": time.perf_counter() - t0,
-            "num_tensors": float(len(hf)),
-            "num_bytes": float(_num_bytes(hf)),
-        }
+        return _adapter_push_stats(t0, hf)
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
