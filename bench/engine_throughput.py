@@ -9,7 +9,10 @@ prompt + output + ``--obs-len`` new tokens, and reports prefill tokens computed 
 prefix reuse saves). Prints ONE JSON line.
 
 CPU (default): the tiny test model. GPU: ``--device cuda --shape qwen2.5-0.5b --dtype bfloat16`` builds a
-randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896).
+randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896);
+``--shape qwen3-moe-1b`` a 1B Qwen3-MoE shape (16 experts, top-2); ``--shape qwen2.5-7b`` Qwen2.5-7B's
+exact shape (152,064 vocab, 28 layers, hidden 3584, untied LM head), its random weights made in
+``--dtype`` on ``--device`` (no float32 copy, no host-side init pass) and saved as safetensors shards.
 ``--server-args "--no-cuda-graphs"`` (etc.) passes flags to the server, to measure one lever at a time.
 ``--deterministic`` serves the same rounds a second time with ``--batch-invariant`` (what deterministic
 and true on-policy runs use) and reports its tokens/s beside the default's, and their ratio. With
@@ -26,6 +29,17 @@ attention and sampling backends, CUDA graphs). SGLang gets ``--mem-fraction-stat
 (``--skip-tokenizer-init``); ``--sglang-args '{"attention-backend": "fa3"}'`` passes more flags (JSON).
 Multi-turn prefill accounting comes from each answer's ``meta_info`` (``prompt_tokens - cached_tokens``),
 which both engines report.
+
+``--quantizations none,fp8`` serves the same rounds (and the multi-turn episodes) on the embedded engine
+unquantized and then with ``--quantization fp8`` (:mod:`agentrl.embedded.fp8`), one server after the
+other on the same device, and reports per concurrency ``fp8_tok_s`` beside ``engine_tok_s`` and
+``ratio_fp8_over_unquantized``. Under ``"fp8"`` it reports the quantization seconds the fp8 server
+measured (``quantize_s`` of its ``/get_server_info``): ``quantize_load_s`` at start (the runner's whole
+construction, the KV cache's allocation included) and ``quantize_update_s`` after one weight update, which
+the bench makes by pushing the same checkpoint again through ``/update_weights_from_disk`` once the rounds
+are done (``update_wall_s``: that whole update, the checkpoint's read from disk included). The fp8 server
+keeps the bf16 weights beside their fp8 copies, so its KV cache may be planned smaller: its
+``context_len`` and ``prefix_cache_slots`` are reported too.
 """
 
 from __future__ import annotations
@@ -48,15 +62,17 @@ import torch
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
-from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B, build_tiny_model
+from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B, QWEN25_7B, build_tiny_model
+
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-moe-1b", "qwen2.5-7b")
 
 
-def build_model(shape: str, dtype: str, out: Path) -> Path:
-    """A model directory: the tiny test model, or a random model of Qwen2.5-0.5B's shape or of a 1B
-    Qwen3-MoE shape (16 experts, top-2)."""
+def build_model(shape: str, dtype: str, out: Path, device: str = "cpu") -> Path:
+    """A model directory: the tiny test model, or a random model of Qwen2.5-0.5B's shape, of a 1B
+    Qwen3-MoE shape (16 experts, top-2) or of Qwen2.5-7B's shape (made on ``device``)."""
     if shape == "tiny":
         return build_tiny_model(out, arch="qwen2", dtype=dtype)
-    if shape not in ("qwen2.5-0.5b", "qwen3-moe-1b"):
+    if shape not in SHAPES:
         raise SystemExit(f"unknown --shape {shape!r}")
     import transformers
 
@@ -64,13 +80,53 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
     if shape == "qwen3-moe-1b":
         cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE_1B, eos_token_id=2, pad_token_id=0)
     else:
-        cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
+        cfg = transformers.Qwen2Config(**(QWEN25_7B if shape == "qwen2.5-7b" else QWEN25_05B), eos_token_id=2,
+                                       pad_token_id=0)  # fmt: skip
+    if shape == "qwen2.5-7b":
+        save_random_model(cfg, getattr(torch, dtype), device, out)
+    else:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+        model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(out / "tok" / f, out / f)
     return out
+
+
+def save_random_model(cfg: Any, dtype: torch.dtype, device: str, out: Path) -> None:
+    """Save a model of ``cfg`` with random weights to ``out`` (safetensors shards of at most 2 GB): its
+    matrices drawn from N(0, initializer_range), norms 1, biases 0, made in ``dtype`` on ``device``. The
+    model is laid out on the meta device and only then given storage, so a 7B model never exists in
+    float32 nor goes through transformers' per-module init on the host."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave a tied LM head storage of its own
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, cfg.initializer_range, generator=g)
+            else:
+                p.fill_(0.0 if name.endswith(".bias") else 1.0)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
+    del model, p
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the servers plan their KV caches from the memory left free
+
+
+def checkpoint_params(model_dir: Path) -> int:
+    """Parameters in the checkpoint's safetensors files, read from their headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                total += torch.Size(st.get_slice(name).get_shape()).numel()
+    return total
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -136,6 +192,17 @@ async def multi_turn_round(
         "prefill_tokens_computed": computed,
         "computed_over_submitted": round(computed / submitted, 3) if submitted else None,
     }
+
+
+async def update_round(url: str, model_dir: Path) -> dict[str, float]:
+    """Push the served checkpoint again (``/update_weights_from_disk``, nothing in flight): the update's
+    wall seconds and the seconds the server reports its re-quantization took (``quantize_s``)."""
+    async with EngineClient(url, timeout=3600) as client:
+        t0 = time.perf_counter()
+        await client.update_weights_from_disk(str(model_dir), weight_version="bench-update")
+        wall = time.perf_counter() - t0
+        info = (await client.server_info())[0]
+    return {"update_wall_s": round(wall, 3), "quantize_update_s": round(float(info["quantize_s"]), 6)}
 
 
 def launch(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: int, extra: list[str]) -> Any:
@@ -239,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--shape", default="tiny", choices=["tiny", "qwen2.5-0.5b", "qwen3-moe-1b"])
+    p.add_argument("--shape", default="tiny", choices=SHAPES)
     p.add_argument("--model", default=None, help="use this HF model directory instead of building one")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -262,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
         help="with --deterministic: interleaved rounds of both servers (medians)",
     )
     p.add_argument(
+        "--quantizations",
+        default="none",
+        help="none, or none,fp8: the embedded engine also serves the rounds with --quantization fp8",
+    )
+    p.add_argument(
         "--backends", default="embedded", help="engines that serve the same workload: embedded,sglang"
     )
     p.add_argument("--backend", default=None, help="--backend sglang: the A/B, as --backends embedded,sglang")
@@ -278,22 +350,28 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not set(backends) <= {"embedded", "sglang"} or not backends:
         p.error(f"--backends: embedded and/or sglang, not {backends}")
+    quantizations = [q.strip() for q in a.quantizations.split(",") if q.strip()]
+    if quantizations not in (["none"], ["none", "fp8"]):
+        p.error(f"--quantizations: none, or none,fp8 (the A/B), not {a.quantizations!r}")
+    fp8_ab = "fp8" in quantizations and "embedded" in backends
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     atexit.register(shutil.rmtree, tmp, True)  # also when a round fails or Ctrl-C stops the bench
-    model_dir = Path(a.model) if a.model else build_model(a.shape, a.dtype, tmp / "model")
+    model_dir = Path(a.model) if a.model else build_model(a.shape, a.dtype, tmp / "model", a.device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
 
     def serve(
-        extra: list[str], backend: str = "embedded"
+        extra: list[str], backend: str = "embedded", log: str = "server", update: bool = False
     ) -> tuple[dict[int, tuple[int, float]], dict[str, float] | None, dict]:
+        """Every round (and the multi-turn episodes) on one server; its ``/get_server_info`` (and, with
+        ``update``, an :func:`update_round` after the rounds under ``"update"``)."""
         engine: dict[int, tuple[int, float]] = {}
         if backend == "sglang":
             server = launch_sglang(a, model_dir, tmp / "sglang.log", max(concs))
         else:
-            server = launch(a, model_dir, tmp / "server.log", max(concs), extra)
+            server = launch(a, model_dir, tmp / f"{log}.log", max(concs), extra)
         multi: dict[str, float] | None = None
         try:
             for c in concs:
@@ -305,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 )
             info = asyncio.run(_server_info(server.url))
+            if update:
+                info["update"] = asyncio.run(update_round(server.url, model_dir))
         finally:
             server.stop()  # frees the device before the next server or the baseline runs
         return engine, multi, info
@@ -322,17 +402,20 @@ def main(argv: list[str] | None = None) -> None:
             invariant, multi_invariant, _ = (
                 serve(["--batch-invariant"]) if a.deterministic else ({}, None, {})
             )
+    fp8: dict[int, tuple[int, float]] = {}
+    multi_fp8 = None
+    fp8_info: dict = {}
+    if fp8_ab:  # after the unquantized server, on the same device
+        fp8, multi_fp8, fp8_info = serve(["--quantization", "fp8"], log="server_fp8", update=True)
     sglang: dict[int, tuple[int, float]] = {}
     sglang_info: dict = {}
     if "sglang" in backends:
         sglang, multi_sglang, sglang_info = serve([], "sglang")
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
-    hf = (
-        {}
-        if a.no_hf
-        else {c: hf_round(model, c, a.prompt_len, a.max_new_tokens, vocab, a.device) for c in concs}
-    )
+    hf: dict[int, tuple[int, float]] = {}
+    if not a.no_hf:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device)
+        hf = {c: hf_round(model.eval(), c, a.prompt_len, a.max_new_tokens, vocab, a.device) for c in concs}
 
     results: dict[str, dict[str, Any]] = {}
     for c in concs:
@@ -347,6 +430,10 @@ def main(argv: list[str] | None = None) -> None:
             results[str(c)]["ratio_sglang_over_embedded"] = round(
                 (sglang[c][0] / sglang[c][1]) / (e_tok / e_s), 3
             )
+        if c in fp8:
+            f_tok, f_s = fp8[c]
+            results[str(c)]["fp8_tok_s"] = round(f_tok / f_s, 1)
+            results[str(c)]["ratio_fp8_over_unquantized"] = round((f_tok / f_s) / (e_tok / e_s), 3)
         if c in invariant:
             i_tok, i_s = invariant[c]
             results[str(c)]["batch_invariant_tok_s"] = round(i_tok / i_s, 1)
@@ -366,14 +453,25 @@ def main(argv: list[str] | None = None) -> None:
                 "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None,
                 "dtype": a.dtype,
                 "shape": a.shape if not a.model else str(a.model),
-                "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "params_m": round(checkpoint_params(model_dir) / 1e6, 1),
                 "prompt_len": a.prompt_len,
                 "max_new_tokens": a.max_new_tokens,
                 "results": results,
                 "multi_turn": multi,
                 "multi_turn_batch_invariant": multi_invariant,
                 "multi_turn_sglang": multi_sglang,
+                "multi_turn_fp8": multi_fp8,
                 "backends": backends,
+                "quantizations": quantizations,
+                "fp8": (
+                    {
+                        "quantize_load_s": round(float(fp8_info["quantize_s"]), 6),
+                        **fp8_info["update"],
+                        **{k: fp8_info.get(k) for k in ("context_len", "prefix_cache_slots")},
+                    }
+                    if fp8_info
+                    else None
+                ),
                 "server_args": a.server_args,
                 "engine_info": {k: info.get(k) for k in ("engine", "context_len", "prefix_cache_slots")},
                 "sglang_config": {k: sglang_info.get(k) for k in SGLANG_INFO} if sglang_info else None,

@@ -83,6 +83,21 @@ QWEN25_05B = dict(
     tie_word_embeddings=True,
 )
 
+# Qwen2.5-7B's shape (28 layers, hidden 3584, 28 query / 4 key-value heads, an untied LM head; the
+# Instruct model's 32,768-token context)
+QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
 # SmolLM2-135M's shape (Llama family: 30 layers, hidden 576, 9 query / 3 key-value heads)
 SMOLLM2_135M = dict(
     vocab_size=49152,

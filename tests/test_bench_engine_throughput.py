@@ -1,0 +1,45 @@
+"""bench/engine_throughput.py on the CPU (the tiny model): the fp8 A/B (``--quantizations none,fp8``) serves
+the same rounds unquantized and in fp8 (the quantize-dequantize arithmetic on a CPU), one server after the
+other, and prints one JSON line with both modes' tokens/s, their ratio and the fp8 server's quantization
+seconds at load and after a weight update."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, "bench/engine_throughput.py"]
+
+
+def test_fp8_ab_reports_both_modes_their_ratio_and_the_quantization_time() -> None:
+    args = ["--concurrency", "1,2", "--prompt-len", "8", "--max-new-tokens", "4", "--no-hf"]
+    proc = subprocess.run(
+        [*BENCH, *args, "--quantizations", "none,fp8"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    assert out["bench"] == "engine_throughput" and out["quantizations"] == ["none", "fp8"]
+    assert out["params_m"] > 0
+    for c in ("1", "2"):
+        row = out["results"][c]
+        assert row["requests"] == 2 * int(c)
+        assert row["engine_tok_s"] > 0 and row["fp8_tok_s"] > 0
+        ratio = row["fp8_tok_s"] / row["engine_tok_s"]
+        assert abs(row["ratio_fp8_over_unquantized"] - ratio) <= 0.01 * ratio + 1e-3
+    fp8 = out["fp8"]
+    assert fp8["quantize_load_s"] > 0 and fp8["quantize_update_s"] > 0
+    # the update reads the checkpoint from disk, then quantizes
+    assert fp8["update_wall_s"] >= fp8["quantize_update_s"]
+    assert fp8["context_len"] > 0
+
+
+def test_an_unknown_quantization_list_is_refused_before_anything_starts() -> None:
+    proc = subprocess.run(
+        [*BENCH, "--quantizations", "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "--quantizations: none, or none,fp8" in proc.stderr, proc.stderr[-2000:]
