@@ -70,7 +70,7 @@ class EngineSetupConfig(ConfigModel):
         None,
         description="fp8: the engines serve the decoder's linear weights in float8 e4m3, re-quantized from "
         "the trainer's weights at every sync, and token TIS corrects the mismatch (embedded: a scale per "
-        "output channel, Llama / Qwen2 / Qwen3 dense models, a GPU of compute capability 8.9+ with engine.dtype bfloat16, a CPU runs the "
+        "output channel, Llama / Qwen2 / Qwen3 and Qwen3-MoE models, experts included, a GPU of compute capability 8.9+ with engine.dtype bfloat16, a CPU runs the "
         "same arithmetic unfused; sglang: --quantization fp8). Not with deterministic or "
         "trainer.true_on_policy",
     )
@@ -420,7 +420,7 @@ def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
         model_type = shape.get("model_type")
         if model_type not in FP8_MODEL_TYPES:
             raise ConfigError(
-                f"engine.quantization: fp8 in the embedded engine covers the dense {', '.join(FP8_MODEL_TYPES)} "
+                f"engine.quantization: fp8 in the embedded engine covers the {', '.join(FP8_MODEL_TYPES)} "
                 f"families, not {model_type!r} ({model_dir}); serve it unquantized or with engine.backend: sglang"
             )
     heads = int(shape.get("num_attention_heads", 0))

@@ -196,9 +196,7 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:  # weights_region: where the copies live (released with the weights)
             with weights_region() if weights_region is not None else contextlib.nullcontext():
-                self.weights = fp8.quantized_layers(
-                    quantization, self.weights, self.moe is not None, batch_invariant, self.device
-                )
+                self.weights = fp8.quantized_layers(quantization, self.weights, batch_invariant, self.device)
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
@@ -278,11 +276,14 @@ class ModelRunner:
             if self.moe is None:  # the mixture-of-experts MLP runs eagerly
                 self._post = torch.compile(post_attention, dynamic=True)
         if self.moe is not None:
-            # CUDA graphs need the experts without host syncs: torch._grouped_mm over expert-sorted rows
-            sorted_experts = self.cuda_graphs and hasattr(torch, "_grouped_mm")
-            self.cuda_graphs = self.cuda_graphs and sorted_experts
-            if sorted_experts:
-                self.ops = replace(self.ops, experts=experts_sorted)
+            # CUDA graphs need the experts without host syncs: grouped GEMMs over expert-sorted rows (fp8:
+            # torch._scaled_grouped_mm where torch has it for the GPU; else eager experts, no graphs)
+            sorted_experts = experts_sorted if hasattr(torch, "_grouped_mm") else None
+            if quantization is not None:
+                sorted_experts = fp8.sorted_experts(self.device)
+            self.cuda_graphs = self.cuda_graphs and sorted_experts is not None
+            if self.cuda_graphs:
+                self.ops = replace(self.ops, experts=sorted_experts)
         self._pinned = (
             torch.empty(2 * max_batch, dtype=torch.long).pin_memory() if self.device.type == "cuda" else None
         )

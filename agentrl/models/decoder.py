@@ -44,7 +44,9 @@ class Experts:
     """A mixture-of-experts MLP in transformers' fused layout (``Qwen3MoeSparseMoeBlock``): the router
     ``[E, hidden]``, every expert's ``gate_up`` ``[E, 2I, hidden]`` (gate rows, then up rows) and ``down``
     ``[E, hidden, I]``, and the routing rule: the top ``topk`` of the router's fp32 softmax, renormalized
-    when ``norm_topk_prob``."""
+    when ``norm_topk_prob``. ``gate_up`` and ``down`` may be weights of an experts kernel's own kind (the
+    fp8 records of :mod:`agentrl.embedded.fp8`, indexed by expert like a tensor); the router stays a
+    tensor."""
 
     router: Tensor
     gate_up: Tensor
@@ -106,6 +108,9 @@ def _given(*tensors: Tensor | None) -> list[bool]:
 
 # ---- the mixture-of-experts MLP -------------------------------------------------------------------
 ExpertsKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+# a grouped product mm(x [rows, in], w [E, out, in], offs [E] int32) -> [rows, out]: the rows of group g
+# (offs[g - 1] to offs[g], from 0 for g = 0) times w[g].T
+GroupedMM = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def route(h: Tensor, router_weight: Tensor, topk: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
@@ -120,11 +125,19 @@ def route(h: Tensor, router_weight: Tensor, topk: int, norm_topk_prob: bool) -> 
     return gates.to(h.dtype), ids
 
 
-def experts_grouped(h: Tensor, gates: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def experts_grouped(
+    h: Tensor,
+    gates: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    linear: Callable[..., Tensor] = F.linear,
+) -> Tensor:
     """Σ_k gate_k · expert_{ids_k}(h) per row, one matmul per expert over the rows routed to it (eager;
     CPU and GPU without graphs): the rows of each expert gathered, run through it, weighted by their
     gate and added back. Work is k/E of running every expert on every row, and a row's result depends
-    only on its own row, so a batch gives each row what it would get alone."""
+    only on its own row, so a batch gives each row what it would get alone. ``linear(x, w)`` is each
+    product ``x @ w.T`` (``w`` one expert's ``gate_up[e]`` or ``down[e]``)."""
     out = torch.zeros_like(h)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
@@ -138,15 +151,24 @@ def experts_grouped(h: Tensor, gates: Tensor, ids: Tensor, gate_up: Tensor, down
         start += n
         rows = pairs // k
         x = h.index_select(0, rows)
-        g, u = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e]) * gates.reshape(-1)[pairs, None]
+        g, u = linear(x, gate_up[e]).chunk(2, dim=-1)
+        y = linear(F.silu(g) * u, down[e]) * gates.reshape(-1)[pairs, None]
         out.index_add_(0, rows, y)
     return out
 
 
-def experts_sorted(h: Tensor, gates: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """:func:`experts_grouped` without host syncs (CUDA graphs): ``torch._grouped_mm`` over the (row,
-    slot) pairs sorted by expert, group offsets from a cumulative count."""
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """The rows of each group times its expert's weight transposed: ``torch._grouped_mm`` (see
+    :data:`GroupedMM`)."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+def experts_sorted(
+    h: Tensor, gates: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, mm: GroupedMM = grouped_mm
+) -> Tensor:
+    """:func:`experts_grouped` without host syncs (CUDA graphs): grouped GEMMs (``mm``, by default
+    ``torch._grouped_mm``) over the (row, slot) pairs sorted by expert, group offsets from a cumulative
+    count."""
     k = ids.shape[1]
     num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)
@@ -156,9 +178,8 @@ def experts_sorted(h: Tensor, gates: Tensor, ids: Tensor, gate_up: Tensor, down:
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     x = h.index_select(0, rows)
-    gu = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
-    g, u = gu.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+    g, u = mm(x, gate_up, offs).chunk(2, dim=-1)
+    y = mm(F.silu(g) * u, down, offs)
     y = y * gates.reshape(-1)[order, None]
     return torch.zeros_like(h).index_add_(0, rows, y.to(h.dtype))
 
@@ -188,8 +209,8 @@ class DecoderOps:
     [..., heads, d], tables without the head dim) and ``silu_mul(g, u)`` as in
     :mod:`agentrl.batch_invariant`; ``experts`` runs a mixture-of-experts MLP's experts (None: these
     ops serve dense layers only). A ``linear`` may take weights of its own kind in a layer's projection
-    fields: the fp8 records of :mod:`agentrl.embedded.fp8` (its ``FP8_OPS``), the LM head staying a
-    tensor."""
+    fields, and ``experts`` in the experts' ``gate_up`` and ``down``: the fp8 records of
+    :mod:`agentrl.embedded.fp8` (its ``FP8_OPS``), the LM head and the router staying tensors."""
 
     linear: Callable[..., Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
@@ -272,6 +293,7 @@ __all__ = [
     "LayerWeights",
     "experts_grouped",
     "experts_sorted",
+    "grouped_mm",
     "lm_head",
     "moe_mlp",
     "post_attention",
