@@ -129,7 +129,9 @@ class MergedAdapter:
                 params[weight].data.copy_(self.base.pop(weight))
         for weight, (a, b) in pairs.items():
             dst = params[weight].data
-            base = self.base.setdefault(weight, _host_copy(dst))
+            base = self.base.get(weight)
+            if base is None:  # the first adapter on this weight: keep its base (once, not at every merge)
+                base = self.base[weight] = _host_copy(dst)
             dst.copy_(merged_weight(base.to(dst.device, non_blocking=True), a, b, scale))
         self.name = name
 
