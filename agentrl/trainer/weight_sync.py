@@ -405,6 +405,7 @@ class LoRATensorSync:
 
         t0 = time.perf_counter()
         packed = pack_named_tensors(list(hf.items()))
+        pack_seconds = time.perf_counter() - t0
         try:
             await self.client.load_lora_adapter_from_tensors(
                 LORA_NAME, adapter_config(self.lora, str(self.model_path)), packed.payload,
@@ -412,7 +413,8 @@ class LoRATensorSync:
             )  # fmt: skip
         finally:
             packed.close()
-        return _adapter_push_stats(t0, hf)
+        # the same figures as a full tensor push, which a colocated step splits into pack and push
+        return {**_adapter_push_stats(t0, hf), "pack_seconds": pack_seconds}
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
