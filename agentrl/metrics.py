@@ -242,10 +242,16 @@ async def engine_metrics(client: Any) -> dict[str, float]:
     return out
 
 
+# figures of a step's window whose run means summary.json keeps (as ``rollout_loop_busy_frac``, ...)
+WINDOW_LOAD_PREFIXES = ("rollout/loop_", "retrieval/")
+
+
 def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
     """Means over the run's steps of the step-time breakdown (every ``time/*`` figure: waiting for the
     batch, training, syncing, and when colocated the sleep / wake / offload phases inside them), the
-    engines' idle fraction and generated tokens/s over the loop, and the peak GPU memory seen."""
+    engines' idle fraction and generated tokens/s over the loop, the load of the rollout's event loop and
+    of the retrieval server (:data:`WINDOW_LOAD_PREFIXES`; weighted by step time like the idle fraction),
+    and the peak GPU memory seen."""
     out: dict[str, float] = {}
     steps = [r for r in history if "time/step_s" in r]
     for key in sorted({k for r in steps for k in r if k.startswith("time/")}):
@@ -256,6 +262,12 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
     wall = sum(r["time/step_s"] for r in timed)
     if wall > 0:
         out["engine_idle_frac"] = sum(r["rollout/engine_idle_frac"] * r["time/step_s"] for r in timed) / wall
+    # the load of the rollout's event loop and of the retrieval server, each over its step's window
+    for key in sorted({k for r in steps for k in r if k.startswith(WINDOW_LOAD_PREFIXES)}):
+        rows = [r for r in steps if key in r]
+        wall = sum(r["time/step_s"] for r in rows)
+        if wall > 0:
+            out[key.replace("/", "_")] = sum(r[key] * r["time/step_s"] for r in rows) / wall
     busy = [r for r in steps if "engine/busy_s" in r]
     if len(busy) > 1:  # the engines' own device time (summed over engines) against the loop's wall time
         span = sum(r["time/step_s"] for r in busy[1:])

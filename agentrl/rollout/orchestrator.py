@@ -74,6 +74,7 @@ from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.lockstep import LockstepSchedule
+from agentrl.rollout.loop_monitor import LoopMonitor
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.progress import ProgressWatch, failure_kind
 from agentrl.sandboxes.shared import close_shared_sandboxes
@@ -138,6 +139,7 @@ class Orchestrator:
         self.sink = metrics
         self.m = RolloutMetrics()
         self.eval_m = RolloutMetrics()
+        self.loop_monitor = LoopMonitor()  # how loaded this event loop is (rollout/loop_*), from start()
         buffer.on_taken.append(self._on_taken)
         buffer.on_refused.append(self._on_refused)
 
@@ -206,6 +208,7 @@ class Orchestrator:
             await self.check_verifier()
         self._stopping = False
         self.buffer.mark_producing()
+        self.loop_monitor.start()
         self._loop_task = asyncio.create_task(self._admission_loop(), name="rollout-admission")
 
     async def stop(self) -> None:
@@ -225,6 +228,7 @@ class Orchestrator:
         if self.agents is not None:
             await self.agents.close()
         await close_shared_sandboxes()  # the run's warm sandbox pools (a later start makes new ones)
+        self.loop_monitor.stop()
         await self.buffer.set_exhausted(True)
 
     # ================================================================ admission
@@ -508,10 +512,13 @@ class Orchestrator:
         }
 
     def stats(self, reset_window: bool = True) -> dict[str, float]:
-        """Rollout metrics (rates since the last call), accounting and buffer/staleness figures."""
+        """Rollout metrics (rates since the last call), accounting and buffer/staleness figures, and the
+        load of this event loop (``rollout/loop_busy_frac``, ``rollout/loop_lag_ms_p90``, ...: see
+        :mod:`agentrl.rollout.loop_monitor`) once started."""
         acc = self.accounting()
         out = self.m.snapshot(
             reset_window,
+            **self.loop_monitor.snapshot(reset_window),
             running_groups=acc["running"],
             running_episode_slots=self._episode_slots,
             pending_groups=acc["pending"],

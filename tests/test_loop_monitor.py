@@ -1,0 +1,132 @@
+"""The event loop monitor: busy fraction and wake-up lag of an idle loop, of a loop blocked on purpose,
+by either method (timing the selector, or the loop thread's CPU time), and in the orchestrator's stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.rollout.loop_monitor import LoopMonitor
+
+KEYS = {"loop_busy_frac", "loop_cpu_frac", "loop_lag_ms_p50", "loop_lag_ms_p90", "loop_lag_ms_max"}
+
+
+def sane(snap: dict[str, float]) -> None:
+    assert set(snap) == KEYS
+    assert 0.0 <= snap["loop_busy_frac"] <= 1.0 and 0.0 <= snap["loop_cpu_frac"] <= 1.0
+    assert 0.0 <= snap["loop_lag_ms_p50"] <= snap["loop_lag_ms_p90"] <= snap["loop_lag_ms_max"]
+
+
+async def blocker(seconds: float, block: float, spin: bool) -> None:
+    """Holds the loop for ``block`` s at a time (sleeping in a blocking call, or computing), yielding
+    between, for ``seconds`` s."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        if spin:
+            while time.perf_counter() - t < block:
+                pass
+        else:
+            time.sleep(block)  # noqa: ASYNC251  (blocking the loop is the point)
+        await asyncio.sleep(0)
+
+
+async def test_idle_and_blocked_loop() -> None:
+    mon = LoopMonitor()
+    mon.start()
+    assert mon.exact  # asyncio's own loop: its selector is timed
+    await asyncio.sleep(0.4)
+    idle = mon.snapshot()
+    sane(idle)
+    assert idle["loop_busy_frac"] < 0.3 and idle["loop_lag_ms_p90"] < 20
+
+    await blocker(0.5, 0.03, spin=False)  # a blocking call in a callback: busy, yet no CPU time
+    blocked = mon.snapshot()
+    sane(blocked)
+    assert blocked["loop_busy_frac"] > 0.85
+    assert blocked["loop_cpu_frac"] < 0.5 < blocked["loop_busy_frac"]
+    assert blocked["loop_lag_ms_p90"] > 15 and blocked["loop_lag_ms_p90"] > idle["loop_lag_ms_p90"] + 10
+
+    await asyncio.sleep(0.3)  # the window was reset: idle again
+    again = mon.snapshot(reset_window=False)
+    assert again["loop_busy_frac"] < 0.3 and again["loop_lag_ms_p90"] < 20
+
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    assert "select" in selector.__dict__
+    mon.stop()
+    mon.stop()  # idempotent
+    assert "select" not in selector.__dict__ and not mon.running and mon.snapshot() == {}
+    await asyncio.sleep(0.02)  # the loop goes on with its own select
+
+
+async def test_cpu_time_method_sees_computation() -> None:
+    mon = LoopMonitor(use_selector=False)
+    mon.start()
+    assert not mon.exact and "select" not in asyncio.get_running_loop()._selector.__dict__  # type: ignore[attr-defined]
+    await asyncio.sleep(0.3)
+    idle = mon.snapshot()
+    sane(idle)
+    assert idle["loop_busy_frac"] == idle["loop_cpu_frac"] < 0.2
+    await blocker(0.5, 0.03, spin=True)
+    busy = mon.snapshot()
+    sane(busy)
+    # a shared machine may give the spinning thread only part of a core; still far above idle
+    assert busy["loop_busy_frac"] > max(0.25, idle["loop_busy_frac"] + 0.2)
+    assert busy["loop_lag_ms_p90"] > 15
+    mon.stop()
+
+
+async def test_two_monitors_on_one_loop_stop_in_any_order() -> None:
+    first, second = LoopMonitor(), LoopMonitor()
+    first.start()
+    second.start()
+    first.stop()  # wrapped over by the second: stays in its chain, passing through
+    await blocker(0.2, 0.02, spin=False)
+    assert second.snapshot()["loop_busy_frac"] > 0.7
+    second.stop()
+    await asyncio.sleep(0.02)
+
+
+async def test_orchestrator_reports_its_loop(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from agentrl.engine.client import EngineClient
+    from agentrl.engine.types import SamplingParams
+    from agentrl.rollout import Orchestrator, RolloutConfig
+    from agentrl.testing.envs import SyntheticEnv
+    from agentrl.testing.stub_engine import stub_engine_in_process
+
+    tok: Any = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = RolloutConfig(group_size=2, batch_size=2, max_staleness=1, max_concurrency=8, max_turns=2,
+                        max_total_tokens=512, filter_zero_variance=False,
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=8))  # fmt: skip
+    tasks = [{"id": f"t{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(8)]
+    async with stub_engine_in_process(max_tokens=8) as (_, url):
+        client = EngineClient(url)
+        orch = Orchestrator(cfg, client, tok, SyntheticEnv, tasks)
+        assert not any(k.startswith("rollout/loop_") for k in orch.stats())  # not started: nothing made up
+        await orch.start()
+        await orch.buffer.get_batch(timeout=30)
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    sane({k.removeprefix("rollout/"): v for k, v in stats.items() if k.startswith("rollout/loop_")})
+    assert stats["rollout/turns"] > 0
+
+
+def test_summary_keeps_step_weighted_means_of_loop_and_retrieval_load() -> None:
+    from agentrl.metrics import step_time_summary
+
+    history = [
+        {"step": 1, "time/step_s": 1.0, "rollout/loop_busy_frac": 0.2, "rollout/loop_lag_ms_p90": 2.0,
+         "retrieval/busy_frac": 0.1},
+        {"step": 2, "time/step_s": 3.0, "rollout/loop_busy_frac": 0.6, "rollout/loop_lag_ms_p90": 10.0},
+        {"step": 2, "eval/exact_match": 0.5},  # an evaluation row: no step time, not a step
+    ]  # fmt: skip
+    out = step_time_summary(history)
+    assert out["rollout_loop_busy_frac"] == (0.2 * 1 + 0.6 * 3) / 4
+    assert out["rollout_loop_lag_ms_p90"] == (2.0 * 1 + 10.0 * 3) / 4
+    assert out["retrieval_busy_frac"] == 0.1  # over the steps that report it
+    assert "rollout_loop_cpu_frac" not in out
