@@ -105,6 +105,19 @@ def test_file_index_caches_and_rebuilds_on_change(world, tmp_path):
         idx.close()
 
 
+def test_mapped_index_reads_its_cache_through_memory_maps(world, tmp_path):
+    corpus = world.write(tmp_path)["corpus"]
+    built = RetrievalIndex(corpus, mapped=True)  # built, saved, then mapped from the cache
+    loaded = RetrievalIndex(corpus, mapped=True)
+    assert not built.cache_hit and loaded.cache_hit and built.mapped and loaded.mapped
+    assert not RetrievalIndex(corpus).mapped
+    q = [t["prompt"] for t in world.test[:20]]
+    assert built.search(q, 3) == loaded.search(q, 3) == RetrievalIndex(world.corpus).search(q, 3)
+    assert isinstance(loaded._retriever.scores["data"].base, np.memmap)  # a view of the map, not a copy
+    for idx in (built, loaded):
+        idx.close()
+
+
 def test_concurrent_builders_share_one_cache(world, tmp_path):
     corpus = world.write(tmp_path)["corpus"]
     with ThreadPoolExecutor(4) as pool:
@@ -252,23 +265,25 @@ def test_server_lifecycle_leaves_no_process(corpus_file):
     s.stop()  # idempotent
 
 
-def test_server_exits_with_its_parent(corpus_file):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_server_exits_with_its_parent(corpus_file, workers):
     """A parent that dies without cleanup (os._exit: no atexit) does not leave the server behind."""
     code = (
         "import os, sys\n"
         "from agentrl.examples.search_r1.retrieval_server import start_retrieval_server\n"
-        f"s = start_retrieval_server({str(corpus_file)!r})\n"
-        "print(s.pid, flush=True)\n"
+        f"s = start_retrieval_server({str(corpus_file)!r}, workers={workers})\n"
+        "print(*s.pids, flush=True)\n"
         "os._exit(0)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    pid = int(out.stdout.split()[0])
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == workers
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid)
+    assert not any(map(_alive, pids))
 
 
 def _children() -> list[int]:
@@ -286,11 +301,14 @@ def _children() -> list[int]:
     return kids
 
 
-def test_startup_failure_is_reported_and_cleaned_up(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_startup_failure_is_reported_and_cleaned_up(tmp_path, workers):
     before = set(_children())
     with pytest.raises(RuntimeError, match="corpus file not found"):
-        start_retrieval_server(tmp_path / "missing.jsonl", timeout=60)
+        start_retrieval_server(tmp_path / "missing.jsonl", timeout=60, workers=workers)
     assert set(_children()) <= before
+    with pytest.raises(ValueError, match="at least 1"):
+        start_retrieval_server(tmp_path / "missing.jsonl", workers=0)
 
 
 async def test_gold_demo_matches_search_env_byte_for_byte(server, world):
@@ -341,3 +359,89 @@ def test_bm25s_is_imported_with_jax_kept_off_the_gpu() -> None:
     clean = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     assert platforms(clean) == "cpu"
     assert platforms({**clean, "JAX_PLATFORMS": "cuda"}) == "cuda"  # the user's choice stands
+
+
+# ---- several workers on one port, and the server's own load
+
+
+def _mapped_files(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6}
+
+
+async def _search_all(url: str, queries: list[str], connections: int) -> list[list[dict]]:
+    """One query a request, all in flight at once over ``connections`` connections."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections)) as s:
+
+        async def one(q: str) -> list[dict]:
+            async with s.post(
+                f"{url}/retrieve", json={"queries": [q], "topk": 3, "return_scores": True}
+            ) as r:
+                assert r.status == 200
+                return (await r.json())["result"][0]
+
+        return await asyncio.gather(*(one(q) for q in queries))
+
+
+def test_workers_share_one_port_and_one_mapped_index(corpus_file, world):
+    queries = [t["prompt"] for t in world.test[:60]] * 2
+    expected = RetrievalIndex(world.corpus).search(queries, 3)
+    before = set(_children())
+    with start_retrieval_server(corpus_file, workers=2) as s:
+        assert len(set(s.pids)) == 2 and all(map(_alive, s.pids)) and s.info["workers"] == 2
+        assert asyncio.run(_search_all(s.url, queries, connections=32)) == expected
+        stats = httpx.get(f"{s.url}/stats").json()
+        # the kernel spread the connections over both workers; /stats sums them whichever answered
+        per_worker = [w["requests"] for w in stats["per_worker"]]
+        assert stats["workers"] == 2 and all(n > 0 for n in per_worker)
+        assert stats["requests"] == sum(per_worker) == len(queries) == stats["queries"]
+        assert stats["inflight"] == 0 and stats["errors"] == 0
+        # both map the same cached index files read-only: one copy in the page cache, not one each
+        cache = f"{corpus_file}.bm25s/data.csc.index.npy"
+        assert all(cache in _mapped_files(pid) for pid in s.pids)
+        pids = s.pids
+    assert not any(map(_alive, pids)) and set(_children()) <= before
+    s.stop()  # idempotent
+
+
+def test_stats_give_the_servers_load_over_a_window(corpus_file, world):
+    from agentrl.examples.search_r1.retrieval_workers import RetrievalLoad
+
+    with start_retrieval_server(corpus_file, workers=2) as s:
+        load = RetrievalLoad(s.url + "/retrieve")  # the search tool's URL works too
+        first = load.read()  # since the start: no requests yet
+        assert first["retrieval/workers"] == 2 and first["retrieval/requests_per_s"] == 0
+        asyncio.run(_search_all(s.url, [t["prompt"] for t in world.test[:80]], connections=16))
+        assert httpx.post(f"{s.url}/retrieve", json={"queries": []}).status_code == 400
+        figures = load.read()
+        stats = s.stats()
+    assert stats["requests"] == 80 and stats["errors"] == 1
+    assert set(figures) == {"retrieval/workers", "retrieval/requests_per_s", "retrieval/busy_frac",
+                            "retrieval/request_ms_mean", "retrieval/queue_ms_mean",
+                            "retrieval/inflight_mean", "retrieval/inflight"}  # fmt: skip
+    assert 0 < figures["retrieval/busy_frac"] <= 1 and figures["retrieval/requests_per_s"] > 0
+    assert 0 <= figures["retrieval/queue_ms_mean"] <= figures["retrieval/request_ms_mean"] < 5000
+    assert figures["retrieval/inflight_mean"] > 0 and figures["retrieval/inflight"] == 0
+    # a server without /stats (here: none at all) gives no figures, and is not asked again
+    from agentrl.cluster import free_port
+
+    gone = RetrievalLoad(f"http://127.0.0.1:{free_port()}")
+    assert gone.read() == {} and gone.read() == {}
+
+
+def test_cli_starts_and_stops_its_workers(corpus_file):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.examples.search_r1.retrieval_server", "--corpus", str(corpus_file),
+         "--port", "0", "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["event"] == "ready" and len(info["pids"]) == 2 and proc.pid not in info["pids"]
+        assert httpx.get(f"{info['url']}/health").json()["status"] == "ok"
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not any(map(_alive, info["pids"]))

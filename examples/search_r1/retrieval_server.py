@@ -10,18 +10,20 @@ query; with ``return_scores`` false each hit is the document dict itself (the or
 there). Only passages sharing a term with the query are returned, so a list may be shorter than
 ``topk``. Concurrent requests are coalesced into one batched search in a worker thread, keeping the
 event loop free. Malformed or oversized requests get a JSON ``{"error": ...}`` with status 400 (413 for a
-body over ``--max-body-bytes``). ``GET /health`` -> ``{"status": "ok", "num_docs": N}``. The server binds
-loopback only unless ``--allow-remote`` is given.
+body over ``--max-body-bytes``). ``GET /health`` -> ``{"status": "ok", "num_docs": N}``; ``GET /stats`` ->
+the server's cumulative counters (requests, server-side seconds, time queued, CPU seconds, requests in
+flight; summed over its workers, see :mod:`.retrieval_workers`). The server binds loopback only unless
+``--allow-remote`` is given.
 
-CLI: ``python -m agentrl.examples.search_r1.retrieval_server --corpus FILE --host 127.0.0.1 --port N``.
-From Python, :func:`start_retrieval_server` runs it in a child process that exits with its parent.
+CLI: ``python -m agentrl.examples.search_r1.retrieval_server --corpus FILE --host 127.0.0.1 --port N
+[--workers W]``. From Python, :func:`start_retrieval_server` (:mod:`.retrieval_workers`) runs it in
+``workers`` child processes sharing one port, which exit with their parent.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import contextlib
 import ipaddress
 import json
@@ -30,19 +32,19 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from .data import format_docs
+from .retrieval_workers import RetrievalServer as RetrievalServer  # the process handle lives there
+from .retrieval_workers import StatsBoard, start_retrieval_server
 
 Hit = dict[str, Any]  # {"document": {"id", "contents", ...}, "score": float}
 
@@ -77,7 +79,9 @@ class RetrievalIndex:
     """A bm25s index over passages; ``search(queries, topk)`` returns Search-R1 hits per query.
 
     ``corpus`` is a jsonl path (indexed with an on-disk cache unless ``cache=False``) or an iterable of
-    ``{"id", "contents"}`` dicts (indexed in memory).
+    ``{"id", "contents"}`` dicts (indexed in memory). ``mapped``: the index is read from its cache through
+    read-only memory maps (a fresh build is saved, then mapped), so processes serving one corpus share
+    its pages instead of holding a copy each.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class RetrievalIndex:
         cache: bool = True,
         k1: float = 1.5,
         b: float = 0.75,
+        mapped: bool = False,
     ) -> None:
         bm25s = import_bm25s()
         self._tokenize = _Tokenizer()
@@ -100,9 +105,10 @@ class RetrievalIndex:
         self._mm: mmap.mmap | None = None
         self.corpus_path: Path | None = None
         self.cache_hit = False
+        self.mapped = False  # the index arrays are memory maps of the cache (see ``mapped``)
         if isinstance(corpus, str | Path):
             self.corpus_path = Path(corpus)
-            self._open_file(cache)
+            self._open_file(cache, mapped)
         else:
             self._docs = [dict(d) for d in corpus]
             self._retriever = self._build([d["contents"] for d in self._docs])
@@ -121,8 +127,16 @@ class RetrievalIndex:
         st = self.corpus_path.stat()
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, **self._params}
 
-    def _open_file(self, cache: bool) -> None:
-        bm25s = import_bm25s()
+    def _load_cache(self, cache_dir: Path, mapped: bool) -> None:
+        retriever = import_bm25s().BM25.load(str(cache_dir), mmap=mapped, show_progress=False, verbosity=0)
+        if mapped:  # plain arrays over the maps: np.memmap's subclass overhead cost a tenth of search speed
+            for key in ("data", "indices", "indptr"):
+                retriever.scores[key] = np.asarray(retriever.scores[key])
+        self._retriever = retriever
+        self._offsets = np.load(cache_dir / "offsets.npy", mmap_mode="r" if mapped else None)
+        self.mapped = mapped
+
+    def _open_file(self, cache: bool, mapped: bool) -> None:
         path = self.corpus_path
         if not path.is_file():
             raise FileNotFoundError(f"corpus file not found: {path}")
@@ -134,8 +148,7 @@ class RetrievalIndex:
         if cache and meta.is_file():
             try:
                 if json.loads(meta.read_text()).get("fingerprint") == fp:
-                    self._retriever = bm25s.BM25.load(str(cache_dir), show_progress=False, verbosity=0)
-                    self._offsets = np.load(cache_dir / "offsets.npy")
+                    self._load_cache(cache_dir, mapped)
                     self.cache_hit = True
             except (OSError, ValueError):
                 self.cache_hit = False  # a corrupt cache is rebuilt below
@@ -162,15 +175,16 @@ class RetrievalIndex:
             pos = end + 1
         self._offsets = np.asarray(offsets, dtype=np.int64)
         self._retriever = self._build(texts)
-        if cache:
-            self._save_cache(cache_dir, fp)
+        if cache and self._save_cache(cache_dir, fp) and mapped:
+            with contextlib.suppress(OSError, ValueError):  # else the built index in memory serves
+                self._load_cache(cache_dir, mapped)
 
-    def _save_cache(self, cache_dir: Path, fp: dict[str, Any]) -> None:
+    def _save_cache(self, cache_dir: Path, fp: dict[str, Any]) -> bool:
         # Build in a private temp dir and rename it into place, so concurrent builders never see half a cache.
         try:
             tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".tmp", dir=cache_dir.parent))
         except OSError:
-            return  # read-only location: run without a cache
+            return False  # read-only location: run without a cache
         try:
             self._retriever.save(str(tmp), show_progress=False)
             np.save(tmp / "offsets.npy", self._offsets)
@@ -178,8 +192,9 @@ class RetrievalIndex:
             if cache_dir.exists():
                 shutil.rmtree(cache_dir, ignore_errors=True)
             os.replace(tmp, cache_dir)
+            return True
         except OSError:
-            pass  # another process won the race, or the disk is full: the in-memory index still works
+            return False  # another process won the race, or the disk is full: the in-memory index still works
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -285,13 +300,14 @@ def parse_request(body: Any, limits: ServerLimits) -> tuple[list[str], int, bool
 class _Batcher:
     """Coalesces concurrent requests into one ``index.search`` call on a worker thread.
 
-    bm25s is CPU-bound and mostly holds the GIL, so several threads would not search faster; one worker
-    draining everything queued meanwhile keeps per-request overhead low under load and the loop free.
+    bm25s is CPU-bound and mostly holds the GIL, so several threads would not search faster (several
+    worker processes do: :mod:`.retrieval_workers`); one thread draining everything queued meanwhile
+    keeps per-request overhead low under load and the loop free.
     """
 
-    def __init__(self, index: RetrievalIndex, max_batch: int) -> None:
-        self.index, self.max_batch = index, max_batch
-        self.queue: asyncio.Queue[tuple[list[str], int, asyncio.Future]] = asyncio.Queue()
+    def __init__(self, index: RetrievalIndex, max_batch: int, board: StatsBoard) -> None:
+        self.index, self.max_batch, self.board = index, max_batch, board
+        self.queue: asyncio.Queue[tuple[list[str], int, asyncio.Future, float]] = asyncio.Queue()
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -305,27 +321,33 @@ class _Batcher:
 
     async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((queries, topk, fut))
+        await self.queue.put((queries, topk, fut, time.perf_counter()))
         return await fut
 
     async def _run(self) -> None:
+        board = self.board
         while True:
             jobs = [await self.queue.get()]
             n = len(jobs[0][0])
             while n < self.max_batch and not self.queue.empty():
                 jobs.append(self.queue.get_nowait())
                 n += len(jobs[-1][0])
-            queries = [q for qs, _, _ in jobs for q in qs]
-            topk = max(k for _, k, _ in jobs)
+            queries = [q for qs, _, _, _ in jobs for q in qs]
+            topk = max(k for _, k, _, _ in jobs)
+            t0 = time.perf_counter()
+            board.add("queue_s", sum(t0 - queued for _, _, _, queued in jobs))
             try:
                 results = await asyncio.to_thread(self.index.search, queries, topk)
             except Exception as err:  # one bad batch fails its requests, not the server
-                for _, _, fut in jobs:
+                for _, _, fut, _ in jobs:
                     if not fut.done():
                         fut.set_exception(err)
                 continue
+            finally:
+                board.add("search_s", time.perf_counter() - t0)
+                board.tick()
             pos = 0
-            for qs, k, fut in jobs:
+            for qs, k, fut, _ in jobs:
                 if not fut.done():
                     fut.set_result([hits[:k] for hits in results[pos : pos + len(qs)]])
                 pos += len(qs)
@@ -337,33 +359,56 @@ def _json_error(status: int, message: str):
     return web.json_response({"error": message}, status=status)
 
 
-def build_app(index: RetrievalIndex, limits: ServerLimits | None = None):
-    """The aiohttp application serving ``index`` (``/retrieve``, ``/health``)."""
+def build_app(index: RetrievalIndex, limits: ServerLimits | None = None, board: StatsBoard | None = None):
+    """The aiohttp application serving ``index`` (``/retrieve``, ``/health``, ``/stats``); it counts its
+    work in ``board`` (a worker's row of the server's shared board; default: a private one)."""
     from aiohttp import web
 
     limits = limits or ServerLimits()
-    batcher = _Batcher(index, max_batch=max(limits.max_queries, 256))
+    board = board or StatsBoard()
+    board.begin()
+    batcher = _Batcher(index, max(limits.max_queries, 256), board)
 
     async def retrieve(request: web.Request) -> web.Response:
+        t0, queries = time.perf_counter(), 0
+        board.add("inflight", 1)
+        try:
+            response, queries = await answer(request)
+            return response
+        finally:
+            board.add("inflight", -1)
+            if queries:
+                board.add("requests")
+                board.add("queries", queries)
+                board.add("request_s", time.perf_counter() - t0)
+            else:  # rejected, or failed (the middleware answers 500)
+                board.add("errors")
+
+    async def answer(request: web.Request) -> tuple[web.Response, int]:
+        """The response and, when the request was searched, its number of queries (else 0)."""
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return _json_error(413, f"request body larger than max_body_bytes={limits.max_body_bytes}")
+            return _json_error(413, f"request body larger than max_body_bytes={limits.max_body_bytes}"), 0
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _json_error(400, f"body is not valid JSON: {err}")
+            return _json_error(400, f"body is not valid JSON: {err}"), 0
         try:
             queries, topk, return_scores = parse_request(body, limits)
         except BadRequest as err:
-            return _json_error(400, str(err))
+            return _json_error(400, str(err)), 0
         results = await batcher.search(queries, topk)
         if not return_scores:
             results = [[hit["document"] for hit in hits] for hits in results]
-        return web.json_response({"result": results})
+        return web.json_response({"result": results}), len(queries)
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_docs": index.num_docs})
+
+    async def stats(request: web.Request) -> web.Response:
+        board.tick()
+        return web.json_response(board.totals())
 
     @web.middleware
     async def errors(request: web.Request, handler):
@@ -385,6 +430,7 @@ def build_app(index: RetrievalIndex, limits: ServerLimits | None = None):
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[errors])
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
@@ -407,18 +453,22 @@ async def serve(
     allow_remote: bool = False,
     parent_pid: int | None = None,
     ready: Callable[[dict[str, Any]], None] | None = None,
+    board: StatsBoard | None = None,
+    reuse_port: bool = False,
 ) -> None:
-    """Build the index, serve until SIGINT/SIGTERM (or until ``parent_pid`` is gone)."""
+    """Build (or load) the index, serve until SIGINT/SIGTERM (or until ``parent_pid`` is gone).
+    ``reuse_port``: bind with ``SO_REUSEPORT``, sharing the port with the server's other workers."""
     from aiohttp import web
 
     if not allow_remote and not is_loopback(host):
         raise ValueError(f"refusing to bind non-loopback host {host!r} without allow_remote (--allow-remote)")
+    board = board or StatsBoard()
     t0 = time.perf_counter()
-    index = await asyncio.to_thread(RetrievalIndex, corpus)
+    index = await asyncio.to_thread(RetrievalIndex, corpus, mapped=True)
     build_s = time.perf_counter() - t0
-    runner = web.AppRunner(build_app(index, limits), access_log=None)
+    runner = web.AppRunner(build_app(index, limits, board), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     await site.start()
     bound_port = runner.addresses[0][1]
     stop = asyncio.Event()
@@ -432,9 +482,11 @@ async def serve(
                 "event": "ready",
                 "url": f"http://{url_host}:{bound_port}",
                 "port": bound_port,
+                "pid": os.getpid(),
                 "num_docs": index.num_docs,
                 "index_s": round(build_s, 3),
                 "cache_hit": index.cache_hit,
+                "mapped": index.mapped,
             }
         )
     try:
@@ -442,101 +494,12 @@ async def serve(
             # Exit with the parent (a crashed trainer must not leave this server behind).
             if parent_pid is not None and os.getppid() != parent_pid:
                 break
+            board.tick()  # fresh for /stats answered by another worker
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
     finally:
         await runner.cleanup()
         index.close()
-
-
-# --------------------------------------------------------------------------------------------------------
-# Subprocess handle
-
-_LIVE: set[RetrievalServer] = set()
-
-
-class RetrievalServer:
-    """Handle to a retrieval server child process: ``.url``, ``.pid``, ``.stop()``; a context manager."""
-
-    def __init__(self, proc: subprocess.Popen, url: str, info: dict[str, Any], log: IO[bytes]) -> None:
-        self.proc, self.url, self.info = proc, url, info
-        self._log = log  # the child's stderr: a file with no name, gone once both ends close it
-        _LIVE.add(self)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` s; always reaps the child. Idempotent."""
-        _LIVE.discard(self)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> RetrievalServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for server in list(_LIVE):
-        server.stop(timeout=2.0)
-
-
-def start_retrieval_server(
-    corpus_path: str | Path,
-    port: int = 0,
-    host: str = "127.0.0.1",
-    timeout: float = 120.0,
-    limits: ServerLimits | None = None,
-) -> RetrievalServer:
-    """Start the server in a child process and wait until it serves; returns its handle.
-
-    The child exits when this process exits (it watches its parent), so it cannot outlive a crash.
-    """
-    limits = limits or ServerLimits()
-    # stderr goes to a temp file without a name: nothing is left behind, even when this process dies
-    # without cleanup, and a failed start still shows its tail
-    log = tempfile.TemporaryFile(prefix="agentrl-retrieval-", suffix=".log")
-    cmd = [
-        sys.executable, "-m", "agentrl.examples.search_r1.retrieval_server",
-        "--corpus", str(corpus_path), "--host", host, "--port", str(port),
-        "--parent-pid", str(os.getpid()),
-        "--max-queries", str(limits.max_queries), "--max-topk", str(limits.max_topk),
-        "--max-query-chars", str(limits.max_query_chars), "--max-body-bytes", str(limits.max_body_bytes),
-        "--default-topk", str(limits.default_topk),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()  # also drains later output, so the pipe never fills
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in list(lines):
-            with contextlib.suppress(json.JSONDecodeError):
-                info = json.loads(line)
-                if isinstance(info, dict) and info.get("event") == "ready":
-                    return RetrievalServer(proc, info["url"], info, log)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    log.seek(0)
-    tail = log.read().decode(errors="replace")[-3000:]
-    log.close()
-    state = f"exited with code {proc.returncode}" if proc.returncode is not None else "timed out"
-    raise RuntimeError(f"retrieval server {state} before it was ready ({' '.join(cmd)}):\n{tail}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -554,6 +517,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is no longer our parent"
     )
+    p.add_argument("--workers", type=int, default=1, help="server processes sharing the port (Linux)")
+    # set by start_retrieval_server for each worker it starts
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--board-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     limits = ServerLimits(
         max_queries=a.max_queries,
@@ -567,8 +535,20 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(info), flush=True)
 
     try:
-        asyncio.run(serve(a.corpus, a.host, a.port, limits, a.allow_remote, a.parent_pid, ready))
-    except (ValueError, FileNotFoundError) as err:
+        if a.worker_index is None and a.workers > 1:  # the CLI's own workers: start them, wait for a signal
+            if not a.allow_remote and not is_loopback(a.host):
+                raise ValueError(f"refusing to bind non-loopback host {a.host!r} without --allow-remote")
+            with start_retrieval_server(a.corpus, a.port, a.host, limits=limits, workers=a.workers) as server:
+                ready({**server.info, "pids": server.pids})
+                stop = {signal.SIGINT, signal.SIGTERM}
+                signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # after the start: workers keep theirs
+                signal.sigwait(stop)
+            return
+        board = None if a.board_fd is None else StatsBoard(a.workers, a.board_fd, a.worker_index or 0)
+        asyncio.run(
+            serve(a.corpus, a.host, a.port, limits, a.allow_remote, a.parent_pid, ready, board, a.reuse_port)
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
