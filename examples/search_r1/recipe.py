@@ -6,10 +6,12 @@ Around the generic loop it adds (see :mod:`agentrl.recipe` for the hooks):
   warm start) and ``retrieval`` (the /retrieve server), ``data.corpus``, and ``auto`` defaults;
 * ``prepare``: the bootstrap (cached) when ``model_path`` or ``data`` is ``auto``, then the Search-R1
   parquet tasks (:func:`.data.load_tasks`);
-* ``start_services``: the bm25s /retrieve server over the corpus (or ``retrieval.url``), handed to the
-  search env as ``retrieval_url`` and ``topk``;
+* ``start_services``: the bm25s /retrieve server over the corpus (``retrieval.workers`` processes on one
+  port; or ``retrieval.url``), handed to the search env as ``retrieval_url`` and ``topk``;
 * ``eval_metrics``: held-out exact match (the share of episodes with reward 1; a failed one is wrong);
-  ``batch_metrics``: searches per episode;
+  ``batch_metrics``: searches per episode, and the retrieval server's own load over the step (its
+  ``/stats``: ``retrieval/busy_frac``, ``retrieval/request_ms_mean``, ... see
+  :class:`.retrieval_workers.RetrievalLoad`);
 * ``finish``: ``reward_em.png`` (with searches and response length) and the summary table.
 """
 
@@ -28,6 +30,7 @@ from agentrl.run_config import DataConfig, EnvConfig, RunConfig
 from agentrl.types import Status, Trajectory
 
 from .bootstrap import BootstrapConfig
+from .retrieval_workers import RetrievalLoad
 
 RECIPE = "agentrl.examples.search_r1.recipe:SearchR1Recipe"
 EXACT_MATCH = "eval/exact_match"
@@ -46,6 +49,12 @@ class RetrievalConfig(ConfigModel):
     enabled: bool = Field(True, description="start a local retrieval server over data.corpus")
     url: str | None = Field(None, description="use this running server instead of starting one")
     topk: int = Field(3, ge=1, description="passages per search")
+    # One per engine: each engine's episodes bring as many searches a second as the one engine of a
+    # one-GPU run, whose single worker kept a search at 16 ms; a worker is one core (the GIL) and the
+    # workers share one memory-mapped index.
+    workers: int | None = Field(
+        None, ge=1, description="server processes sharing its port (Linux); None: one per engine"
+    )
 
 
 class PassAtKConfig(ConfigModel):
@@ -146,6 +155,7 @@ class SearchR1Recipe(DefaultRecipe):
     def __init__(self, cfg: SearchR1Config) -> None:
         super().__init__(cfg)
         self.per_task: list[dict[str, bool]] = []  # per evaluation: task id -> right
+        self.retrieval_load: RetrievalLoad | None = None  # the server's /stats, read once a step
 
     def prepare(self) -> Prepared:
         """The model dir, the tasks and the corpus; the bootstrap makes what is ``auto`` (cached).
@@ -189,19 +199,27 @@ class SearchR1Recipe(DefaultRecipe):
 
             from agentrl.cluster import start_service
 
-            from .retrieval_server import start_retrieval_server
+            from .retrieval_workers import start_retrieval_server
 
-            services.append(
-                start_service("retrieval", functools.partial(start_retrieval_server, self.corpus))
-            )
+            start = functools.partial(start_retrieval_server, self.corpus, workers=self.retrieval_workers())
+            services.append(start_service("retrieval", start))
             env_kwargs["retrieval_url"] = ray.get(services[-1].url.remote())
+        if "retrieval_url" in env_kwargs:
+            self.retrieval_load = RetrievalLoad(env_kwargs["retrieval_url"])
         return env_kwargs
 
+    def retrieval_workers(self) -> int:
+        """``retrieval.workers``, else one per engine."""
+        return self.cfg.retrieval.workers or max(1, self.cfg.engine.num_engines)
+
     def batch_metrics(self, batch: list[Trajectory]) -> dict[str, float]:
-        """Searches per episode (SearchEnv reports ``num_searches`` in its last step's info)."""
-        if not batch or not any("num_searches" in t.info for t in batch):
-            return {}
-        return {"batch/searches": sum(t.info.get("num_searches", 0) for t in batch) / len(batch)}
+        """Searches per episode (SearchEnv reports ``num_searches`` in its last step's info), and the
+        retrieval server's load since the previous step (read from its ``/stats``: a loopback GET of a
+        millisecond, once a step, off the episode path)."""
+        out = self.retrieval_load.read() if self.retrieval_load is not None else {}
+        if batch and any("num_searches" in t.info for t in batch):
+            out["batch/searches"] = sum(t.info.get("num_searches", 0) for t in batch) / len(batch)
+        return out
 
     def eval_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
         """Held-out exact match; each evaluation's per-task results are kept for :meth:`finish`."""
