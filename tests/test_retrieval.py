@@ -445,3 +445,23 @@ def test_cli_starts_and_stops_its_workers(corpus_file):
         proc.kill()
         proc.wait()
     assert not any(map(_alive, info["pids"]))
+
+
+def test_the_recipe_logs_the_servers_load_each_step(corpus_file, world):
+    """Search-R1's recipe reads the server's /stats once a step (``retrieval.url`` here: no Ray); the
+    default worker count is one per engine."""
+    from agentrl.examples.search_r1.recipe import SearchR1Recipe
+    from agentrl.recipe import load_run_config
+    from agentrl.types import Trajectory
+
+    config = Path(__file__).resolve().parent.parent / "examples" / "search_r1" / "config.yaml"
+    assert SearchR1Recipe(load_run_config(config, ["engine.num_engines=3"])).retrieval_workers() == 3
+    assert SearchR1Recipe(load_run_config(config, ["retrieval.workers=2"])).retrieval_workers() == 2
+    with start_retrieval_server(corpus_file, workers=2) as s:
+        recipe = SearchR1Recipe(load_run_config(config, [f"retrieval.url={s.url}"]))
+        assert recipe.start_services([])["retrieval_url"] == s.url
+        asyncio.run(_search_all(s.url, [t["prompt"] for t in world.test[:20]], connections=4))
+        traj = Trajectory(task_id="t", group_id="g", prompt_ids=[1], info={"num_searches": 2})
+        figures = recipe.batch_metrics([traj])
+    assert figures["batch/searches"] == 2 and figures["retrieval/workers"] == 2
+    assert figures["retrieval/requests_per_s"] > 0 and 0 < figures["retrieval/busy_frac"] <= 1
