@@ -9,12 +9,19 @@ Builds a synthetic-world corpus (``--passages``, 10k by default), then measures 
 and prints ONE JSON line with the figures and their ratios to raw bm25s. Queries are the world's
 question texts (what a model typically sends). Client and server share the machine's cores.
 
+``--workers N`` adds the same HTTP figures for a server of N worker processes sharing its port
+(``start_retrieval_server(workers=N)``), after the one-worker server's in the same run: keys ``wN_...``,
+and ``ratio_workersN_vs_1_single`` / ``_batched`` (queries/s at ``--concurrency`` over the one-worker
+server's). Each server's figures carry its own load over its run: ``server_busy_frac`` (CPU time of its
+workers / (wall time x workers); a worker is one core at most) and ``requests_per_worker``.
+
 ``--client`` adds the search tool's own client (``RetrievalClient``, what ``SearchEnv`` calls) against
 an ``httpx.AsyncClient`` posting the same bodies (the baseline: the client the tool had before), both
 in waves of ``--wave`` concurrent one-query searches, as a rollout's episodes send them: queries/s
 and the p50 / p90 latency of a search (``ratio_client_vs_httpx``: the client's queries/s over httpx's).
 
     python bench/retrieval.py [--passages 10000] [--queries 2000] [--concurrency 16] [--batch 32]
+    python bench/retrieval.py --workers 2 [--concurrency 64]
     python bench/retrieval.py --client [--wave 100]
 """
 
@@ -29,12 +36,15 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from agentrl.examples.search_r1.data import write_corpus
-from agentrl.examples.search_r1.retrieval_server import RetrievalIndex, import_bm25s, start_retrieval_server
+from agentrl.examples.search_r1.retrieval_server import RetrievalIndex, import_bm25s
+from agentrl.examples.search_r1.retrieval_workers import RetrievalServer, start_retrieval_server
 from agentrl.examples.search_r1.world import generate_world
 
 bm25s = import_bm25s()  # JAX kept off the GPU (see import_bm25s)
@@ -143,6 +153,19 @@ async def http_bench(
     return out
 
 
+def measured(server: RetrievalServer, bench: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """``bench``'s figures, with the server's own over it: the CPU time of its workers / (wall time x
+    workers), and the requests each worker served."""
+    before, t0 = server.stats(), time.monotonic()
+    out = asyncio.run(bench)
+    wall = time.monotonic() - t0
+    time.sleep(0.6)  # every worker's CPU time is brought up to date twice a second (idle meanwhile)
+    after = server.stats()
+    out["server_busy_frac"] = round((after["cpu_s"] - before["cpu_s"]) / (wall * after["workers"]), 3)
+    out["requests_per_worker"] = [int(w["requests"]) for w in after["per_worker"]]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--passages", type=int, default=10_000)
@@ -151,6 +174,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="queries per batched HTTP request")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight for the concurrent runs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="also a server of this many workers (> 1)")
     p.add_argument("--client", action="store_true", help="also the search tool's client against httpx")
     p.add_argument("--wave", type=int, default=100, help="--client: concurrent one-query searches per wave")
     a = p.parse_args()
@@ -192,9 +216,17 @@ def main() -> None:
         index.close()
 
         with start_retrieval_server(corpus) as server:
-            http = asyncio.run(http_bench(server.url, queries, a.topk, a.batch, a.concurrency))
+            http = measured(server, http_bench(server.url, queries, a.topk, a.batch, a.concurrency))
             if a.client:
                 http.update(asyncio.run(client_bench(server.url, queries, a.topk, a.wave)))
+        if a.workers > 1:
+            with start_retrieval_server(corpus, workers=a.workers) as server:
+                many = measured(server, http_bench(server.url, queries, a.topk, a.batch, a.concurrency))
+            c, w = a.concurrency, a.workers
+            http.update({f"w{w}_{k}": v for k, v in many.items()})
+            for kind in ("single", "batched"):
+                key = f"http_{kind}_c{c}_qps"
+                http[f"ratio_workers{w}_vs_1_{kind}"] = round(many[key] / http[key], 3)
 
     c = a.concurrency
     result = {
@@ -204,6 +236,7 @@ def main() -> None:
         "topk": a.topk,
         "batch": a.batch,
         "concurrency": c,
+        "workers": a.workers,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "bm25s": bm25s.__version__,

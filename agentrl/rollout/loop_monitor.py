@@ -6,12 +6,14 @@ requests late. :class:`LoopMonitor` measures it over windows that :meth:`LoopMon
 
 * ``loop_busy_frac``: 1 - (time the loop sat in its selector waiting for I/O or a timer) / wall time.
   The selector's ``select`` is timed, two clock reads a loop iteration, so everything else counts as
-  busy: running callbacks, and time the loop's thread waited for the GIL or sat in a blocking call. Near
-  1 the loop is saturated. This needs a loop with a selector (asyncio's own); on one without (uvloop,
+  busy: running callbacks, and time the loop's thread waited for the GIL, sat in a blocking call or was
+  descheduled by the OS (a machine with fewer free cores than busy processes). Near 1 the loop is
+  saturated. This needs a loop with a selector (asyncio's own); on one without (uvloop,
   which Ray picks when it is installed) the figure is the loop thread's CPU time instead, which misses
   GIL waits and blocking calls (the log says which method a monitor uses).
 * ``loop_cpu_frac``: the loop thread's CPU time / wall time. Busy minus CPU is time the loop was neither
-  idle nor computing: waiting for the GIL (other threads of the process) or in blocking calls.
+  idle nor computing: waiting for the GIL (other threads of the process), for a core, or in blocking
+  calls.
 * ``loop_lag_ms_p50`` / ``_p90`` / ``_max``: a probe task sleeps ``interval`` seconds over and over and
   records how much later than asked it woke, which is what any coroutine whose I/O or timer is ready
   waits for the loop. An idle loop wakes within about a millisecond (epoll's timeout resolution).
