@@ -138,6 +138,9 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     for r in train:  # the staleness bound (η = 1) held for every trained token
         assert r["batch/staleness_max"] <= 1
         assert r["trainer/tokens_per_s"] > 0
+        # the load of the rollout's event loop and of the retrieval server (one worker: one engine)
+        assert 0 <= r["rollout/loop_busy_frac"] <= 1 and r["rollout/loop_lag_ms_p90"] >= 0
+        assert 0 <= r["retrieval/busy_frac"] <= 1 and r["retrieval/workers"] == 1
     assert (out / "reward_em.png").stat().st_size > 1000
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_00000003"
@@ -161,6 +164,7 @@ def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Pa
     parts = summary["mean_wait_batch_s"] + summary["mean_train_s"] + summary["mean_sync_s"]
     assert 0 < parts <= summary["mean_step_s"] * 1.01
     assert "engine_peak_gpu_mem_gb" not in summary  # a CPU engine reports no GPU memory
+    assert 0 <= summary["rollout_loop_busy_frac"] <= 1 and summary["retrieval_request_ms_mean"] >= 0
     assert not _left_after(), "the resumed run left processes behind"
 
 
