@@ -53,6 +53,8 @@ class FakeEngine:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        if path == "/v1/models":  # the client's adapter lookup before its first /generate: no adapters
+            return web.json_response({"object": "list", "data": [{"id": "/m", "root": "/m", "parent": None}]})
         self.calls[path] += 1
         self.auth.append(request.headers.get("Authorization"))
         body = await request.json() if request.can_read_body else None

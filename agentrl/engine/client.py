@@ -19,6 +19,9 @@
   ``/get_weight_version``; so every control call goes to its workers, listed by the router's
   ``GET /workers`` (asked again at each control call, so workers added later are reached too).
 
+LoRA adapters that SGLang serves by name: ``generate`` adds ``lora_path`` naming the adapter each endpoint
+serves now, which the client looks up in the engine's adapter list (:mod:`agentrl.engine.adapters`).
+
 Distributed weight updates follow SGLang's protocol: the trainer is rank 0 of a new process group and
 the engines' ranks start at ``rank_offset``. Both ``init_weights_update_group`` and
 ``update_weights_from_distributed`` only return once the trainer side has joined (the group's
@@ -33,12 +36,13 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from agentrl.engine.adapters import AdapterNaming
 from agentrl.engine.types import GenerateResult, SamplingParams
 
 __all__ = [
@@ -77,6 +81,9 @@ class _Endpoint:
     in_flight: int = 0
     # After a connection failure the endpoint is avoided for a short while when others are available.
     down_until: float = 0.0
+    adapter: str | None = None  # the LoRA adapter every /generate here names (SGLang's lora_path)
+    adapter_known: bool = False  # False: ask the engine (GET /v1/models) before the next /generate
+    lookup: asyncio.Task[str | None] | None = None  # that question, while it is asked
 
 
 def _normalize_url(url: str) -> str:
@@ -86,7 +93,7 @@ def _normalize_url(url: str) -> str:
     return url
 
 
-class EngineClient:
+class EngineClient(AdapterNaming):
     """Async client of one or more SGLang-protocol engines (see the module docstring)."""
 
     def __init__(
@@ -187,10 +194,13 @@ class EngineClient:
         endpoint: _Endpoint | None = None,
         timeout: float | None = None,
         rid: str | None = None,
+        prepare: Callable[[_Endpoint], Awaitable[dict[str, Any]]] | None = None,
     ) -> Any:
         """A call with retries; ``endpoint=None`` routes to the least-loaded endpoint (and fails over).
 
         ``rid`` records which endpoint serves that request while it runs, so ``abort(rid)`` finds it.
+        ``prepare(endpoint)``, when given, makes the payload for the endpoint picked (a ``/generate`` names
+        that endpoint's adapter).
         """
         tried: set[str] = set()
         last = ""
@@ -200,7 +210,8 @@ class EngineClient:
             if rid is not None:
                 self._rid_endpoint[rid] = ep
             try:
-                result = await self._call(ep, method, path, payload, timeout)
+                body = payload if prepare is None else await prepare(ep)
+                result = await self._call(ep, method, path, body, timeout)
                 ep.down_until = 0.0
                 return result
             except _Retryable as err:
@@ -279,7 +290,23 @@ class EngineClient:
             payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
-        body = await self._request("POST", "/generate", payload, rid=rid)
+        named: dict[str, str | None] = {}  # endpoint URL -> the adapter its request named
+
+        async def prepare(ep: _Endpoint) -> dict[str, Any]:
+            named[ep.url] = adapter = await self._adapter_of(ep)
+            return payload if adapter is None else {**payload, "lora_path": adapter}
+
+        try:
+            body = await self._request("POST", "/generate", rid=rid, prepare=prepare)
+        except EngineRequestError as err:
+            # refused while naming an adapter: the sync may have replaced it since it was looked up
+            ep = next((e for e in self.endpoints if err.url.startswith(e.url + "/")), None)
+            if ep is None or named.get(ep.url) is None:
+                raise
+            ep.adapter_known = False
+            if await self._adapter_of(ep) in (None, named[ep.url]):  # never fall back to the base silently
+                raise
+            body = await self._request("POST", "/generate", endpoint=ep, rid=rid, prepare=prepare)
         if isinstance(body, list):  # SGLang answers a list for batched input; we send one prompt
             body = body[0]
         if not isinstance(body, dict):
@@ -310,7 +337,10 @@ class EngineClient:
         await self._all("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
+        """Every endpoint continues; each one's adapter is looked up again before its next ``/generate``
+        (a weight update's pause ends here, and the update may have loaded a new adapter)."""
         await self._all("POST", "/continue_generation", {})
+        self.forget_adapters()
 
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache", None)
@@ -456,6 +486,16 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         await self._all("POST", "/load_lora_adapter_from_tensors", payload)
 
+    async def unload_lora_adapter(self, lora_name: str, urls: list[str] | None = None) -> None:
+        """Every endpoint (or those of ``urls``) unloads the adapter ``lora_name`` (SGLang's
+        ``/unload_lora_adapter``: the name is refused to new requests at once, and the adapter freed once
+        the running requests that use it end; the embedded engine takes its adapter off every request)."""
+        endpoints = [ep for ep in await self.control_endpoints() if urls is None or ep.url in urls]
+        body = {"lora_name": lora_name}
+        await asyncio.gather(
+            *(self._request("POST", "/unload_lora_adapter", body, endpoint=ep) for ep in endpoints)
+        )
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Every endpoint frees the GPU memory of ``tags`` (``weights``, ``kv_cache``, and on SGLang
         ``cuda_graph``; None: all) and holds requests until :meth:`resume_memory_occupation` (SGLang needs
@@ -529,7 +569,7 @@ def _server_message(text: str) -> str:
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
-        for key in ("message", "detail", "error"):
+        for key in ("message", "error_message", "detail", "error"):
             if key in body:
                 return str(body[key])
     return text[:1000]
