@@ -4,7 +4,9 @@ It answers ``/generate`` with random (seeded) or scripted token ids and logprobs
 implements the control endpoints the rollout relies on: ``/pause_generation`` (abort mode: in-flight
 requests return at once with ``finish_reason`` abort and the tokens "generated" so far; requests that
 arrive while paused wait for ``/continue_generation``), ``/abort_request``, ``/update_weights_from_disk``,
-``/update_weight_version``, ``/flush_cache``, ``/health``, ``/get_model_info``. Latency is a model, not
+``/update_weight_version``, ``/flush_cache``, ``/health``, ``/get_model_info``, ``/v1/models``, and with
+``enable_lora`` SGLang's LoRA endpoints and ``lora_path`` on ``/generate`` (:mod:`agentrl.testing.stub_lora`,
+which says what of SGLang's behaviour it keeps). Latency is a model, not
 a computation: ``base_latency + per_token_time * n`` seconds per request (0 = zero-latency), and
 failures are injected at configurable rates (HTTP 500, or a hang that ends in a client timeout).
 
@@ -39,6 +41,8 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.testing.stub_lora import AdapterError, StubAdapters
+
 READY_LINE = "STUB_SERVER_LISTENING"
 
 
@@ -61,6 +65,11 @@ class StubEngineConfig:
     weight_version: str = "0"
     seed: int = 0
     script: list[list[int]] = field(default_factory=list)  # if set: request i answers script[i % len]
+    # SGLang's --enable-lora, --max-lora-rank, --lora-target-modules, --max-loaded-loras (0: no limit)
+    enable_lora: bool = False
+    max_lora_rank: int = 0
+    lora_target_modules: list[str] = field(default_factory=list)
+    max_loaded_loras: int = 0
 
 
 def _lognormal_length(rng: random.Random, cfg: StubEngineConfig) -> int:
@@ -91,6 +100,9 @@ class StubEngine:
             "updates": 0,
         }
         self._rid_seq = 0
+        self.lora = StubAdapters(
+            cfg.enable_lora, cfg.max_lora_rank, cfg.lora_target_modules, cfg.max_loaded_loras
+        )
 
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -107,6 +119,10 @@ class StubEngine:
         r.add_get("/health_generate", self.ok)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_get("/stub_stats", self.stats)
         return app
 
@@ -126,8 +142,36 @@ class StubEngine:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"stub": True, "config": asdict(self.cfg), "weight_version": self.weight_version}
+            {
+                "stub": True,
+                "config": asdict(self.cfg),
+                "weight_version": self.weight_version,
+                **self.lora.server_args(),
+            }
         )
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self.lora.model_cards("stub")})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_update(self.lora.load(await _json_or_empty(request), from_tensors=False))
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        return await self._lora_update(self.lora.load(await _json_or_empty(request), from_tensors=True))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        return await self._lora_update(self.lora.unload(str(body.get("lora_name"))))
+
+    async def _lora_update(self, update: Any) -> web.Response:
+        """SGLang's LoRAUpdateOutput: 200 with the loaded adapters, or 400 with the error."""
+        try:
+            await update
+        except AdapterError as err:
+            body = {"success": False, "error_message": str(err), "loaded_adapters": None}
+            return web.json_response(body, status=400)
+        loaded = {a.name: a.path for a in self.lora.loaded.values()}
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -136,6 +180,9 @@ class StubEngine:
                 "inflight": len(self._inflight),
                 "paused": self.paused,
                 "weight_version": self.weight_version,
+                "lora_log": list(self.lora.log),  # the adapter each /generate ran with ("base": none)
+                "lora_loaded": list(self.lora.loaded),
+                "lora_unloaded": list(self.lora.unloaded),
             }
         )
 
@@ -190,6 +237,7 @@ class StubEngine:
         rid = str(body.get("rid") or f"stub-{self._rid_seq}")
         abort = asyncio.Event()
         self._inflight[rid] = abort
+        adapter_id = None
         try:
             if not self._resume.is_set():  # paused: queue until /continue_generation (or an abort)
                 waiters = [asyncio.ensure_future(self._resume.wait()), asyncio.ensure_future(abort.wait())]
@@ -199,6 +247,10 @@ class StubEngine:
                 if abort.is_set():
                     self.counters["aborted"] += 1
                     return self._answer(rid, input_ids, [], [], "abort", None)
+            try:  # as SGLang: the adapter's name is looked up once the request may run
+                adapter_id = await self.lora.acquire(body.get("lora_path"))
+            except AdapterError as err:
+                return web.json_response({"error": {"message": str(err)}}, status=400)
             ids, lps, reason, matched = self._sample(max_new, stop_ids)
             version = self.weight_version
             delay = self.cfg.base_latency + self.cfg.per_token_time * len(ids)
@@ -218,6 +270,7 @@ class StubEngine:
                     self.counters["aborted"] += 1
         finally:
             self._inflight.pop(rid, None)
+            self.lora.release(adapter_id)
         self.counters["generated_tokens"] += len(ids)
         return self._answer(rid, input_ids, ids, lps, reason, matched, version)
 
@@ -352,7 +405,7 @@ def _parse_args(argv: list[str] | None) -> tuple[StubEngineConfig, str, int]:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--config-json", default=None, help="StubEngineConfig fields as JSON")
     for f, default in asdict(StubEngineConfig()).items():
-        if f == "script":
+        if isinstance(default, list | bool):  # script, enable_lora, lora_target_modules: --config-json
             continue
         p.add_argument("--" + f.replace("_", "-"), type=type(default), default=None)
     a = p.parse_args(argv)
