@@ -11,7 +11,8 @@ period). :class:`SGLangRouterLauncher` does the same for ``python -m sglang_rout
 The flags agentrl's own use of SGLang needs are fields with their reasons (:meth:`SGLangLauncher.command`):
 token ids in and out without a tokenizer where no stop string needs one, the raw model's logprobs, the
 triton attention backend and pytorch sampling (no JIT builds at start; flashinfer's ahead-of-time kernels
-are not bundled), and the memory saver a colocated engine releases its memory through. Free-form SGLang
+are not bundled), the memory saver a colocated engine releases its memory through, LoRA serving
+(:class:`SGLangLoRAConfig`) and fp8 weights that weight updates quantize again. Free-form SGLang
 flags pass through ``extra_args`` (``{"context-length": 8192, "enable-metrics": True}`` -> ``--context-length
 8192 --enable-metrics``), or from ``--sglang-*`` command-line style arguments via
 :func:`sglang_args_from_cli` (``--sglang-context-length 8192``).
@@ -21,6 +22,26 @@ or, on a GPU machine without one, ``scripts/gpu_setup.sh --sglang`` installs it 
 that only the server processes get on ``PYTHONPATH`` (:func:`sglang_site`), so that SGLang's pins
 (transformers, tokenizers) never reach the trainer. The CPU tests exercise command lines and process
 lifecycles against a stand-in executable; tests/test_gpu_sglang.py runs real SGLang.
+
+What the LoRA and fp8 flags rest on, read in SGLang 0.5.16's source:
+
+* ``--enable-lora`` with no ``--lora-paths`` needs ``--max-lora-rank`` and ``--lora-target-modules``
+  (``ServerArgs.check_lora_server_args``); the memory pool is sized by them at start and an adapter of a
+  larger rank, or with a module outside them, is refused when it loads (``LoRAMemoryPool.can_support``).
+  The target modules may be HF names (``q_proj``) or SGLang's fused ones (``qkv_proj``, ``gate_up_proj``):
+  both normalize to the fused layers of SGLang's Llama and Qwen2 (``lora/utils.py``,
+  ``get_normalized_target_modules``); the launcher passes the fused names.
+* ``--max-loaded-loras`` bounds the adapters held at once (beyond it the least recently used unpinned one
+  is unloaded after a load, ``TokenizerManager.load_lora_adapter``) and must be at least
+  ``--max-loras-per-batch``, the adapters (the base model counting as one) a running batch may mix.
+  Two of each: the adapter being served and the one a sync loads before the old one is unloaded.
+* ``--quantization fp8`` on a bf16 checkpoint quantizes each linear weight as the model loads
+  (``Fp8LinearMethod.process_weights_after_loading``, which replaces the parameter by an fp8 one that no
+  longer carries its weight loader). ``/update_weights_from_tensor`` and
+  ``/update_weights_from_distributed`` only call ``model.load_weights`` (``WeightUpdater``), which does
+  not quantize again; ``--load-format flash_rl`` (``QuantizedRLModelLoader``) keeps the loaders and
+  quantizes every later bf16 weight it is given into the fp8 storage, with new scales. So fp8 gets
+  ``--load-format flash_rl`` (see docs/guide/fp8-rollout.md).
 """
 
 from __future__ import annotations
@@ -40,8 +61,10 @@ from agentrl.config import ConfigModel
 from agentrl.engine._proc import ServerProcess, ServerStartError, http_ok, is_loopback
 
 __all__ = [
+    "SGLANG_LORA_MODULES",
     "SGLangConfig",
     "SGLangLauncher",
+    "SGLangLoRAConfig",
     "SGLangRouterConfig",
     "SGLangRouterLauncher",
     "ServerStartError",
@@ -141,6 +164,53 @@ def sglang_args_from_cli(argv: Sequence[str], prefix: str = "--sglang-") -> tupl
     return extra, rest
 
 
+# HF module name -> the module of SGLang's Llama / Qwen2 layers it is part of (what --lora-target-modules
+# names; SGLang stacks the q/k/v and gate/up adapters into its fused layers)
+SGLANG_LORA_MODULES = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+}  # fmt: skip
+
+
+class SGLangLoRAConfig(ConfigModel):
+    """LoRA serving (``--enable-lora``): the room SGLang keeps for adapters, which it applies to the requests
+    that name them (``lora_path``), beside the resident base weights."""
+
+    max_rank: int = Field(..., gt=0, description="--max-lora-rank: the largest adapter rank that loads")
+    target_modules: list[str] = Field(
+        ...,
+        min_length=1,
+        description="--lora-target-modules: SGLang's module names (qkv_proj, o_proj, gate_up_proj, down_proj)",
+    )
+    max_loaded: int = Field(
+        2,
+        ge=1,
+        description="--max-loaded-loras: adapters held at once (the served one and the one swapped in)",
+    )
+    max_per_batch: int = Field(
+        2, ge=1, description="--max-loras-per-batch: adapters (the base model counting as one) a batch mixes"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SGLangLoRAConfig:
+        unknown = sorted(set(self.target_modules) - set(SGLANG_LORA_MODULES.values()))
+        if unknown:
+            raise ValueError(
+                f"target_modules: {', '.join(unknown)} are not SGLang module names "
+                f"({', '.join(sorted(set(SGLANG_LORA_MODULES.values())))})"
+            )
+        if self.max_loaded < self.max_per_batch:  # SGLang refuses to start otherwise
+            raise ValueError(f"max_loaded: {self.max_loaded} is below max_per_batch ({self.max_per_batch})")
+        return self
+
+    @classmethod
+    def for_adapters(cls, rank: int, hf_modules: Sequence[str]) -> SGLangLoRAConfig:
+        """Room for adapters of ``rank`` on ``hf_modules`` (HF names: ``q_proj``, ...), in SGLang's names."""
+        fused = {SGLANG_LORA_MODULES[m] for m in hf_modules}
+        order = dict.fromkeys(SGLANG_LORA_MODULES.values())  # qkv, o, gate_up, down; each once
+        return cls(max_rank=rank, target_modules=[m for m in order if m in fused])
+
+
 class SGLangConfig(ConfigModel):
     """One SGLang server (``python -m sglang.launch_server``)."""
 
@@ -190,7 +260,13 @@ class SGLangConfig(ConfigModel):
     quantization: str | None = Field(
         None,
         description="--quantization: fp8 quantizes a bf16 checkpoint's linear weights to fp8 as it loads "
-        "(online quantization; an fp8 checkpoint needs no flag); set by a run from engine.quantization",
+        "(online quantization; an fp8 checkpoint needs no flag), with --load-format flash_rl so that weights "
+        "pushed later are quantized again; set by a run from engine.quantization",
+    )
+    lora: SGLangLoRAConfig | None = Field(
+        None,
+        description="--enable-lora and the adapters' room (max rank, target modules, two adapters loaded at "
+        "once); set by a run from trainer.lora",
     )
     site_dir: str | None = Field(
         None,
@@ -362,7 +438,17 @@ class SGLangLauncher(_Launcher):
             "enable-weights-cpu-backup": c.weights_cpu_backup,
             "enable-deterministic-inference": c.deterministic,
             "quantization": c.quantization,
+            # plain online fp8 does not quantize pushed weights again; flash_rl's loader does (module docstring)
+            "load-format": "flash_rl" if c.quantization == "fp8" else None,
         }
+        if c.lora is not None:  # adapters loaded at run time, applied to the requests that name them
+            flags |= {
+                "enable-lora": True,
+                "max-lora-rank": c.lora.max_rank,
+                "lora-target-modules": list(c.lora.target_modules),
+                "max-loras-per-batch": c.lora.max_per_batch,
+                "max-loaded-loras": c.lora.max_loaded,
+            }
         given = {str(k).lstrip("-").replace("_", "-") for k in c.extra_args}
         reserved = {"model-path", "host", "port", "tp-size", "tp", "mem-fraction-static", "api-key"}
         clash = sorted(k for k in c.extra_args if str(k).lstrip("-").replace("_", "-") in reserved)
