@@ -7,11 +7,13 @@ interface (:class:`EngineSync`: where the HF-named weights must be gathered, ``p
 * ``distributed`` (:class:`BroadcastSync`): a broadcast over a process group shared with the engines
   (:class:`WeightBroadcaster`, SGLang's protocol, sender side; below).
 
-With LoRA (``trainer.lora``) only the adapters travel, PEFT-named (:mod:`agentrl.trainer.lora`), and the
-engines merge them into a kept copy of the base weights: ``disk`` writes a PEFT dir (:class:`LoRADiskSync`,
-``/load_lora_adapter``), ``tensor`` hands them over in memory (:class:`LoRATensorSync`,
-``/load_lora_adapter_from_tensors``), ``distributed`` broadcasts them in one bucket with ``B`` scaled
-(:class:`LoRABroadcastSync`; the engine recognises PEFT names and merges).
+With LoRA (``trainer.lora``) only the adapters travel, PEFT-named (:mod:`agentrl.trainer.lora`). The
+embedded engine applies the one adapter it holds to every request: ``disk`` writes a PEFT dir
+(:class:`LoRADiskSync`, ``/load_lora_adapter``), ``tensor`` hands them over in memory
+(:class:`LoRATensorSync`, ``/load_lora_adapter_from_tensors``), ``distributed`` broadcasts them in one
+bucket with ``B`` scaled (:class:`LoRABroadcastSync`; the engine recognises PEFT names). SGLang applies an
+adapter only to the requests that name it, and keeps the base weights resident: every mode then loads
+each version under a name of its own (:class:`agentrl.trainer.adapter_sync.NamedAdapterSync`).
 
 Tensors are HF-named full (unsharded) weights: every trainer rank assembles them
 (:func:`gather_hf_state_dict`, collective over TP and PP) on the mode's ``gather_device``; the ranks
@@ -469,7 +471,15 @@ async def connect_engine_sync(
     engines this rank pushes to: all on rank 0, or in memory those on its GPU; None for none).
     ``distributed`` opens the broadcast group now: rank 0 joins it while every engine does (backend
     default: NCCL on a GPU, else gloo).
-    ``lora`` (a LoRAConfig): push only the adapters (PEFT-named), disk or tensor."""
+    ``lora`` (a LoRAConfig): push only the adapters (PEFT-named); to engines that serve adapters by name
+    (SGLang with ``--enable-lora``, asked through ``client``) as
+    :class:`~agentrl.trainer.adapter_sync.NamedAdapterSync`, in every mode."""
+    if lora is not None and client is not None and await client.serves_adapters_by_name():
+        from agentrl.trainer.adapter_sync import NamedAdapterSync
+
+        if mode == "disk" and out_dir is None:
+            raise ValueError("weight sync from disk needs out_dir (where the PEFT dirs are written)")
+        return NamedAdapterSync(client, model_path, lora, out_dir if mode == "disk" else None)
     if lora is not None and mode == "disk" and out_dir is not None:
         return LoRADiskSync(client if rank == 0 else None, out_dir, model_path, lora, writer=rank == 0)
     if lora is not None and mode == "tensor":
