@@ -159,9 +159,10 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
             extra_args=extra,
             log_file=str(Path(cfg.output_dir) / f"engine_{index}.log"),
         )
-    from agentrl.engine.launcher import SGLangConfig
+    from agentrl.engine.launcher import SGLangConfig, SGLangLoRAConfig
 
     releases = cfg.placement == "colocated" and cfg.colocation.engine_release != "none"
+    lora = cfg.trainer.lora  # served by name beside the resident base (agentrl.trainer.adapter_sync)
     sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(
         update={
             "model_path": model_dir,
@@ -169,6 +170,7 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
             "memory_saver": releases,  # SGLang serves the release / resume endpoints only with it
             "deterministic": cfg.deterministic,  # the run's one switch
             "quantization": e.quantization,  # and engine.quantization's
+            "lora": None if lora is None else SGLangLoRAConfig.for_adapters(lora.rank, lora.target_modules),
         }
     )
     return functools.partial(_start_sglang, sg)

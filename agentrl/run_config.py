@@ -287,6 +287,7 @@ class RunConfig(ConfigModel):
             "deterministic": "deterministic",
             "memory_saver": "colocation.engine_release",
             "quantization": "engine.quantization",
+            "lora": "trainer.lora",
         }
         for field, instead in run_sets.items():
             if e.sglang is not None and field in e.sglang.model_fields_set:
@@ -305,11 +306,8 @@ class RunConfig(ConfigModel):
             )
         if self.deterministic and t.lora is not None:
             raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
-        if t.lora is not None and e.backend != "embedded":
-            raise ValueError(
-                f"trainer.lora: needs engine.backend: embedded, not {e.backend} (the embedded engine merges "
-                "the adapters into its weights; SGLang serves an adapter only to requests that name it)"
-            )
+        if t.lora is not None:
+            _check_lora(self)
         if (t.true_on_policy or (self.deterministic and t.device == "cuda")) and (t.tp, t.pp) != (1, 1):
             field = "trainer.true_on_policy" if t.true_on_policy else "deterministic"
             raise ValueError(f"{field}: the exact forward needs trainer.tp = 1 and trainer.pp = 1")
@@ -364,6 +362,37 @@ class RunConfig(ConfigModel):
         engines = 0 if self.engine.backend == "external" else self.engine.num_engines
         return engines * (self.engine.gpus_per_engine or 0) + self.trainer_world_size * (
             self.trainer_gpus_per_rank or 0
+        )
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """``trainer.lora``: engines the run starts, which take adapters at run time. The embedded engine applies
+    its adapter to every request; SGLang (0.5.16) keeps the base weights resident and serves each synced
+    adapter to the requests that name it (agentrl.trainer.adapter_sync), which needs its weights kept
+    through a colocated release and a single data-parallel replica per server."""
+    e = cfg.engine
+    if e.backend == "external":
+        raise ValueError(
+            "trainer.lora: needs engine.backend: embedded or sglang, not external (the run starts those with "
+            "LoRA serving on; an external engine may not load adapters at run time)"
+        )
+    if e.backend != "sglang":
+        return
+    extra = {
+        str(k).lstrip("-").replace("_", "-"): v for k, v in (e.sglang.extra_args if e.sglang else {}).items()
+    }
+    for key in ("dp-size", "dp"):
+        if int(extra.get(key) or 1) > 1:
+            raise ValueError(
+                f"engine.sglang.extra_args: {key} {extra[key]} with trainer.lora: SGLang loads adapters at run "
+                "time only with one data-parallel replica; run more engines (engine.num_engines) instead"
+            )
+    backup = e.sglang is not None and e.sglang.weights_cpu_backup
+    if cfg.placement == "colocated" and cfg.colocation.engine_release == "all" and not backup:
+        raise ValueError(
+            "colocation.engine_release: all releases SGLang's weights while the trainer steps, and with "
+            "trainer.lora only adapters come back: set engine.sglang.weights_cpu_backup: true (the base "
+            "weights return from host memory) or colocation.engine_release: kv_cache"
         )
 
 
