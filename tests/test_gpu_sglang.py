@@ -12,6 +12,14 @@ tests/test_gpu_sglang.py``; SGLang from ``scripts/gpu_setup.sh --sglang`` or the
   continues under the new weights: nothing of the old weights' KV cache is reused.
 * ``/init_weights_update_group`` + ``/update_weights_from_distributed``: NCCL with the trainer on GPU 0
   and the server on GPU 1 when there are two GPUs, gloo on one GPU.
+* fp8 (``quantization: fp8``, which the launcher pairs with ``--load-format flash_rl``): bf16 weights pushed
+  with agentrl's tensor sync are quantized again, so the served logprobs follow the new weights.
+* LoRA (``lora``: ``--enable-lora`` and its room): an agentrl LoRA trainer syncs its adapters twice
+  (``agentrl-v1``, ``agentrl-v2``, each loaded from the request, the previous one unloaded); a client that
+  looks the adapter up as the rollout's does serves the adapted model (a float32 forward of base + adapter);
+  requests that name no adapter still get the base model, unchanged: no full weight update happened. Once
+  with every target module, once with targets that are parts of SGLang's fused layers (completed by the
+  sync).
 
 The model is a small random Qwen2 (4 layers, hidden 256, head dim 64, bf16) with a large initializer
 range, so that its next-token distributions are peaked and a temperature, or a stale weight, shows. SGLang
@@ -29,8 +37,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.engine.adapters import adapter_name
 from agentrl.engine.client import EngineClient
-from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
+from agentrl.engine.launcher import SGLangConfig, SGLangLauncher, SGLangLoRAConfig
 from agentrl.engine.types import SamplingParams
 from agentrl.trainer.colocate import push_tensors
 
@@ -92,6 +101,16 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]  # within the tiny tokenizer's vocabulary
 
 
+def _served(cfg: SGLangConfig, log: Path):
+    """A started server; what it said before it went away, printed if it died."""
+    with SGLangLauncher(cfg) as launcher:
+        yield launcher
+        if not launcher.healthy():
+            print(
+                f"--- SGLang died; last lines of {log} ---\n" + "\n".join(log.read_text().splitlines()[-60:])
+            )
+
+
 @pytest.fixture(scope="module")
 def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("sglang_log") / "sglang.log"
@@ -99,12 +118,7 @@ def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
         model_path=str(models[0]), port=0, mem_fraction_static=0.3, memory_saver=True,
         extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900, log_file=str(log),
     )  # fmt: skip
-    with SGLangLauncher(cfg) as launcher:
-        yield launcher
-        if not launcher.healthy():  # what the server said before it went away
-            print(
-                f"--- SGLang died; last lines of {log} ---\n" + "\n".join(log.read_text().splitlines()[-60:])
-            )
+    yield from _served(cfg, log)
 
 
 async def test_token_in_token_out_multi_turn(server: SGLangLauncher, models: tuple[Path, Path]) -> None:
@@ -260,3 +274,156 @@ async def test_distributed_weight_update(models: tuple[Path, Path], tmp_path: Pa
         f"{backend}: |d logp| to the broadcast weights {statistics.mean(got):.4f}, to the old {statistics.mean(old):.4f}"
     )
     assert statistics.mean(got) < 0.15 and statistics.mean(old) > 4 * statistics.mean(got)
+
+
+async def test_fp8_update_is_quantized_again(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """``quantization: fp8`` on a bf16 checkpoint: the launcher adds ``--load-format flash_rl``, whose loader
+    quantizes weights pushed later again (plain ``--quantization fp8`` only quantizes at load; see
+    docs/guide/fp8-rollout.md). After a push of B's bf16 weights with agentrl's tensor sync the server
+    serves B: its logprobs are as close to a float32 forward of B as they were to A's before the push
+    (fp8's own error), and far from A's."""
+    log = tmp_path / "sglang_fp8.log"
+    cfg = SGLangConfig(
+        model_path=str(models[0]), port=0, mem_fraction_static=0.2, quantization="fp8",
+        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900, log_file=str(log),
+    )  # fmt: skip
+    prompt = ids(40, seed=7)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, sampling_seed=11)
+    with SGLangLauncher(cfg) as launcher:
+        async with EngineClient(launcher.url, timeout=300) as client:
+            info = (await client.server_info())[0]
+            first = await client.generate(prompt, sp)
+            await push_tensors(client, hf_weights(models[1]), weight_version=1)
+            second = await client.generate(prompt, sp)
+    assert info.get("quantization") == "fp8" and info.get("load_format") == "flash_rl", info
+    before = gaps(first.logprobs, reference_logprobs(models[0], prompt + first.output_ids, len(prompt)))
+    seq = prompt + second.output_ids
+    under_new = gaps(second.logprobs, reference_logprobs(models[1], seq, len(prompt)))
+    under_old = gaps(second.logprobs, reference_logprobs(models[0], seq, len(prompt)))
+    print(
+        f"fp8: |d logp| to A before the push {statistics.mean(before):.4f}; after it to B "
+        f"{statistics.mean(under_new):.4f}, to A {statistics.mean(under_old):.4f}"
+    )
+    assert second.weight_version == "1"
+    # B's fp8 error is of the size of A's (2x and 0.05 nats of room for two sets of sampled tokens)
+    assert statistics.mean(under_new) < 2 * statistics.mean(before) + 0.05
+    assert statistics.mean(under_old) > 4 * statistics.mean(under_new)  # B's, not A's (nor a mix)
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_RANK, LORA_ALPHA = 8, 16.0
+
+
+@pytest.fixture(scope="module")
+def lora_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """SGLang with LoRA serving on, room for rank-8 adapters on every module the trainer adapts."""
+    log = tmp_path_factory.mktemp("sglang_lora_log") / "sglang.log"
+    cfg = SGLangConfig(
+        model_path=str(models[0]), port=0, mem_fraction_static=0.2,
+        lora=SGLangLoRAConfig.for_adapters(LORA_RANK, ALL_TARGETS),
+        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900, log_file=str(log),
+    )  # fmt: skip
+    yield from _served(cfg, log)
+
+
+def _lora_trainer(model_dir: Path, targets: list[str]):
+    from _trainer_helpers import dist_env
+
+    from agentrl.cluster import free_port
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    dist_env(0, 1, free_port())
+    lora = {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": targets}
+    return MegatronTrainer(
+        TrainerConfig(
+            model_path=str(model_dir), device="cuda", dtype="bfloat16", micro_batch_size=4, lora=lora
+        )
+    )
+
+
+def _set_adapters(trainer, seed: int) -> None:
+    """Seeded ``B`` (std 0.5; ``A`` is the trainer's own init): with A at about 1/sqrt(in) that moves each
+    adapted weight by about 2/3 of the weights' own spread, so the adapted model's logprobs differ from
+    the base's by far more than bf16 serving's 0.1 nats (a trained step at this size would move them by
+    less, which could not tell the adapter apart from rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.module.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+
+@torch.no_grad()
+def _adapted_logprobs(
+    model_dir: Path, peft: dict[str, torch.Tensor] | None, ids: list[int], start: int
+) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= start of base + adapter (``W + s·B@A`` in float32; None: the base)."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer.lora import merge_into_hf
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if peft is not None:
+        base = {k: v.float() for k, v in model.state_dict().items()}
+        merged = merge_into_hf(base, {k: v.float() for k, v in peft.items()}, LORA_ALPHA / LORA_RANK)
+        model.load_state_dict(merged)
+    model = model.cuda().eval()
+    logits = model(torch.tensor([ids], device="cuda")).logits[0].float()
+    lp = torch.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1)
+    return lp.gather(1, torch.tensor(ids[start:], device="cuda")[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize(
+    "targets", [ALL_TARGETS, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]], ids=["all", "partial"]
+)
+async def test_lora_adapters_served_by_name(
+    lora_server: SGLangLauncher, models: tuple[Path, Path], targets: list[str]
+) -> None:
+    """Two syncs of an agentrl LoRA trainer's adapters (in the request, ``weight_sync: tensor``), each
+    version under its own name; the rollout-like client names the newest one. The served logprobs are the
+    adapted model's: within bf16 serving's error (0.2 nats: SGLang adds its bf16 LoRA product to the bf16
+    base, the reference is a float32 forward of the merged weights) and far from the previous version's.
+    Requests that name no adapter get the base model's answer of before the syncs."""
+    tr = _lora_trainer(models[0], targets)
+    prompt = ids(48, seed=9)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_seed=5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    url = lora_server.url
+    try:
+        async with (
+            EngineClient(url, timeout=300) as trainer_side,
+            EngineClient(url, timeout=300) as rollout,
+            EngineClient(url, timeout=300) as base_only,
+        ):
+            base_only.use_adapter(None)
+            base_before = await base_only.generate(prompt, greedy)
+            await tr.connect_engines("tensor", trainer_side)  # asks the server: LoRA by name
+            previous = None  # the adapters of the version before (None: the base model)
+            for version in (1, 2):
+                _set_adapters(tr, seed=version)
+                await rollout.pause(mode="abort")  # a run's update: pause, sync, continue
+                assert await tr.sync_weights() == version
+                await rollout.continue_generation()  # the rollout's client asks for the adapter again
+                peft = tr.lora_state_dict()
+                out = await rollout.generate(prompt, sp)
+                assert rollout.adapters == {rollout.urls[0]: adapter_name(version)}
+                assert out.weight_version == str(version)
+                seq = prompt + out.output_ids
+                to_adapted = gaps(out.logprobs, _adapted_logprobs(models[0], peft, seq, len(prompt)))
+                to_previous = gaps(out.logprobs, _adapted_logprobs(models[0], previous, seq, len(prompt)))
+                print(
+                    f"{'/'.join(targets)} v{version}: |d logp| to base + adapter {statistics.mean(to_adapted):.4f} "
+                    f"(max {max(to_adapted):.3f}), to the version before {statistics.mean(to_previous):.4f}"
+                )
+                assert statistics.mean(to_adapted) < 0.2
+                assert statistics.mean(to_previous) > 4 * statistics.mean(to_adapted)
+                previous = peft
+            loaded = await rollout.loaded_adapters()
+            base_after = await base_only.generate(prompt, greedy)
+            assert await tr.disconnect_engines()
+    finally:
+        tr.shutdown()
+    assert list(loaded.values()) == [[adapter_name(2)]]  # v1 unloaded
+    assert base_after.output_ids == base_before.output_ids  # the base weights stayed as they were
+    assert max(gaps(base_after.logprobs, base_before.logprobs)) < 1e-3
