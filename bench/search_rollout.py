@@ -11,10 +11,11 @@ way a run drives them; a trainer stand-in takes each batch at once. For a server
 * turns/s and searches/s, the search latency the env saw (mean, p90) against the server's own time per
   request and its busy fraction (``RetrievalLoad``).
 
-With a zero-latency engine the loop runs as fast as it can: ``loop_ms_per_turn`` is its cost, so
-``turns/s x loop_ms_per_turn / 1000`` is its busy fraction at another run's rate. One JSON line.
+With a zero-latency engine (the default) the loop runs as fast as it can: ``loop_ms_per_turn`` is its
+cost, so ``turns/s x loop_ms_per_turn / 1000`` is its busy fraction at another run's rate;
+``--engine-latency`` paces the engine instead (seconds a request). One JSON line.
 
-    python bench/search_rollout.py [--concurrency 512] [--seconds 10] [--workers 2]
+    python bench/search_rollout.py [--concurrency 512] [--seconds 10] [--workers 2] [--engine-latency 0]
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
     p.add_argument("--workers", type=int, default=2, help="retrieval workers of the second server")
     p.add_argument("--entities", type=int, default=2000, help="world size (the GPU demo's: 2000)")
+    p.add_argument("--engine-latency", type=float, default=0.0, help="seconds the engine takes a request")
     a = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -123,7 +125,7 @@ def main() -> None:
                 "<answer> 1 </answer>",
             ):
                 script.append(tok.encode(text, add_special_tokens=False))
-        engine = start_stub_server(script=script)
+        engine = start_stub_server(script=script, base_latency=a.engine_latency)
         rows = {}
         try:
             for workers in dict.fromkeys((1, a.workers)):
@@ -135,6 +137,7 @@ def main() -> None:
             engine.stop()
     print(json.dumps({
         "bench": "search_rollout", "concurrency": a.concurrency, "seconds": a.seconds,
+        "engine_latency_s": a.engine_latency,
         "passages": len(world.corpus), **rows,
         "cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2), "python": platform.python_version(),
     }))  # fmt: skip
