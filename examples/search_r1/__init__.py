@@ -3,6 +3,7 @@
 * :mod:`.data` -- the Search-R1 data format (parquet tasks, jsonl corpus) and its loaders.
 * :mod:`.world` -- a deterministic synthetic world written in that format, and gold demonstrations.
 * :mod:`.retrieval_server` -- BM25 retrieval: in-process :class:`RetrievalIndex` and the ``/retrieve`` server.
+* :mod:`.retrieval_workers` -- the server's worker processes on one port, their counters and load.
 * :mod:`.bootstrap` -- the CPU demo's warm start: world, tiny model, SFT (cached).
 * :mod:`.recipe` -- the demo as a ``train_async.py`` recipe: :class:`SearchR1Config` (the run config plus
   ``bootstrap`` and ``retrieval``) and :class:`SearchR1Recipe` (its hooks; see :mod:`agentrl.recipe`).
