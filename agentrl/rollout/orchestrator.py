@@ -73,6 +73,7 @@ from agentrl.rewards.base import resolve_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
+from agentrl.rollout.heap import freeze_setup_heap
 from agentrl.rollout.lockstep import LockstepSchedule
 from agentrl.rollout.loop_monitor import LoopMonitor
 from agentrl.rollout.metrics import RolloutMetrics
@@ -207,6 +208,7 @@ class Orchestrator:
         if not self._verifier_checked:
             await self.check_verifier()
         self._stopping = False
+        freeze_setup_heap()  # full collections skip the setup's objects (agentrl.rollout.heap)
         self.buffer.mark_producing()
         self.loop_monitor.start()
         self._loop_task = asyncio.create_task(self._admission_loop(), name="rollout-admission")
