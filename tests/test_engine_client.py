@@ -285,3 +285,46 @@ def test_client_can_be_reused_across_event_loops() -> None:
     assert asyncio.run(serve_and_call(c)) == [10, 11, 12]
     assert asyncio.run(serve_and_call(c)) == [10, 11, 12]
     asyncio.run(c.close())
+
+
+def test_json_helpers_agree_with_the_standard_library() -> None:
+    import json
+    import math
+
+    from agentrl.engine.client import dumps_json, loads_json
+
+    payload = {
+        "input_ids": [0, 1, 151643, 2**31],
+        "sampling_params": {"temperature": 0.7, "top_p": 1.0, "stop": ["</search>", "é 中"]},
+        "return_logprob": True,
+        "rid": None,
+    }
+    assert json.loads(dumps_json(payload)) == payload
+    answer = json.dumps({"meta_info": {"output_token_logprobs": [[-1.2345678901234567e-5, 7, None]]}})
+    assert loads_json(answer.encode()) == json.loads(answer)
+    # what only the standard library parses (a non-finite float) still parses
+    assert math.isinf(loads_json(b'{"lp": -Infinity}')["lp"])
+    with pytest.raises(ValueError):
+        loads_json(b"not json")
+
+
+async def test_generate_sends_a_json_body_of_plain_ints() -> None:
+    import numpy as np
+
+    engine = FakeEngine()
+    seen: list[str | None] = []
+    handle = engine.handle
+
+    async def record(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Content-Type"))
+        return await handle(request)
+
+    engine.handle = record  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        async with EngineClient(engine.url) as c:
+            await c.generate(list(np.array([5, 6, 7], dtype=np.int64)), SP, rid="np")
+    finally:
+        await engine.stop()
+    assert engine.bodies["/generate"][0]["input_ids"] == [5, 6, 7]
+    assert seen[-1] == "application/json"

@@ -42,6 +42,11 @@ from typing import Any
 
 import aiohttp
 
+try:  # ~8x faster than the standard library on the token-id lists every /generate carries
+    import orjson
+except ImportError:  # pragma: no cover - the standard library then; the same JSON values either way
+    orjson = None
+
 from agentrl.engine.adapters import AdapterNaming
 from agentrl.engine.types import GenerateResult, SamplingParams
 
@@ -84,6 +89,30 @@ class _Endpoint:
     adapter: str | None = None  # the LoRA adapter every /generate here names (SGLang's lora_path)
     adapter_known: bool = False  # False: ask the engine (GET /v1/models) before the next /generate
     lookup: asyncio.Task[str | None] | None = None  # that question, while it is asked
+
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def dumps_json(payload: Any) -> bytes:
+    """A request body: orjson where installed (compact), else ``json.dumps``; the same JSON values."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(payload)
+        except TypeError:  # a type orjson does not take (a subclass of str or int, ...): the slow path
+            pass
+    return json.dumps(payload).encode()
+
+
+def loads_json(raw: bytes) -> Any:
+    """An answer's body: orjson where installed, else (or for what orjson refuses, such as ``NaN``)
+    ``json.loads``. Raises ``ValueError`` when neither parses it."""
+    if orjson is not None:
+        try:
+            return orjson.loads(raw)
+        except ValueError:
+            pass
+    return json.loads(raw)
 
 
 def _normalize_url(url: str) -> str:
@@ -164,21 +193,27 @@ class EngineClient(AdapterNaming):
         session = self._get_session()
         url = ep.url + path
         t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
+        # the body serialized here (not aiohttp's json=, the standard library's encoder) and the answer
+        # read and parsed once: a /generate's JSON was a tenth of the rollout loop's time
+        data, headers = (None, None) if payload is None else (dumps_json(payload), _JSON_HEADERS)
         try:
-            async with session.request(method, url, json=payload, timeout=t) as resp:
-                text = await resp.text()
-                if resp.status >= 500:
-                    raise _Retryable(f"{method} {url} answered {resp.status}: {text[:500]}")
+            async with session.request(method, url, data=data, headers=headers, timeout=t) as resp:
+                raw = await resp.read()
                 if resp.status >= 400:
+                    text = await resp.text()
+                    if resp.status >= 500:
+                        raise _Retryable(f"{method} {url} answered {resp.status}: {text[:500]}")
                     raise EngineRequestError(
                         f"{method} {url} answered {resp.status}: {_server_message(text)}", resp.status, url
                     )
-                if not text:
+                if not raw:
                     return {}
+                if not raw.strip():  # what aiohttp's resp.json() answered for a blank body
+                    return None
                 try:
-                    return await resp.json(content_type=None)
+                    return loads_json(raw)
                 except ValueError:
-                    return text
+                    return await resp.text()
         except TimeoutError as err:
             raise EngineTimeout(
                 f"{method} {url} did not answer within {t.total:.1f}s (raise EngineClient(timeout=...))"
@@ -281,7 +316,7 @@ class EngineClient(AdapterNaming):
         (MoE models): ``meta["routed_experts"]`` holds the experts every input position was routed to
         (SGLang's field; an SGLang server needs ``--enable-return-routed-experts``)."""
         payload: dict[str, Any] = {
-            "input_ids": [int(i) for i in input_ids],
+            "input_ids": list(map(int, input_ids)),
             "sampling_params": sampling.to_sglang(),
             "return_logprob": bool(return_logprob),
             "stream": False,
