@@ -18,7 +18,9 @@ mode changes, never the order:
 * :data:`BATCH_INVARIANT_OPS` -- the kernels of :mod:`agentrl.batch_invariant`, which pick row-padded
   BLAS on a CPU or Triton on a GPU by the tensors' device: the engine's batch-invariant mode and the
   trainer's true on-policy forward, which thereby compute a token's logprob in the same order, bit for bit;
-* ``agentrl.embedded.fp8.FP8_OPS`` -- the engine's fp8 rollout: projections as fp8 records.
+* ``agentrl.embedded.fp8.FP8_OPS`` -- the engine's fp8 rollout: projections as fp8 records;
+* any of these with ``linear`` :func:`agentrl.models.lora.lora_linear` -- the engine's unmerged LoRA:
+  projections as records of the weight (or its fp8 record) and an adapter beside it.
 
 The layer lives in :mod:`agentrl.models`, beside :mod:`agentrl.models.moe`, because the engine and the
 trainer both run it: here neither imports the other. The mixture-of-experts MLP (router, experts run
@@ -210,7 +212,8 @@ class DecoderOps:
     :mod:`agentrl.batch_invariant`; ``experts`` runs a mixture-of-experts MLP's experts (None: these
     ops serve dense layers only). A ``linear`` may take weights of its own kind in a layer's projection
     fields, and ``experts`` in the experts' ``gate_up`` and ``down``: the fp8 records of
-    :mod:`agentrl.embedded.fp8` (its ``FP8_OPS``), the LM head and the router staying tensors."""
+    :mod:`agentrl.embedded.fp8` (its ``FP8_OPS``), the LM head and the router staying tensors; and the
+    unmerged LoRA records of :mod:`agentrl.models.lora` around either (``linear`` its ``lora_linear``)."""
 
     linear: Callable[..., Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
