@@ -1,8 +1,15 @@
 """LoRA weight sync to the embedded engine on CPU (fp32): after a trained step only the adapters travel
-(in memory, as a PEFT dir, by broadcast), the engine merges them into a kept copy of its base weights,
-and its greedy generations and logprobs equal those of an engine that loaded the trainer's merged
-weights from disk; each adapter merges from the base, not on top of the last; unloading gives the base
-model back."""
+(in memory, as a PEFT dir, by broadcast) to two engines at once, one per ``--lora-apply``:
+
+* the merging engine merges them into a kept copy of its base weights, and its greedy generations and
+  logprobs equal, bit for bit, those of an engine that loaded the trainer's merged weights from disk; each
+  adapter merges from the base, not on top of the last;
+* the unmerged engine serves ``x W^T + (x A^T) (s · B)^T`` beside untouched weights: the same greedy
+  tokens, logprobs within :data:`UNMERGED_TOL` of the merging engine's (the two orders of the same sums in
+  fp32), and the trainer's unmerged forward scores its tokens within 1e-4, as it scores the merging
+  engine's;
+
+and unloading gives each the base model back, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [64, 65, 66, 67, 68, 69, 70]]
+# fp32 on a CPU: an unmerged engine's logprobs against a merging one's (measured: a few 1e-7)
+UNMERGED_TOL = 1e-5
 
 
 @pytest.fixture
@@ -63,14 +72,51 @@ async def _merged_engine_answers(trainer, out_dir: Path) -> list[tuple[list[int]
         server.stop()
 
 
-async def test_adapter_sync_equals_merged_weights(trainer, tiny_model_dir: Path, tmp_path: Path) -> None:
-    server = start_embedded_server(tiny_model_dir)
-    client = EngineClient(server.url)
+def _close(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> float:
+    """The largest logprob gap of two engines' greedy answers, which must hold the same tokens."""
+    assert [ids for ids, _ in a] == [ids for ids, _ in b]
+    return max(abs(x - y) for (_, u), (_, v) in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+def _scored_by_trainer(trainer, answers: list[tuple[list[int], list[float]]]) -> float:
+    """The largest gap between the engine's logprobs of its tokens and the trainer's."""
+    trajs = []
+    for p, (ids, lps) in zip(PROMPTS, answers, strict=True):
+        t = Trajectory(task_id="t", group_id="g", prompt_ids=p)
+        t.append_model_tokens(ids, lps, 1)
+        trajs.append(t)
+    gaps = [
+        abs(a - b)
+        for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True)
+        for a, b in zip(lp, t.rollout_logprobs, strict=True)
+    ]
+    return max(gaps)
+
+
+async def test_adapter_sync_merged_and_unmerged(trainer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    merging = start_embedded_server(tiny_model_dir, extra_args=["--lora-apply", "merged"])
+    unmerged = start_embedded_server(tiny_model_dir)  # the default; its buffers made at the first adapter
+    both = EngineClient([merging.url, unmerged.url])
+    merged_c, unmerged_c = EngineClient(merging.url), EngineClient(unmerged.url)
+    clients = (both, merged_c, unmerged_c)
     try:
-        base_answers = await _greedy(client)
+        base_answers = await _greedy(merged_c)
+        assert await _greedy(unmerged_c) == base_answers
+
+        async def check(version: int, out_dir: Path) -> None:
+            merged, unmerged = await _greedy(merged_c), await _greedy(unmerged_c)
+            assert merged == await _merged_engine_answers(trainer, out_dir)  # bit for bit
+            assert _close(unmerged, merged) <= UNMERGED_TOL
+            # the trainer's unmerged forward scores either engine's tokens alike, to rounding
+            assert _scored_by_trainer(trainer, merged) <= 1e-4
+            assert _scored_by_trainer(trainer, unmerged) <= 1e-4
+            assert [lp for _, lp in unmerged] != [lp for _, lp in base_answers]  # the adapters changed it
+            for c in (merged_c, unmerged_c):
+                res = await c.generate(PROMPTS[0], SamplingParams(max_new_tokens=1, temperature=0.0))
+                assert res.weight_version == str(version)
 
         _step(trainer, seed=1)
-        await trainer.connect_engines("tensor", client)
+        await trainer.connect_engines("tensor", both)
         assert await trainer.sync_weights() == 1
         stats = trainer.last_sync_stats
         # the figures a colocated step reads off a tensor push (agentrl.colocation)
@@ -79,53 +125,44 @@ async def test_adapter_sync_equals_merged_weights(trainer, tiny_model_dir: Path,
         full_bytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
         assert stats["num_bytes"] == sum(t.numel() * t.element_size() for t in adapters.values())
         assert stats["num_bytes"] < full_bytes / 10
-        synced = await _greedy(client)
-        # the trainer's unmerged forward scores the engine's tokens alike, to rounding
-        trajs = []
-        for p, (ids, lps) in zip(PROMPTS, synced, strict=True):
-            t = Trajectory(task_id="t", group_id="g", prompt_ids=p)
-            t.append_model_tokens(ids, lps, 1)
-            trajs.append(t)
-        for t, lp in zip(trajs, trainer.compute_logprobs(trajs), strict=True):
-            assert max(abs(a - b) for a, b in zip(lp, t.rollout_logprobs, strict=True)) <= 1e-4
-        assert synced == await _merged_engine_answers(trainer, tmp_path / "merged_v1")
-        assert [lp for _, lp in synced] != [lp for _, lp in base_answers]  # the adapters changed the model
+        await check(1, tmp_path / "merged_v1")
         assert await trainer.disconnect_engines()
 
         # a second adapter, from disk: merged from the base weights, not on top of the first
         _step(trainer, seed=2)
-        await trainer.connect_engines("disk", client, out_dir=tmp_path / "adapter")
+        await trainer.connect_engines("disk", both, out_dir=tmp_path / "adapter")
         assert await trainer.sync_weights() == 2
         assert {p.name for p in (tmp_path / "adapter").iterdir()} == {
             "adapter_config.json",
             "adapter_model.safetensors",
         }
-        res = await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=1, temperature=0.0))
-        assert res.weight_version == "2"
-        assert await _greedy(client) == await _merged_engine_answers(trainer, tmp_path / "merged_v2")
+        await check(2, tmp_path / "merged_v2")
         assert await trainer.disconnect_engines()
 
         # a third, broadcast (gloo): one bucket of adapters, B scaled, the same bits again
         _step(trainer, seed=3)
-        await trainer.connect_engines("distributed", client)
+        await trainer.connect_engines("distributed", both, num_engine_ranks=2)
         assert await trainer.sync_weights() == 3
         assert trainer.last_sync_stats["num_buckets"] == 1
         assert trainer.last_sync_stats["num_bytes"] == stats["num_bytes"]
-        assert await _greedy(client) == await _merged_engine_answers(trainer, tmp_path / "merged_v3")
+        await check(3, tmp_path / "merged_v3")
         assert await trainer.disconnect_engines()
 
         # unloading puts the base back; unknown adapters and bad dirs are refused with a message
         with pytest.raises(EngineRequestError, match="no adapter 'other' is loaded"):
-            await client._all("POST", "/unload_lora_adapter", {"lora_name": "other"})
+            await both._all("POST", "/unload_lora_adapter", {"lora_name": "other"})
         # (a broadcast adapter has no name of its own: the engine calls it "broadcast")
-        await client._all("POST", "/unload_lora_adapter", {"lora_name": "broadcast"})
-        assert await _greedy(client) == base_answers
+        await both._all("POST", "/unload_lora_adapter", {"lora_name": "broadcast"})
+        assert await _greedy(merged_c) == base_answers
+        assert await _greedy(unmerged_c) == base_answers
         with pytest.raises(EngineRequestError, match="not a PEFT adapter dir"):
-            await client.load_lora_adapter("x", str(tmp_path / "merged_v1"))
+            await both.load_lora_adapter("x", str(tmp_path / "merged_v1"))
     finally:
         await trainer.disconnect_engines()
-        await client.close()
-        server.stop()
+        for c in clients:
+            await c.close()
+        merging.stop()
+        unmerged.stop()
 
 
 def test_lora_needs_the_embedded_engine() -> None:

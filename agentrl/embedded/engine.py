@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from agentrl.embedded import fp8
-from agentrl.embedded.lora import AdapterEndpoints, MergedAdapter, is_adapter_tensor
+from agentrl.embedded.lora import AdapterEndpoints, is_adapter_tensor
 from agentrl.embedded.memory import TAGS, EngineMemory, MemoryMode
 from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
@@ -74,6 +74,8 @@ class EmbeddedEngine(AdapterEndpoints):
         memory_mode: MemoryMode = "auto",
         batch_invariant: bool = False,
         quantization: str | None = None,
+        lora_apply: str = "unmerged",
+        max_lora_rank: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,7 +124,9 @@ class EmbeddedEngine(AdapterEndpoints):
         self.paused_mode: str | None = None
         self._sleeping = False  # from the start of a release until every tag is resumed
         self.groups = WeightGroups(self.device)
-        self.lora = MergedAdapter()  # a LoRA adapter merged into the weights, and their base copies
+        # LoRA adapters applied merged or unmerged (.lora), unmerged ones in buffers of max_lora_rank (0: made
+        # at the first adapter); and the weights' memory tag, which holds those buffers too
+        self._device_thread.submit(self._init_adapters, lora_apply, max_lora_rank).result()
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
         if quantization is not None:  # seconds the last quantization of the weights took (load or update)
             self.stats["quantize_s"] = self._quantize_s
@@ -191,10 +195,6 @@ class EmbeddedEngine(AdapterEndpoints):
             kv_region=(lambda: self.memory.region("kv_cache")) if self.memory.mode == "virtual" else None,
         )
         self._quantize_s = time.perf_counter() - t0 if self.quantization else 0.0  # the runner quantizes
-        # the fp8 copies of the projections (quantization) go and come back with the weights they copy
-        self.memory.register(
-            "weights", [*self.model.parameters(), *fp8.quantized_tensors(self.runner.weights)]
-        )
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
         return slots
@@ -466,15 +466,14 @@ class EmbeddedEngine(AdapterEndpoints):
         if abort_all:
             self.abort(None)
         async with self._drain.write(), self.scheduler.step_lock:
-            await self._on_device(self._then_requantize, apply)
+            await self._on_device(apply)
             if flush:
                 self.scheduler.flush_prefix_cache()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
-    def _then_requantize(self, apply: Callable[[], object]) -> None:
-        """Device thread: ``apply`` (it writes the weights), then the fp8 copies quantized from them again."""
-        apply()
+    def _requantize(self) -> None:
+        """Device thread: after an update wrote the weights, the fp8 copies quantized from them again."""
         if self.quantization is not None:
             self.stats["quantize_s"] = fp8.requantize(self.runner.weights)
 
@@ -507,8 +506,7 @@ class EmbeddedEngine(AdapterEndpoints):
             check_weights(self.model, tensors)
 
             def apply() -> None:
-                copy_weights(self.model, tensors)
-                self.lora.forget(list(tensors))
+                self._replace_weights(tensors)
                 if self.device.type == "cuda":  # done reading the sender's memory before it is freed
                     torch.cuda.synchronize(self.device)
 
@@ -579,7 +577,7 @@ class EmbeddedEngine(AdapterEndpoints):
             if not all(adapter):
                 raise EngineBadRequest("an update holds LoRA tensors and weights together; send them apart")
             scaled = {"r": 1, "lora_alpha": 1.0}
-            await self._merge_adapter("broadcast", scaled, tensors, abort_all, weight_version, flush)
+            await self._apply_adapter("broadcast", scaled, tensors, abort_all, weight_version, flush)
             return
         check_weights(self.model, tensors)
         await self._update(lambda: self._replace_weights(tensors), abort_all, weight_version, flush)
@@ -587,6 +585,7 @@ class EmbeddedEngine(AdapterEndpoints):
     def _replace_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         copy_weights(self.model, tensors)
         self.lora.forget(list(tensors))  # these are the new base weights
+        self._requantize()
 
 
 __all__ = [

@@ -38,6 +38,7 @@ from agentrl.embedded.slot_copy import copy_slots
 from agentrl.models.decoder import (
     BATCH_INVARIANT_OPS,
     TORCH_OPS,
+    DecoderOps,
     Experts,
     LayerWeights,
     experts_sorted,
@@ -197,6 +198,7 @@ class ModelRunner:
         if quantization is not None:  # weights_region: where the copies live (released with the weights)
             with weights_region() if weights_region is not None else contextlib.nullcontext():
                 self.weights = fp8.quantized_layers(quantization, self.weights, batch_invariant, self.device)
+        self.served = self.weights  # what the forward runs: these, or LoRA records over them (.serve)
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
@@ -262,12 +264,8 @@ class ModelRunner:
         self.ops = BATCH_INVARIANT_OPS if batch_invariant else TORCH_OPS
         if quantization == "fp8":
             self.ops = fp8.FP8_OPS
-        self._pre, self._post, self._attn, self._head = (
-            pre_attention,
-            post_attention,
-            decode_attention,
-            lm_head,
-        )
+        self._pre, self._post = pre_attention, post_attention
+        self._attn, self._head = decode_attention, lm_head
         self.compiled = compile and self.device.type == "cuda" and not batch_invariant
         if self.compiled:
             self._pre, self._attn, self._head = (
@@ -378,7 +376,7 @@ class ModelRunner:
 
         x = self.inner.embed_tokens(ids)
         qpos = torch.where(valid, pos, 0)  # padding queries attend to key 0 only (their output is dropped)
-        for i, w in enumerate(self.weights):
+        for i, w in enumerate(self.served):
             q, k, v = self._pre_attention(x, w, cos, sin)
             self.k[i][slots[:, None], :, write] = k
             self.v[i][slots[:, None], :, write] = v
@@ -464,7 +462,7 @@ class ModelRunner:
         cos, sin = self.cos[pos_d], self.sin[pos_d]
         self._route_at = (slot_d, pos_d)  # MoE routing goes where the KV goes
         x = self.inner.embed_tokens(ids_d)  # [tokens, hidden]
-        for i, w in enumerate(self.weights):
+        for i, w in enumerate(self.served):
             q, k, v = self._pre_attention(x, w, cos, sin)
             self.k[i][slot_d, :, pos_d] = k
             self.v[i][slot_d, :, pos_d] = v
@@ -495,7 +493,7 @@ class ModelRunner:
         apos = pos.masked_fill(pos >= self.context_len, 0)  # padding rows (scratch column) read key 0 only
         self._route_at = (rows, pos)  # MoE routing goes where the KV goes
         x = self.inner.embed_tokens(ids)
-        for i, w in enumerate(self.weights):
+        for i, w in enumerate(self.served):
             q, k, v = self._pre_attention(x, w, cos, sin)
             self.k[i][rows, :, pos] = k  # KV writes stay outside compiled code: no copy of the cache
             self.v[i][rows, :, pos] = v
@@ -561,6 +559,12 @@ class ModelRunner:
         if self._pool is None:
             self._pool = graph.pool()
         return graph
+
+    def serve(self, layers: list[LayerWeights], ops: DecoderOps) -> None:
+        """Run ``layers`` over ``ops`` from now on (unmerged LoRA's records over :attr:`weights`:
+        agentrl.embedded.lora); the graphs captured over the old ones go."""
+        self.served, self.ops = layers, ops
+        self.drop_graphs()
 
     def drop_graphs(self) -> None:
         """Forget the captured decode and prefill graphs (their memory moved: see

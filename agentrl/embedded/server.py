@@ -32,6 +32,7 @@ from pathlib import Path
 from aiohttp import web
 
 from agentrl.embedded.engine import EmbeddedEngine
+from agentrl.embedded.lora import LORA_APPLY
 from agentrl.embedded.native_api import ENGINE_NAME, build_app
 from agentrl.engine._proc import ServerProcess, ServerStartError, is_loopback
 
@@ -104,6 +105,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "again after every weight update (agentrl.embedded.fp8); needs compute capability 8.9+ on a GPU",
     )
     p.add_argument(
+        "--lora-apply",
+        default="unmerged",
+        choices=list(LORA_APPLY),
+        help="how a LoRA adapter (/load_lora_adapter...) is served: unmerged = beside the weights, "
+        "x W^T + s (x A^T) B^T as the trainer computes it, a sync copying only the adapters into buffers "
+        "of --max-lora-rank; merged = W + s B A written into the weights from host copies of the base "
+        "(agentrl.embedded.lora)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=0,
+        help="unmerged LoRA: the adapter buffers' rank, made at start so the CUDA graphs include them "
+        "(0: made at the first adapter; a larger adapter makes them again and drops the graphs)",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -173,6 +190,8 @@ async def _serve(args: argparse.Namespace) -> None:
         memory_mode=args.memory_mode,
         batch_invariant=args.batch_invariant,
         quantization=args.quantization,
+        lora_apply=args.lora_apply,
+        max_lora_rank=args.max_lora_rank,
     )
     if args.warmup_len:
         t0 = time.perf_counter()
