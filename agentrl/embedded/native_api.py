@@ -40,9 +40,9 @@ Semantics worth knowing (all as SGLang, unless marked):
   (:mod:`agentrl.engine.named_tensors`).
 * ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT dir), ``/load_lora_adapter_from_tensors``
   (``lora_name``, ``config_dict``, ``serialized_tensors``, ``load_format``) and ``/unload_lora_adapter``
-  take SGLang's names, but the adapter is merged into the served weights (one adapter at a time, used by
-  every request; a copy of the base weights stays in host memory), and a load takes ``weight_version`` like a
-  weight update (:mod:`agentrl.embedded.lora`). SGLang serves adapters by name per request instead.
+  take SGLang's names, but the adapter is applied to every request, one adapter at a time, beside the
+  weights or merged into them (``--lora-apply``), and a load takes ``weight_version`` like a weight update
+  (:mod:`agentrl.embedded.lora`). SGLang serves adapters by name per request instead.
 * With an API key, every endpoint except ``/health`` and ``/health_generate`` requires
   ``Authorization: Bearer KEY``.
 """
