@@ -147,6 +147,8 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
         extra = ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
         if cfg.deterministic or cfg.trainer.true_on_policy:  # batch-invariant kernels: a request's bits do
             extra += ["--batch-invariant"]  # not depend on what else the engine batches (nor the trainer's)
+        if cfg.trainer.lora is not None:  # adapters served as engine.lora_apply says, buffers of their rank
+            extra += ["--lora-apply", e.lora_apply, "--max-lora-rank", str(cfg.trainer.lora.rank)]
         if e.quantization:  # fp8 weights, quantized again at every update (agentrl.embedded.fp8)
             extra += ["--quantization", e.quantization]
         return functools.partial(

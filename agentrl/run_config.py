@@ -74,6 +74,13 @@ class EngineSetupConfig(ConfigModel):
         "same arithmetic unfused; sglang: --quantization fp8). Not with deterministic or "
         "trainer.true_on_policy",
     )
+    lora_apply: Literal["unmerged", "merged"] = Field(
+        "unmerged",
+        description="embedded, with trainer.lora: how the engines serve the synced adapters. unmerged: beside "
+        "the weights, x W^T + s (x A^T) B^T as the trainer computes it, a sync copying only the adapters into "
+        "buffers of trainer.lora.rank (a few % more work per token); merged: W + s B A written into the "
+        "weights from host copies of the base, a sync moving every adapted weight (no work per token)",
+    )
     urls: list[str] = Field(default_factory=list, description="external: engine or sglang-router URLs")
     router: bool = Field(
         False,

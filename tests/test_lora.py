@@ -42,7 +42,7 @@ def _trainer(model_dir: Path, **kw):
         ),
         (
             ["trainer.lora.rank=8", "deterministic=true"],
-            "deterministic: not with trainer.lora: the engines run merged",
+            "deterministic: not with trainer.lora: the engines apply the adapters",
         ),
         (
             ["trainer.lora.dropout=0.1", "trainer.tp=2", "trainer_world_size=2"],

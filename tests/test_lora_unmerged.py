@@ -11,7 +11,8 @@
 * Buffers are made at the first adapter when no rank was given, and again, larger, for a larger one; a
   full weight update serves the new weights alone; the buffers go and come back with the weights' memory;
   with fp8 the base stays quantized as it was (no requantization at an adapter sync).
-* An adapter on a weight that is no layer projection is refused naming ``--lora-apply merged``.
+* An adapter on a weight that is no layer projection is refused naming ``--lora-apply merged``; the run's
+  ``engine.lora_apply`` and ``trainer.lora.rank`` reach the engines it starts.
 """
 
 from __future__ import annotations
@@ -274,3 +275,17 @@ async def test_unmerged_refuses_an_adapter_beside_no_projection(tiny_model_dir: 
         assert engine.lora.name is None and engine.lora.rank == 0
     finally:
         engine.shutdown()
+
+
+def test_engine_lora_apply_and_rank_reach_the_engines_a_run_starts() -> None:
+    from agentrl.placement import engine_starter
+    from agentrl.recipe import load_run_config
+
+    run = ["model_path=/m", "data.path=/d", "env.name=math"]
+    cfg = load_run_config(None, [*run, "trainer.lora.rank=8"])
+    assert cfg.engine.lora_apply == "unmerged"
+    args = engine_starter(cfg, "/m", 0).keywords["extra_args"]
+    assert args[args.index("--lora-apply") :][:4] == ["--lora-apply", "unmerged", "--max-lora-rank", "8"]
+    merged = load_run_config(None, [*run, "trainer.lora.rank=8", "engine.lora_apply=merged"])
+    assert "merged" in engine_starter(merged, "/m", 0).keywords["extra_args"]
+    assert "--lora-apply" not in engine_starter(load_run_config(None, run), "/m", 0).keywords["extra_args"]

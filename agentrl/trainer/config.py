@@ -68,8 +68,9 @@ class LoRAConfig(ConfigModel):
 
 
 LORA_NOT_EXACT = (
-    "{field}: not with trainer.lora: the engines run merged weights (W + s*B@A) while the trainer runs "
-    "W x + s*B(A x), which differ in the last bits, so the run cannot be exact"
+    "{field}: not with trainer.lora: the engines apply the adapters with kernels of their own (unmerged or "
+    "merged: engine.lora_apply), whose last bits differ from the trainer's W x + s*B(A x), so the run "
+    "cannot be exact"
 )
 
 
