@@ -7,15 +7,22 @@ after one warm-up on the same synthetic batches, then gathers what a sync pushes
 weights, or the PEFT-named adapters) and, with ``--engine``, pushes it in memory (``weight_sync:
 tensor``) to an embedded engine started on the same device after the steps (its KV cache held to
 ``--engine-mem-fraction`` of the free memory), three times, and checks that the engine serves the new
-version. A mode that runs out of GPU memory is reported as ``"fits": false`` with the error's first line:
-a full fine-tune of the 7B shape does not fit one 80 GB GPU (bf16 weights and gradients, fp32 master
-weights and two Adam moments: 16 bytes a parameter), its LoRA does.
+version; it also times greedy generation (``--gen-requests`` requests of ``--gen-tokens`` tokens at once)
+before the first sync and after the last. LoRA does this once per ``--lora-apply`` (default both, one
+engine after the other, each with buffers of ``--rank`` as a run starts them): ``unmerged`` serves the
+adapters beside the weights, a sync copying them into buffers; ``merged`` merges them into the weights
+from host copies of the base (:mod:`agentrl.embedded.lora`). A mode that runs out of GPU memory is
+reported as ``"fits": false`` with the error's first line: a full fine-tune of the 7B shape does not fit
+one 80 GB GPU (bf16 weights and gradients, fp32 master weights and two Adam moments: 16 bytes a
+parameter), its LoRA does.
 
     python bench/lora.py --device cuda --shape qwen2.5-7b --engine        # one GPU
-    python bench/lora.py --device cuda --shape smollm2-135m --engine
+    python bench/lora.py --device cuda --shape smollm2-135m --engine --rank 32
+    python bench/lora.py --shape smollm2-135m --engine --rank 32 --steps 1   # CPU, a real model's shape
     python bench/lora.py                                                 # CPU: the tiny model (CI)
 
-Prints ONE JSON line: the two modes side by side and ``lora_over_full`` ratios where both fit.
+Prints ONE JSON line: the two modes side by side, ``lora_over_full`` ratios where both fit, and with both
+LoRA applies ``unmerged_over_merged`` (sync and generation).
 """
 
 from __future__ import annotations
@@ -142,7 +149,24 @@ async def _train_and_sync(a: argparse.Namespace, model_dir: Path) -> dict[str, A
 
 
 async def _engine_sync(a: argparse.Namespace, trainer: Any, model_dir: Path) -> dict[str, Any]:
-    """Three in-memory syncs to an embedded engine on the same device; the version it then serves."""
+    """Full fine-tuning: the syncs to one engine. LoRA: to one engine per ``--lora-apply``, one after the
+    other; the figures of the first (unmerged by default) at the top, every one under ``lora_apply``."""
+    if a.mode == "full":
+        return await _engine_syncs(a, trainer, model_dir, [])
+    applies = ["unmerged", "merged"] if a.lora_apply == "both" else [a.lora_apply]
+    by_apply = {}
+    for apply in applies:
+        by_apply[apply] = await _engine_syncs(
+            a, trainer, model_dir, ["--lora-apply", apply, "--max-lora-rank", str(a.rank)]
+        )
+    return {**by_apply[applies[0]], "lora_apply": by_apply}
+
+
+async def _engine_syncs(
+    a: argparse.Namespace, trainer: Any, model_dir: Path, args: list[str]
+) -> dict[str, Any]:
+    """Three in-memory syncs to an embedded engine on the same device, their times (the trainer's gather
+    and push apart), the version it then serves, and its generation speed before and after."""
     import httpx
 
     from agentrl.embedded.server import start_embedded_server
@@ -151,29 +175,56 @@ async def _engine_sync(a: argparse.Namespace, trainer: Any, model_dir: Path) -> 
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.empty_cache()  # the engine sizes its KV cache from the memory free now
+        args = [*args, "--mem-fraction", str(a.engine_mem_fraction)]
     server = start_embedded_server(
-        model_dir, device=a.device, dtype="bfloat16" if cuda else "float32", timeout=900,
-        extra_args=["--mem-fraction", str(a.engine_mem_fraction)] if cuda else [],
+        model_dir, device=a.device, dtype="bfloat16" if cuda else "float32", timeout=900, extra_args=args,
+        max_batch_size=max(a.gen_requests, 8),
     )  # fmt: skip
     client = EngineClient(server.url, timeout=3600)
     try:
+        before = await _generation_speed(a, client, min(trainer.arch.vocab_size, 150000))
         await trainer.connect_engines("tensor", client)
-        times = []
+        times, gather, push = [], [], []
         for _ in range(3):
             t0 = time.perf_counter()
             version = await trainer.sync_weights()
             times.append(time.perf_counter() - t0)
+            gather.append(trainer.last_sync_stats["gather_seconds"])
+            push.append(trainer.last_sync_stats["seconds"])
         async with httpx.AsyncClient() as http:
             served = (await http.get(server.url + "/get_weight_version")).json()["weight_version"]
         return {
             "sync_s": statistics.median(times),
+            "sync_gather_s": statistics.median(gather),
+            "sync_push_s": statistics.median(push),
             "engine_weight_version": served,
             "pushed_version": version,
+            "gen_tok_s_before_sync": before,
+            "gen_tok_s": await _generation_speed(a, client, min(trainer.arch.vocab_size, 150000)),
         }
     finally:
         await trainer.disconnect_engines()
         await client.close()
         server.stop()
+
+
+async def _generation_speed(a: argparse.Namespace, client: Any, vocab: int) -> float:
+    """New tokens a second of ``--gen-requests`` greedy requests of ``--gen-tokens`` tokens sent at once: the
+    best of ``--gen-rounds`` rounds after one round of warm-up (the first rounds of a fresh engine, and any
+    round another process shares the cores with, run slower)."""
+    import random
+
+    from agentrl.engine.types import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(a.gen_requests)]
+    sampling = SamplingParams(max_new_tokens=a.gen_tokens, temperature=0.0, ignore_eos=True)
+    rates = []
+    for _ in range(1 + a.gen_rounds):
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(client.generate(p, sampling) for p in prompts))
+        rates.append(sum(len(r.output_ids) for r in results) / (time.perf_counter() - t0))
+    return max(rates[1:])
 
 
 def main() -> None:
@@ -192,6 +243,17 @@ def main() -> None:
     p.add_argument(
         "--engine-mem-fraction", type=float, default=0.3, help="the engine's KV cache share (cuda)"
     )
+    p.add_argument(
+        "--lora-apply",
+        default="both",
+        choices=["both", "unmerged", "merged"],
+        help="how the LoRA engine serves the adapters (engine.lora_apply); both: one engine each",
+    )
+    p.add_argument(
+        "--gen-requests", type=int, default=None, help="requests generated at once (8 cpu, 64 cuda)"
+    )
+    p.add_argument("--gen-tokens", type=int, default=None, help="new tokens a request (64 cpu, 256 cuda)")
+    p.add_argument("--gen-rounds", type=int, default=5, help="timed generation rounds (the best counts)")
     p.add_argument("--mode", default=None, choices=["full", "lora"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -200,6 +262,8 @@ def main() -> None:
     a.batch = a.batch or (16 if cuda else 8)
     a.prompt_len = a.prompt_len or (256 if cuda else 16)
     a.response_len = a.response_len or (768 if cuda else 32)
+    a.gen_requests = a.gen_requests or (64 if cuda else 8)
+    a.gen_tokens = a.gen_tokens or (256 if cuda else 64)
     if a.mode is not None:  # a worker: one mode, one JSON line
         print(json.dumps(run_mode(a, Path(a.model_dir))), flush=True)
         return
@@ -233,6 +297,10 @@ def main() -> None:
                 for k in ("trainable_params", "step_s", "sync_bytes", "sync_s", "peak_mem_gb")
                 if full.get(k) and lora.get(k) is not None
             }
+        applies = lora.get("lora_apply") or {}
+        if {"unmerged", "merged"} <= set(applies):
+            u, m = applies["unmerged"], applies["merged"]
+            result["unmerged_over_merged"] = {k: u[k] / m[k] for k in ("sync_s", "sync_push_s", "gen_tok_s")}
         print(json.dumps(result), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
