@@ -10,10 +10,16 @@ embeddings), 4 of them, the tiny tokenizer's vocabulary and random bf16 weights.
 * The trainer of ``examples/search_r1/config_gpu.yaml`` (packed sequences, compiled layers off and on, an
   offload and onload as colocation does each step): DDP's buffers hold the adapters only, a backward
   puts a gradient in every adapter's ``main_grad`` and none on a frozen weight, the steps train.
-* Adapters synced in memory (``tensor``) to an embedded engine on the GPU: only the adapters' bytes
-  travel; the engine's greedy tokens and logprobs equal, bit for bit, those of an engine that loaded the
-  trainer's merged weights from disk (merged on the GPU, as the engine merges), after each of two syncs;
-  unloading gives the base answers back. ``save_hf``'s merge, on the CPU, is within one bf16 step.
+* Adapters synced in memory (``tensor``) to two embedded engines on the GPU at once, one per
+  ``--lora-apply``: only the adapters' bytes travel; the merging engine's greedy tokens and logprobs
+  equal, bit for bit, those of an engine that loaded the trainer's merged weights from disk (merged on the
+  GPU, as the engine merges), after each of two syncs; the unmerged engine's agree with them to bf16
+  rounding (see :func:`_bf16_agree`), and the trainer scores either's tokens alike; unloading gives the
+  base answers back. ``save_hf``'s merge, on the CPU, is within one bf16 step.
+* Unmerged adapters under CUDA graphs (in-process engines): a second adapter copied in place into the
+  buffers the graphs read, with no graph captured again, serves the bits of an engine that only ever had
+  the second; the buffers keep their addresses; unloading gives the base bits back; over an fp8 base, an
+  adapter sync quantizes nothing again.
 * The PEFT dir of a checkpoint trained on the GPU, loaded by ``peft`` into the transformers model on the
   GPU in fp32, gives the trainer's logprobs to bf16 rounding (skipped, saying so, only where ``peft``,
   a test extra, is not installed).
@@ -44,6 +50,12 @@ SMOL_LAYERS = {**{k: v for k, v in SMOLLM2_135M.items() if k != "vocab_size"}, "
 SEARCH_R1_GPU = Path(__file__).resolve().parent.parent / "examples" / "search_r1" / "config_gpu.yaml"
 ENGINE_ARGS = ["--mem-fraction", "0.05", "--context-len", "512", "--warmup-len", "128", "--no-compile"]
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [64, 65, 66, 67, 68, 69, 70], [600, 3, 511, 77]]
+# bf16: an unmerged engine against a merging one, over the tokens both chose alike. The merged weight
+# W + s·B@A is rounded to bf16 (a relative 2^-9 per value) where the unmerged engine rounds W x and
+# s·B(A x) apart: differences of that order per layer, a few 1e-2 in a logprob after 4 layers, as two bf16
+# stacks of one model differ (tests/test_gpu.py bounds the engine against the trainer at 2e-2 for a random
+# 0.5B shape); 0.1 leaves room and still catches a wrong adapter, which moves logprobs by about 1
+BF16_LOGPROB_TOL = 0.1
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -205,30 +217,66 @@ def _bf16_steps(x: torch.Tensor, y: torch.Tensor) -> int:
     return int((ordered(x) - ordered(y)).abs().max())
 
 
-async def test_adapter_sync_to_gpu_engine_equals_merged_weights(smol_dir: Path, tmp_path: Path) -> None:
+def _bf16_agree(x: list[tuple[list[int], list[float]]], y: list[tuple[list[int], list[float]]]) -> float:
+    """The largest logprob gap of two engines' greedy answers over the tokens both chose alike (bf16 may
+    tip a near tie the other way, after which the answers part); at least half the tokens must agree."""
+    gaps, same = [], 0
+    for (ids_x, lps_x), (ids_y, lps_y) in zip(x, y, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(ids_x, ids_y, strict=True)) if a != b), len(ids_x))
+        same += n
+        gaps += [abs(a - b) for a, b in zip(lps_x[: n + 1], lps_y[: n + 1], strict=False)]  # the fork's too
+    assert same >= sum(len(ids) for ids, _ in x) // 2, (x, y)
+    return max(gaps)
+
+
+def _scored_by_trainer(tr, answers: list[tuple[list[int], list[float]]]) -> list[float]:
+    """Per token, the gap between the engine's logprob and the trainer's of the same tokens."""
+    from agentrl.types import Trajectory
+
+    trajs = []
+    for p, (ids, lps) in zip(PROMPTS, answers, strict=True):
+        t = Trajectory(task_id="t", group_id="g", prompt_ids=p)
+        t.append_model_tokens(ids, lps, 1)
+        trajs.append(t)
+    lps = tr.compute_logprobs(trajs)
+    return [
+        abs(a - b)
+        for t, lp in zip(trajs, lps, strict=True)
+        for a, b in zip(lp, t.rollout_logprobs, strict=True)
+    ]
+
+
+async def test_adapter_sync_to_gpu_engines_merged_and_unmerged(smol_dir: Path, tmp_path: Path) -> None:
     from agentrl.embedded.lora import is_adapter_tensor
     from agentrl.trainer.model import save_hf_dir
     from agentrl.trainer.weight_sync import LORA_NAME
 
     tr = _trainer(smol_dir, lr=5e-2, micro_batch_size=4, lora=LORA)
 
-    def start():
-        return start_embedded_server(
-            smol_dir, device=DEVICE, dtype="bfloat16", max_batch_size=8, extra_args=ENGINE_ARGS
+    def start(*args: str):
+        return lambda: start_embedded_server(
+            smol_dir, device=DEVICE, dtype="bfloat16", max_batch_size=8, extra_args=[*ENGINE_ARGS, *args]
         )
 
-    started = await asyncio.gather(asyncio.to_thread(start), asyncio.to_thread(start), return_exceptions=True)
+    merging_args = ["--lora-apply", "merged"]
+    unmerged_args = ["--lora-apply", "unmerged", "--max-lora-rank", str(LORA["rank"])]
+    started = await asyncio.gather(
+        *(asyncio.to_thread(start(*args)) for args in (merging_args, unmerged_args, merging_args)),
+        return_exceptions=True,
+    )
     servers = [s for s in started if not isinstance(s, BaseException)]
     try:
         for s in started:
             if isinstance(s, BaseException):
                 raise s
-        # `synced` gets the adapters in memory; `merged` loads the trainer's merged weights from disk
-        synced, merged = (EngineClient(s.url, timeout=300) for s in servers)
+        # `synced` and `unmerged` get the adapters in memory; `merged` loads the trainer's merged weights
+        synced, unmerged, merged = (EngineClient(s.url, timeout=300) for s in servers)
+        both = EngineClient([servers[0].url, servers[1].url], timeout=300)
         try:
             base = await _greedy(synced)
             assert await _greedy(merged) == base  # two engines of the same weights: the same bits
-            await tr.connect_engines("tensor", synced)
+            assert await _greedy(unmerged) == base  # B zero in its buffers: exact zeros added
+            await tr.connect_engines("tensor", both)
             for version in (1, 2):
                 trajs = _batch(tr.arch.vocab_size, seed=version)
                 offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))
@@ -250,6 +298,21 @@ async def test_adapter_sync_to_gpu_engine_equals_merged_weights(smol_dir: Path, 
                 # bit for bit, also after the second sync: each adapter merges into the kept base weights
                 assert answers == await _greedy(merged), version
                 assert [lp for _, lp in answers] != [lp for _, lp in base]  # the adapters changed the model
+                # unmerged: the same model to bf16 rounding, scored by the trainer alike
+                beside = await _greedy(unmerged)
+                gap = _bf16_agree(beside, answers)
+                to_trainer = {
+                    k: _scored_by_trainer(tr, a) for k, a in (("merged", answers), ("unmerged", beside))
+                }
+                print(
+                    f"v{version} unmerged vs merged engine: max {gap:.4f}; vs the trainer: "
+                    + ", ".join(
+                        f"{k} mean {sum(g) / len(g):.4f} max {max(g):.4f}" for k, g in to_trainer.items()
+                    )
+                )
+                assert gap <= BF16_LOGPROB_TOL
+                mean = {k: sum(g) / len(g) for k, g in to_trainer.items()}
+                assert mean["unmerged"] <= max(2 * mean["merged"], 2e-2)
 
                 # save_hf merges on the CPU, whose fp32 product of B and A may differ in its last bits
                 # from the GPU's: after the rounding to bf16, by one step (2^-7 relative) at most
@@ -261,16 +324,108 @@ async def test_adapter_sync_to_gpu_engine_equals_merged_weights(smol_dir: Path, 
                     torch.testing.assert_close(cpu_merged[n], t.cpu(), rtol=2**-7, atol=1e-6, msg=n)
             assert await tr.disconnect_engines()
 
-            await synced._all("POST", "/unload_lora_adapter", {"lora_name": LORA_NAME})
+            await both._all("POST", "/unload_lora_adapter", {"lora_name": LORA_NAME})
             assert await _greedy(synced) == base  # the kept base weights, back bit for bit
+            assert await _greedy(unmerged) == base  # B zero again
         finally:
             await tr.disconnect_engines()
-            await synced.close()
-            await merged.close()
+            for c in (both, synced, unmerged, merged):
+                await c.close()
     finally:
         for s in servers:
             s.stop()
         tr.shutdown()
+
+
+def _random_adapter(engine, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT state dict of random bf16 adapters on every projection, large enough to move the answers."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in engine.model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if name.endswith("_proj.weight"):
+            a, b = torch.randn(rank, p.shape[1], generator=g), torch.randn(p.shape[0], rank, generator=g)
+            out[f"base_model.model.{module}.lora_A.weight"] = (a * 0.05).to(torch.bfloat16)
+            out[f"base_model.model.{module}.lora_B.weight"] = (b * 0.05).to(torch.bfloat16)
+    return out
+
+
+async def _load(engine, tensors: dict[str, torch.Tensor], version: str) -> None:
+    from agentrl.engine.named_tensors import pack_named_tensors
+
+    packed = pack_named_tensors(list(tensors.items()))  # shared memory: host tensors copied to the GPU
+    try:
+        config = {"r": LORA["rank"], "lora_alpha": LORA["alpha"]}
+        await engine.load_lora_adapter_from_tensors(
+            "a", config, packed.payload, packed.load_format, version, False
+        )
+    finally:
+        packed.close()
+
+
+async def _engine_answers(engine) -> list[tuple[list[int], list[float]]]:
+    from agentrl.embedded.sampling import RequestSampling
+
+    out = []
+    for i, p in enumerate(PROMPTS):
+        sp = RequestSampling(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+        rec = await engine.generate(p, sp, f"r{i}")
+        out.append((rec.output_ids, rec.logprobs))
+    return out
+
+
+async def test_unmerged_adapters_update_in_place_under_cuda_graphs(smol_dir: Path) -> None:
+    from agentrl.embedded.engine import EmbeddedEngine
+    from agentrl.models.lora import LoraWeight
+
+    kw = dict(
+        device=DEVICE,
+        dtype="bfloat16",
+        max_batch_size=4,
+        prefix_cache_slots=0,
+        context_len=256,
+        mem_fraction=0.05,
+    )
+    rank = LORA["rank"]
+    engines = [EmbeddedEngine(smol_dir, max_lora_rank=rank, **kw) for _ in range(2)]
+    merging = EmbeddedEngine(smol_dir, lora_apply="merged", **kw)
+    fp8_engine = EmbeddedEngine(smol_dir, max_lora_rank=rank, quantization="fp8", **kw)
+    engine, other = engines
+    try:
+        for e in (*engines, merging, fp8_engine):
+            assert e.warmup(128) > 0  # decode graphs captured, the unmerged records in them
+        assert isinstance(engine.runner.served[0].q, LoraWeight)
+        graphs = dict(engine.runner._graphs)
+        addresses = {n: (r.a.data_ptr(), r.b.data_ptr()) for n, r in engine.lora.records.items()}
+        base = await _engine_answers(engine)
+        first, second = _random_adapter(engine, rank, seed=1), _random_adapter(engine, rank, seed=2)
+        await _load(engine, first, "1")
+        assert [lp for _, lp in await _engine_answers(engine)] != [lp for _, lp in base]
+        await _load(engine, second, "2")
+        await _load(other, second, "2")
+        await _load(merging, second, "2")
+        got = await _engine_answers(engine)
+        # the graphs captured at start replay the new buffers: the bits of an engine that had only the second
+        assert got == await _engine_answers(other)
+        assert engine.runner._graphs == graphs  # the same graph objects: nothing captured again
+        assert {n: (r.a.data_ptr(), r.b.data_ptr()) for n, r in engine.lora.records.items()} == addresses
+        gap = _bf16_agree(got, await _engine_answers(merging))
+        print(f"in-process unmerged vs merged engine, bf16: max {gap:.4f}")
+        assert gap <= BF16_LOGPROB_TOL
+        await engine.unload_lora_adapter("a")
+        assert await _engine_answers(engine) == base
+
+        # fp8 base, bf16 adapters beside it: an adapter sync quantizes nothing again
+        fp8_base = await _engine_answers(fp8_engine)
+        seconds = fp8_engine.stats["quantize_s"]
+        await _load(fp8_engine, second, "2")
+        assert fp8_engine.stats["quantize_s"] == seconds
+        assert [lp for _, lp in await _engine_answers(fp8_engine)] != [lp for _, lp in fp8_base]
+        await fp8_engine.unload_lora_adapter("a")
+        assert await _engine_answers(fp8_engine) == fp8_base
+    finally:
+        for e in (*engines, merging, fp8_engine):
+            e.shutdown()
 
 
 def _hf_logprobs(model: torch.nn.Module, trajs) -> list[list[float]]:
