@@ -492,7 +492,7 @@ class EngineClient(AdapterNaming):
         abort_all_requests: bool = False,
     ) -> None:
         """Every endpoint loads the PEFT adapter dir ``lora_path`` as ``lora_name`` (the embedded engine
-        merges it into its weights, as version ``weight_version``)."""
+        serves it to every request, as version ``weight_version``; SGLang to requests that name it)."""
         payload: dict[str, Any] = {
             "lora_name": lora_name, "lora_path": str(lora_path), "abort_all_requests": abort_all_requests,
         }  # fmt: skip

@@ -173,7 +173,8 @@ class TrainerConfig(ConfigModel):
     lora: LoRAConfig | None = Field(
         None,
         description="train low-rank adapters instead of the full model (None: full fine-tuning); the "
-        "engines then receive only the adapters and merge them into a kept copy of the base weights",
+        "engines then receive only the adapters (the embedded engine applies them as engine.lora_apply "
+        "says; SGLang loads each version by name)",
     )
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"

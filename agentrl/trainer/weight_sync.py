@@ -363,7 +363,7 @@ def _adapter_push_stats(started: float, adapters: dict[str, torch.Tensor]) -> di
 
 class LoRADiskSync:
     """``disk`` with LoRA: rank 0 writes the adapters as a PEFT dir to ``out_dir`` and the engines load it
-    (``/load_lora_adapter``, merged into a kept copy of the base weights)."""
+    (``/load_lora_adapter``; the embedded engine serves it as ``engine.lora_apply`` says, SGLang by name)."""
 
     gather_device = "cpu"
 
@@ -423,10 +423,11 @@ class LoRATensorSync:
 
 
 class LoRABroadcastSync:
-    """``distributed`` with LoRA: rank 0 broadcasts the adapters in one bucket (the engine merges a whole
+    """``distributed`` with LoRA: rank 0 broadcasts the adapters in one bucket (the engine applies a whole
     adapter at once), each ``B`` sent as ``s · B``: SGLang's broadcast protocol has no field for the scale,
-    and the engines' merge (:func:`agentrl.models.lora.merged_weight`) scales ``B`` first, so a
-    pre-scaled ``B`` merges to the same bits."""
+    and the embedded engine scales ``B`` first in both of its modes (the merge,
+    :func:`agentrl.models.lora.merged_weight`, and the unmerged record), so a pre-scaled ``B`` gives the
+    same bits."""
 
     def __init__(self, broadcast: BroadcastSync, scale: float) -> None:
         self.broadcast = broadcast
