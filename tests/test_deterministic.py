@@ -201,10 +201,13 @@ eval: {{num_tasks: 8}}
 """
 )
 
-# what may differ between two deterministic runs: clocks, durations, rates and latencies, and the engine's
+# what may differ between two deterministic runs: clocks, durations, rates and latencies, the engine's
 # batching counters (decode steps and rows, prefill and cached tokens: how requests were batched, which
-# may vary with timing; what they produced may not)
-TIMING = re.compile(r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|^engine/|^engine_")
+# may vary with timing; what they produced may not), and the load of the rollout's event loop and of the
+# retrieval server
+TIMING = re.compile(
+    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|^engine/|^engine_|^rollout/loop_|^retrieval/(?!workers$)"
+)
 
 
 def _deterministic_run(
