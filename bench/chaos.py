@@ -253,7 +253,10 @@ async def run(
     orch = Orchestrator(cfg, client, AutoTokenizer.from_pretrained(weights[0]), env, tasks)
     steps_total = n_tasks // batch
     kill_rng = random.Random(f"{args.seed}/kills")
-    kill_steps = set(kill_rng.sample(range(1, max(2, steps_total - 1)), min(kills, max(1, steps_total - 2))))
+    # the kills fall in the first half of the steps: groups that fault out shorten the run, and a kill
+    # planned past its last step would never happen
+    window = range(1, max(2, steps_total // 2 + 1))
+    kill_steps = set(kill_rng.sample(window, min(kills, len(window))))
     live = weights[0]  # what the engine holds (a restarted engine loads it)
     trained: list[str] = []
     trained_episodes = 0
@@ -390,7 +393,7 @@ def main() -> None:
     ap.add_argument("--sandbox-oom", type=float, default=0.1, help="rate per python call")
     ap.add_argument("--verifier-raise", type=float, default=0.03, help="rate per verifier call")
     ap.add_argument("--retrieval-500", type=float, default=0.2, help="rate per retrieval request")
-    ap.add_argument("--engine-kills", type=int, default=None, help="engine kills (default: one per 20 steps)")
+    ap.add_argument("--engine-kills", type=int, default=None, help="engine kills, in the first half of the steps (default: one per 20 steps)")
     ap.add_argument("--step-timeout", type=float, default=1.0, help="rollout.env_step_timeout, seconds")
     ap.add_argument(
         "--train-time", type=float, default=0.05, help="seconds the stand-in trainer takes a step"
