@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from agentrl.models.decoder import (
+    PROJECTION_FIELDS,
     TORCH_OPS,
     DecoderOps,
     ExpertsKernel,
@@ -54,8 +55,6 @@ Tensor = torch.Tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-# the projections of a layer that fp8 serves (LayerWeights' field names)
-LINEAR_FIELDS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
 # a Qwen3-MoE layer's experts, as transformers names their fused parameters
 EXPERTS_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first with fp8 tensor cores
@@ -218,9 +217,9 @@ FP8_OPS = DecoderOps(
 
 
 def quantize_layer(w: LayerWeights) -> LayerWeights:
-    """``w`` with each of its projections (:data:`LINEAR_FIELDS`), and its experts' ``gate_up`` and
+    """``w`` with each of its projections (:data:`PROJECTION_FIELDS`), and its experts' ``gate_up`` and
     ``down``, as :class:`Fp8Weight` records."""
-    given = {f.name: getattr(w, f.name) for f in fields(w) if f.name in LINEAR_FIELDS}
+    given = {f.name: getattr(w, f.name) for f in fields(w) if f.name in PROJECTION_FIELDS}
     out = replace(w, **{n: Fp8Weight.of(t) for n, t in given.items() if t is not None})
     if w.experts is not None:
         e = w.experts
@@ -231,7 +230,7 @@ def quantize_layer(w: LayerWeights) -> LayerWeights:
 def _fp8_weights(layers: list[LayerWeights]) -> Iterator[Fp8Weight]:
     """Every :class:`Fp8Weight` of ``layers``: projections, then experts."""
     for w in layers:
-        for t in [getattr(w, name) for name in LINEAR_FIELDS] + (
+        for t in [getattr(w, name) for name in PROJECTION_FIELDS] + (
             [w.experts.gate_up, w.experts.down] if w.experts is not None else []
         ):
             if isinstance(t, Fp8Weight):
@@ -285,7 +284,6 @@ def copies_bytes(model: torch.nn.Module, quantization: str | None) -> int:
 __all__ = [
     "FP8_MODEL_TYPES",
     "FP8_OPS",
-    "LINEAR_FIELDS",
     "Fp8Weight",
     "check_fp8_device",
     "copies_bytes",

@@ -44,13 +44,11 @@ import torch
 from agentrl.embedded import fp8
 from agentrl.embedded.runner import ModelRunner
 from agentrl.embedded.sampling import EngineBadRequest
-from agentrl.models.decoder import DecoderOps
+from agentrl.models.decoder import PROJECTION_FIELDS, DecoderOps
 from agentrl.models.lora import LoraWeight, lora_linear, merged_weight, scaled_b
 
 LoraApply = Literal["unmerged", "merged"]
 LORA_APPLY = ("unmerged", "merged")
-# the projections of a layer that unmerged adapters serve (LayerWeights' field names)
-ADAPTED_FIELDS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
 
 PEFT_PREFIX = "base_model.model."
 
@@ -224,7 +222,7 @@ class UnmergedAdapter:
         """(layer index, field, parameter) of every projection of the runner's layers named in the model (a
         field's fp8 record by its source parameter)."""
         for i, w in enumerate(self.runner.weights):
-            for field in ADAPTED_FIELDS:
+            for field in PROJECTION_FIELDS:
                 base = getattr(w, field)
                 param = base.source if isinstance(base, fp8.Fp8Weight) else base
                 if param is not None and id(param) in self._names:

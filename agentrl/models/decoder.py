@@ -57,6 +57,10 @@ class Experts:
     norm_topk_prob: bool
 
 
+# the projections of a layer (LayerWeights' field names): what fp8 quantizes and unmerged LoRA adapts
+PROJECTION_FIELDS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class LayerWeights:
     """One decoder layer's tensors, by name. They are the model's own parameters (no copies), so weights
