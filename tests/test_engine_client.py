@@ -291,7 +291,7 @@ def test_json_helpers_agree_with_the_standard_library() -> None:
     import json
     import math
 
-    from agentrl.engine.client import dumps_json, loads_json
+    from agentrl.engine.json_body import dumps_json, loads_json
 
     payload = {
         "input_ids": [0, 1, 151643, 2**31],
