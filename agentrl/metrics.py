@@ -258,16 +258,17 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
         vals = [r[key] for r in steps if key in r]
         out[f"mean_{key.removeprefix('time/')}"] = sum(vals) / len(vals)
     # the rollout's figures cover the window since the previous step: weight them by its length
-    timed = [r for r in steps if "rollout/engine_idle_frac" in r]
-    wall = sum(r["time/step_s"] for r in timed)
-    if wall > 0:
-        out["engine_idle_frac"] = sum(r["rollout/engine_idle_frac"] * r["time/step_s"] for r in timed) / wall
-    # the load of the rollout's event loop and of the retrieval server, each over its step's window
+    windowed = {
+        "rollout/engine_idle_frac": "engine_idle_frac",
+        "rollout/model_tokens_per_s": "generated_tokens_per_s",
+    }
     for key in sorted({k for r in steps for k in r if k.startswith(WINDOW_LOAD_PREFIXES)}):
+        windowed[key] = key.replace("/", "_")  # the event loop's and the retrieval server's load
+    for key, name in windowed.items():
         rows = [r for r in steps if key in r]
         wall = sum(r["time/step_s"] for r in rows)
         if wall > 0:
-            out[key.replace("/", "_")] = sum(r[key] * r["time/step_s"] for r in rows) / wall
+            out[name] = sum(r[key] * r["time/step_s"] for r in rows) / wall
     busy = [r for r in steps if "engine/busy_s" in r]
     if len(busy) > 1:  # the engines' own device time (summed over engines) against the loop's wall time
         span = sum(r["time/step_s"] for r in busy[1:])
@@ -284,12 +285,6 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
                 out[f"engine_{kind}_busy_s_per_step"] = delta[f"engine/{kind}_busy_s"] / (len(busy) - 1)
         if delta.get("engine/prefill_steps"):
             out["engine_prefill_steps_per_step"] = delta["engine/prefill_steps"] / (len(busy) - 1)
-    rated = [r for r in steps if "rollout/model_tokens_per_s" in r]
-    wall = sum(r["time/step_s"] for r in rated)
-    if wall > 0:  # the rollout's window is the step: tokens generated over the loop's wall time
-        out["generated_tokens_per_s"] = (
-            sum(r["rollout/model_tokens_per_s"] * r["time/step_s"] for r in rated) / wall
-        )
     for key in ("trainer/peak_gpu_mem_gb", "engine/peak_gpu_mem_gb"):
         vals = [r[key] for r in history if key in r]
         if vals:
