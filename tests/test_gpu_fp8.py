@@ -24,6 +24,7 @@ from agentrl.embedded.fp8 import (
     supports_fp8,
     supports_fp8_grouped,
 )
+from agentrl.embedded.request import GenerationRecord
 from agentrl.embedded.sampling import RequestSampling
 from agentrl.models.decoder import experts_grouped, route
 
@@ -53,6 +54,26 @@ def test_scaled_mm_is_the_quantize_dequantize_product() -> None:
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
 
 
+async def _assert_serves_as_fresh_fp8(
+    engine: EmbeddedEngine, fresh: EmbeddedEngine, plain: EmbeddedEngine
+) -> GenerationRecord:
+    """``engine`` (fp8, after an update) answers a greedy request as ``fresh`` (fp8, loaded with the new
+    weights) does, and its logprobs stay close to ``plain``'s (unquantized) while their tokens agree; its
+    answer back."""
+    sp = RequestSampling(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    prompt = list(range(30, 90))
+    got = await engine.generate(prompt, sp, "g")
+    want = await fresh.generate(prompt, sp, "f")
+    ref = await plain.generate(prompt, sp, "p")
+    assert got.output_ids == want.output_ids
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-3
+    same = [a == b for a, b in zip(got.output_ids, ref.output_ids, strict=True)]
+    n = same.index(False) if False in same else len(same)  # where fp8 and bf16 chose the same tokens
+    if n:  # their logprobs are close
+        assert max(abs(a - b) for a, b in zip(got.logprobs[:n], ref.logprobs[:n], strict=True)) < 0.5
+    return got
+
+
 @pytest.mark.parametrize("compile", [False, True])
 async def test_fp8_engine_on_cuda_generates_and_requantizes(
     tiny_model_factory: Callable[..., Path], tiny_model_dir: Path, compile: bool
@@ -65,21 +86,11 @@ async def test_fp8_engine_on_cuda_generates_and_requantizes(
     plain = EmbeddedEngine(new_dir, **kw)
     try:
         assert engine.runner.weights[0].q.scaled_mm
-        sp = RequestSampling(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-        prompt = list(range(30, 90))
         await engine.update_weights_from_disk(str(new_dir), "v1", abort_all=False)
         for w_got, w_want in zip(engine.runner.weights, fresh.runner.weights, strict=True):
             assert torch.equal(w_got.down.qweight.view(torch.uint8), w_want.down.qweight.view(torch.uint8))
             assert torch.equal(w_got.down.scale, w_want.down.scale)
-        got = await engine.generate(prompt, sp, "g")
-        want = await fresh.generate(prompt, sp, "f")
-        ref = await plain.generate(prompt, sp, "p")
-        assert got.output_ids == want.output_ids
-        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-3
-        same = [a == b for a, b in zip(got.output_ids, ref.output_ids, strict=True)]
-        n = same.index(False) if False in same else len(same)  # where fp8 and bf16 chose the same tokens
-        if n:  # their logprobs are close
-            assert max(abs(a - b) for a, b in zip(got.logprobs[:n], ref.logprobs[:n], strict=True)) < 0.5
+        await _assert_serves_as_fresh_fp8(engine, fresh, plain)
         assert engine.stats["quantize_s"] > 0
     finally:
         for e in (fresh, engine, plain):
@@ -132,17 +143,7 @@ async def test_fp8_moe_engine_on_cuda_serves_and_requantizes_its_experts(
             ):
                 assert torch.equal(got_e.qweight.view(torch.uint8), want_e.qweight.view(torch.uint8))
                 assert torch.equal(got_e.scale, want_e.scale)
-        sp = RequestSampling(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-        prompt = list(range(30, 90))
-        got = await engine.generate(prompt, sp, "g")
-        want = await fresh.generate(prompt, sp, "f")
-        ref = await plain.generate(prompt, sp, "p")
-        assert got.output_ids == want.output_ids
-        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-3
-        same = [a == b for a, b in zip(got.output_ids, ref.output_ids, strict=True)]
-        n = same.index(False) if False in same else len(same)  # where fp8 and bf16 chose the same tokens
-        if n:  # their logprobs are close
-            assert max(abs(a - b) for a, b in zip(got.logprobs[:n], ref.logprobs[:n], strict=True)) < 0.5
+        got = await _assert_serves_as_fresh_fp8(engine, fresh, plain)
         assert got.routed_experts is not None and engine.stats["quantize_s"] > 0
     finally:
         for e in (fresh, engine, plain):
