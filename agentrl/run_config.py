@@ -362,6 +362,8 @@ class RunConfig(ConfigModel):
                 "weight_sync: tensor hands weights over in memory to engines this run starts on its own "
                 "machine; engine.backend external may be elsewhere: use disk or distributed"
             )
+        if self.rollout.shards > 1:
+            _check_shards(self)
         return self
 
     def gpus_needed(self) -> float:
@@ -400,6 +402,28 @@ def _check_lora(cfg: RunConfig) -> None:
             "colocation.engine_release: all releases SGLang's weights while the trainer steps, and with "
             "trainer.lora only adapters come back: set engine.sglang.weights_cpu_backup: true (the base "
             "weights return from host memory) or colocation.engine_release: kv_cache"
+        )
+
+
+def _check_shards(cfg: RunConfig) -> None:
+    """``rollout.shards`` > 1: the batch, the concurrency and the engines split evenly over the shards, each
+    shard driving engines of its own (agentrl.rollout.shards). An agent env's proxy listens on a free port
+    of its shard's process, so agent envs shard too."""
+    e, n = cfg.engine, cfg.rollout.shards
+    cfg.rollout.check_shards()
+    if e.router:
+        raise ValueError(
+            f"rollout.shards: {n} shards need engines of their own, but engine.router spreads every request over "
+            "all the router's workers; use rollout.shards: 1 with a router, or list the workers in engine.urls "
+            "without engine.router"
+        )
+    engines, field = (
+        (len(e.urls), "engine.urls") if e.backend == "external" else (e.num_engines, "engine.num_engines")
+    )
+    if engines % n:
+        raise ValueError(
+            f"{field}: {engines} engines cannot be split evenly over rollout.shards = {n} (shard i drives "
+            f"engines i*k .. (i+1)*k-1, k = engines / shards)"
         )
 
 

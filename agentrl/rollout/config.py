@@ -25,6 +25,15 @@ class RolloutConfig(ConfigModel):
         1, ge=0, description="η: a trained token is at most this many versions old (0 = on-policy)"
     )
     max_concurrency: int = Field(256, ge=1, description="episodes (not groups) in flight at most")
+    shards: int = Field(
+        1,
+        ge=1,
+        description="orchestrators the rollout runs as, each a process (Ray actor) with its own event loop "
+        "(agentrl.rollout.shards): shard i drives engines i*k .. (i+1)*k-1 (k = engines / shards), trains "
+        "on tasks i, i+shards, ..., with batch_size / shards groups a batch, max_concurrency / shards "
+        "episodes in flight and seed + i; one batch is every shard's, in shard order. More than 1 when one "
+        "event loop saturates (rollout/loop_busy_frac near 1) before the engines do",
+    )
     over_sampling: float = Field(
         1.0,
         ge=1.0,
@@ -137,6 +146,22 @@ class RolloutConfig(ConfigModel):
         if self.min_group_size > self.group_size:
             raise ValueError("min_group_size must not exceed group_size")
         return self
+
+    def check_shards(self) -> None:
+        """A ValueError naming the fields when the work cannot be split evenly over ``shards`` orchestrators:
+        ``batch_size`` must divide, and each shard's share of ``max_concurrency`` must hold a group."""
+        n = self.shards
+        if self.batch_size % n:
+            raise ValueError(
+                f"rollout.batch_size: {self.batch_size} groups cannot be split evenly over rollout.shards = {n} "
+                "orchestrators (each forms batch_size / shards groups of every batch)"
+            )
+        if self.max_concurrency // n < self.group_size:
+            raise ValueError(
+                f"rollout.max_concurrency: {self.max_concurrency} episodes split over rollout.shards = {n} "
+                f"leave {self.max_concurrency // n} a shard, fewer than rollout.group_size = {self.group_size} "
+                "(a group runs on one shard); raise max_concurrency or lower shards"
+            )
 
     @property
     def token_limit(self) -> int:
