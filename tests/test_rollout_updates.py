@@ -70,6 +70,33 @@ async def test_interrupted_episodes_resume_with_mixed_versions(tok: Any, mode: s
         assert not mixed and orch.m.counters["interrupt_restarts"] > 0
 
 
+async def test_pause_finds_no_request_running(tok: Any) -> None:
+    """The engines are paused only once every interrupted request is back: an engine whose abort-mode
+    pause polls (SGLang sleeps a second whenever it still finds a request running) never has to."""
+    async with stub_engine_in_process(
+        min_tokens=40, max_tokens=60, per_token_time=0.004, pause_poll_interval=0.5
+    ) as (engine, url):
+        client = EngineClient(url, timeout=10)
+        orch = Orchestrator(
+            cfg(group_size=2, batch_size=4, max_turns=1, sampling=SamplingParams(max_new_tokens=64)),
+            client,
+            tok,
+            lambda: SyntheticEnv(turns=1),
+            tasks(20),
+        )
+        await orch.start()
+        for version in (1, 2, 3):
+            await asyncio.sleep(0.08)  # mid-generation
+            assert orch.m.inflight_requests > 0
+            await orch.pause_for_update()
+            assert orch.m.inflight_requests == 0 and engine.paused
+            await orch.resume_after_update(version)
+        await orch.stop()
+        await client.close()
+    assert orch.m.counters["interrupted_requests"] > 0
+    assert engine.counters["pause_polls"] == 0
+
+
 async def test_stale_stragglers_restart_not_trained(tok: Any) -> None:
     """eta=0: an episode that started before an update can never be trained; it restarts."""
     async with stub_engine_in_process(min_tokens=30, max_tokens=30, per_token_time=0.005) as (_, url):

@@ -453,14 +453,23 @@ class Orchestrator:
             )
         self._paused = True
         self._engine_open.clear()
-        await self.engine.pause(mode="abort")
         deadline = time.monotonic() + self.cfg.pause_timeout
-        next_abort = time.monotonic() + 0.5
+        # Abort first and pause once the requests are back: SGLang's abort-mode pause aborts, finds
+        # requests still running and sleeps a whole second before it looks again; with none left it
+        # returns at once. The engine's pause then only shuts the gate.
+        await self.engine.abort(None)
+        await self._drain(deadline, every=0.1)  # every: again for a request sent just as the gate shut
+        await self.engine.pause(mode="abort")
+        await self._drain(deadline, every=1.0)  # a request that reached the engine after the pause
+
+    async def _drain(self, deadline: float, every: float) -> None:
+        """Until no request is in flight (or ``deadline``), aborting all of them again every ``every`` s."""
+        next_abort = time.monotonic() + every
         while self.m.inflight_requests + self.eval_m.inflight_requests > 0 and time.monotonic() < deadline:
-            if time.monotonic() >= next_abort:  # a request that reached the engine after the pause
+            if time.monotonic() >= next_abort:
                 await self.engine.abort(None)
-                next_abort = time.monotonic() + 1.0
-            await asyncio.sleep(0.005)
+                next_abort = time.monotonic() + every
+            await asyncio.sleep(0.002)
 
     async def resume_after_update(self, version: int) -> None:
         """The engines now serve ``version``: continue generation and admission under it."""

@@ -70,6 +70,9 @@ class StubEngineConfig:
     max_lora_rank: int = 0
     lora_target_modules: list[str] = field(default_factory=list)
     max_loaded_loras: int = 0
+    # abort-mode /pause_generation as SGLang 0.5.16 does it: abort everything, then, while a request is
+    # still running, sleep this long before aborting and looking again (0: return at once)
+    pause_poll_interval: float = 0.0
 
 
 def _lognormal_length(rng: random.Random, cfg: StubEngineConfig) -> int:
@@ -98,6 +101,7 @@ class StubEngine:
             "failed": 0,
             "hung": 0,
             "updates": 0,
+            "pause_polls": 0,  # abort-mode pauses that found requests still running (pause_poll_interval)
         }
         self._rid_seq = 0
         self.lora = StubAdapters(
@@ -316,6 +320,10 @@ class StubEngine:
         self._resume.clear()
         if body.get("mode", "abort") == "abort":
             self._abort_all()
+            while self.cfg.pause_poll_interval > 0 and self._inflight:
+                self.counters["pause_polls"] += 1
+                await asyncio.sleep(self.cfg.pause_poll_interval)
+                self._abort_all()
         return web.json_response({"status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
