@@ -9,6 +9,8 @@
 - :class:`ChatTokenizer` (``tokenize.py``): the prompt render and observation deltas (never re-tokenize).
 - :class:`RolloutMetrics` (``metrics.py``): counters and rates through ``agentrl.metrics``.
 - :func:`make_rollout_actor` / :class:`RolloutWorker` (``ray_actor.py``): the same thing as a Ray actor.
+- :class:`RolloutGroup` / :func:`shard_specs` (``shards.py``): ``rollout.shards`` orchestrators, each its
+  own process with its own engines and tasks, as one.
 
 The staleness invariant and its owner live in :mod:`agentrl.buffer`.
 """
@@ -21,6 +23,7 @@ from agentrl.rollout.episode import EpisodeRunner
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.rollout.ray_actor import OrchestratorSpec, RolloutWorker, make_rollout_actor
+from agentrl.rollout.shards import RolloutGroup, shard_specs
 
 __all__ = [
     "ChatTemplateError",
@@ -33,9 +36,11 @@ __all__ = [
     "Orchestrator",
     "OrchestratorSpec",
     "RolloutConfig",
+    "RolloutGroup",
     "RolloutMetrics",
     "RolloutWorker",
     "StalenessController",
     "TrajectoryBuffer",
     "make_rollout_actor",
+    "shard_specs",
 ]

@@ -21,6 +21,7 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env
 from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.dataset import DatasetCursor
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.types import Trajectory
 
@@ -36,7 +37,7 @@ class OrchestratorSpec:
     engine_urls: str | list[str]
     model_dir: str  # the tokenizer is loaded from here with AutoTokenizer
     env_factory: Callable[[], Env]
-    dataset: Sequence[dict[str, Any]]
+    dataset: Sequence[dict[str, Any]] | DatasetCursor  # a cursor: drawn as it draws (agentrl.rollout.shards)
     engine_timeout: float = 600.0
     api_key: str | None = None
     router: bool = False  # engine_urls are sglang-routers (EngineClient's router mode)
