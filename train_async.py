@@ -12,9 +12,10 @@ servers the env needs, the held-out figures, the final plot and summary. The def
 Search-R1 demo's recipe (agentrl.examples.search_r1.recipe: bootstrap, /retrieve server, exact match).
 
 What runs where (Ray actors, agentrl.placement): the recipe's servers, inference engines (the embedded
-engine, or SGLang servers), the rollout orchestrator (async actor with the staleness-bounded buffer) and
-the Megatron trainer (one actor per rank). At the step's two hand-overs the GPU goes from the engines to
-the trainer and back with new weights (agentrl.colocation: colocated turns or overlap, or disaggregated).
+engine, or SGLang servers), the rollout orchestrators (``rollout.shards`` async actors, each with its
+staleness-bounded buffer, awaited as one: agentrl.rollout.shards) and the Megatron trainer (one actor per
+rank). At the step's two hand-overs the GPU goes from the engines to the trainer and back with new weights
+(agentrl.colocation: colocated turns or overlap, or disaggregated).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             print(f"held-out {metric_label(key)} before RL: {value:.3f}", flush=True)
 
         # 4. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
-        await rollout.start.remote()
+        await rollout.start()
         shown = {"reward": "batch/reward", **{k.rsplit("/", 1)[-1]: k for k in before}}
         shown |= {"stale": "batch/staleness_mean", "tok/s": "trainer/tokens_per_s"}
         progress = ProgressLine(cfg.steps, shown)
@@ -105,8 +106,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             if dumped:
                 await asyncio.to_thread(dump.train, step + 1, batch, await trainer.last_logprobs())
             version = await handover.to_engines()  # paused; new weights; the GPU back to the engines
-            rollout_stats = await rollout.stats.remote()  # while paused: with deterministic, a fixed point
-            await rollout.resume_after_update.remote(version)
+            rollout_stats = await rollout.stats()  # while paused: with deterministic, a fixed point
+            await rollout.resume_after_update(version)
             last = {
                 **batch_metrics(batch, version - 1),
                 **recipe.batch_metrics(batch),
@@ -129,7 +130,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         if cfg.steps > start_step:
             await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)
         after = await evaluate(cfg.steps) if cfg.eval.after else {}
-        accounting = await rollout.accounting.remote()
+        accounting = await rollout.accounting()
     finally:
         # 5. shutdown: rollout, trainer, engines, servers, Ray -- also on Ctrl-C and errors
         if handover is not None:
@@ -168,7 +169,7 @@ async def evaluation(
     logged with a table of the episodes, and their dump (rollout.dump)."""
     if not tasks:
         return {}
-    trajs = await rollout.evaluate.remote(tasks)
+    trajs = await rollout.evaluate(tasks)
     figures = recipe.eval_metrics(trajs)
     evals.append((step, figures))
     logger.log({**figures, "eval/num_tasks": len(trajs)}, step)
@@ -181,7 +182,7 @@ async def save_checkpoint(fleet: Fleet, handover: Handover, ckpt_dir: Path, step
     """Rollout state first, then the trainer's (which moves ``latest`` last, atomically), with the
     trainer's state on its device for the save."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    state = await fleet.rollout.state_dict.remote()
+    state = await fleet.rollout.state_dict()
     (ckpt_dir / f"rollout_{step:08d}.pkl").write_bytes(pickle.dumps(state))
     async with handover.trainer_resident():
         await fleet.trainer.save_checkpoint(str(ckpt_dir))
@@ -193,7 +194,7 @@ async def load_checkpoint(fleet: Fleet, ckpt_dir: Path) -> tuple[int, int]:
     step = await fleet.trainer.load_checkpoint(str(ckpt_dir))
     version = await fleet.trainer.sync_weights(new_version=False)  # the version they were saved at
     state = pickle.loads((ckpt_dir / f"rollout_{step:08d}.pkl").read_bytes())
-    await fleet.rollout.load_state_dict.remote(state, version)
+    await fleet.rollout.load_state_dict(state, version)
     print(f"resumed at step {step}, policy version {version}", flush=True)
     return step, version
 
@@ -204,7 +205,7 @@ async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> lis
     (``asyncio.wait_for`` of Python 3.11 returns the result then, and the run went on training)."""
 
     async def get() -> list[Trajectory]:
-        return await rollout.get_batch.remote()
+        return await rollout.get_batch()
 
     fut = asyncio.ensure_future(get())
     try:
@@ -212,7 +213,7 @@ async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> lis
             done, _ = await asyncio.wait({fut}, timeout=report_every)
             if done:
                 return fut.result()
-            stats = await rollout.stats.remote(reset_window=False)  # the step's own figures stay whole
+            stats = await rollout.stats(reset_window=False)  # the step's own figures stay whole
             dropped = {
                 k.rsplit("/", 1)[-1]: int(v)
                 for k, v in stats.items()

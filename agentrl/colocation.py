@@ -44,7 +44,8 @@ async def _seconds(call: Awaitable[Any]) -> float:
 
 class Handover:
     """Where the GPU goes at the step's two hand-overs (see the module docstring). ``trainer`` is a
-    :class:`agentrl.trainer.ray_actor.TrainerGroup`, ``rollout`` the rollout actor, ``control`` an
+    :class:`agentrl.trainer.ray_actor.TrainerGroup`, ``rollout`` the rollout (a
+    :class:`agentrl.rollout.shards.RolloutGroup`), ``control`` an
     EngineClient of every engine (release and resume). ``phases`` holds the last step's ``time/*``
     figures of what happened at the hand-overs."""
 
@@ -83,7 +84,7 @@ class Handover:
         self.ahead.now()
         if not self.turns:
             return
-        await self.rollout.pause_for_update.remote()
+        await self.rollout.pause_for_update()
         if self._offloading is not None:  # the last step's offload, overlapped with generation
             t0 = time.monotonic()
             self.phases["time/trainer_offload_s"] = await self._offloading
@@ -108,7 +109,7 @@ class Handover:
         new weights; taking turns, they take their memory back while the trainer's state moves off the GPU.
         Returns the new policy version; the rollout resumes under it once the loop read its figures."""
         if not self.turns:  # generation went on beside the step; it pauses for the weight sync only
-            await self.rollout.pause_for_update.remote()
+            await self.rollout.pause_for_update()
         t0 = time.monotonic()
         if self.release == "all":
             await self._timed("engine_resume_weights", self.control.resume_memory_occupation(["weights"]))

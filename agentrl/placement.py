@@ -26,17 +26,20 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.cluster import location, start_service, stop_all
 from agentrl.config import ConfigError
 from agentrl.run_config import RunConfig
 
+if TYPE_CHECKING:
+    from agentrl.rollout.shards import RolloutGroup
+
 PLACEMENT_TIMEOUT_S = 60.0
 
 
 TRAINER_CPUS_PER_RANK = 1.0  # what each trainer rank's actor reserves (agentrl.trainer.ray_actor)
-ROLLOUT_CPUS = 1.0  # and the rollout's (agentrl.rollout.ray_actor)
+ROLLOUT_CPUS = 1.0  # and each rollout shard's (agentrl.rollout.ray_actor, agentrl.rollout.shards)
 
 
 def check_cluster(cfg: RunConfig) -> None:
@@ -53,13 +56,15 @@ def check_cluster(cfg: RunConfig) -> None:
             f"trainer_world_size x trainer_gpus_per_rank) but Ray has {have:g}; lower those, or use "
             "placement: colocated to share GPUs"
         )
-    need, have = cfg.trainer_world_size * TRAINER_CPUS_PER_RANK + ROLLOUT_CPUS, float(held.get("CPU", 0))
+    shards = cfg.rollout.shards
+    need = cfg.trainer_world_size * TRAINER_CPUS_PER_RANK + shards * ROLLOUT_CPUS
+    have = float(held.get("CPU", 0))
     if need > have:
         raise ConfigError(
             f"trainer_world_size: the run reserves {need:g} CPUs in Ray ({TRAINER_CPUS_PER_RANK:g} per trainer "
-            f"rank, {ROLLOUT_CPUS:g} for the rollout) but Ray has {have:g}; set ray.num_cpus={need:g} (Ray's "
-            "CPUs are logical: more than the machine's cores is fine) or start the cluster's nodes with more "
-            "--num-cpus"
+            f"rank, {ROLLOUT_CPUS:g} per rollout shard, rollout.shards = {shards}) but Ray has {have:g}; set "
+            f"ray.num_cpus={need:g} (Ray's CPUs are logical: more than the machine's cores is fine) or start "
+            "the cluster's nodes with more --num-cpus"
         )
     check_resources(cfg, ray.nodes())
 
@@ -200,9 +205,10 @@ def _start_sglang(sg: Any) -> Any:
 
 class Fleet:
     """The actors of one run: the env's servers (the recipe starts them into ``services``), the engines,
-    the trainer ranks and the rollout orchestrator, and the driver's two engine clients (``monitor`` for
-    the engines' figures; ``control`` for release and resume, talking to every engine, behind a router
-    too). :meth:`stop` stops whatever was started."""
+    the trainer ranks and the rollout (``rollout``: a :class:`~agentrl.rollout.shards.RolloutGroup` of
+    ``rollout.shards`` orchestrator actors), and the driver's two engine clients (``monitor`` for the
+    engines' figures; ``control`` for release and resume, talking to every engine, behind a router too).
+    :meth:`stop` stops whatever was started."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -211,7 +217,7 @@ class Fleet:
         self.group: Any = None  # colocated: the placement group, a bundle per GPU
         self.engine_urls: list[str] = []
         self.trainer: Any = None
-        self.rollout: Any = None
+        self.rollout: RolloutGroup | None = None
         self.monitor: Any = None
         self.control: Any = None
 
@@ -223,9 +229,11 @@ class Fleet:
     async def start(
         self, model_dir: str, env_factory: Callable[[], Any], train_tasks: list[dict[str, Any]]
     ) -> None:
-        """Engines, then the trainer ranks beside them, the rollout, and the weight-sync connection."""
+        """Engines, then the trainer ranks beside them, the rollout's shards (each an actor with its engines
+        and tasks: agentrl.rollout.shards), and the weight-sync connection."""
         from agentrl.engine.client import EngineClient
         from agentrl.rollout.ray_actor import OrchestratorSpec, make_rollout_actor
+        from agentrl.rollout.shards import RolloutGroup, shard_specs
         from agentrl.trainer.ray_actor import TrainerGroup
 
         cfg, e = self.cfg, self.cfg.engine
@@ -251,7 +259,9 @@ class Fleet:
             rollout_cfg, self.engine_urls, model_dir, env_factory, train_tasks, api_key=e.api_key,
             router=e.router, deterministic=cfg.deterministic,
         )  # fmt: skip
-        self.rollout = make_rollout_actor(spec, num_cpus=ROLLOUT_CPUS)  # the orchestrator is built inside
+        self.rollout = RolloutGroup(  # each orchestrator is built inside its actor
+            [make_rollout_actor(s, num_cpus=ROLLOUT_CPUS) for s in shard_specs(spec, cfg.rollout.shards)]
+        )
         await self.trainer.connect_engines(
             cfg.weight_sync, sync_urls, out_dir=str(Path(cfg.output_dir) / "weights")
         )
@@ -300,7 +310,7 @@ class Fleet:
 
         if self.rollout is not None:
             try:
-                await asyncio.wait_for(self.rollout.stop.remote(), 60)
+                await asyncio.wait_for(self.rollout.stop(), 60)
             except Exception as err:  # keep shutting the rest down
                 print(f"rollout stop failed: {err}", file=sys.stderr)
         if self.trainer is not None:

@@ -1,6 +1,6 @@
-"""Rollout shards (agentrl.rollout.shards): two orchestrators, in process, each driving a stub engine of its own
-(real HTTP), behind one RolloutGroup: batches, evaluation order, merged figures and accounting, checkpoint
-state; and the config checks of ``rollout.shards`` when a run's config loads."""
+"""Rollout shards (agentrl.rollout.shards): two orchestrators, in process, each driving a stub engine of
+its own (real HTTP), behind one RolloutGroup: batches, evaluation order, merged figures and accounting,
+checkpoint state; and the config checks of ``rollout.shards`` when a run's config loads."""
 
 from __future__ import annotations
 
@@ -221,3 +221,18 @@ def test_shards_that_split_evenly_load() -> None:
     cfg = load_run_config(None, [*BASE, "rollout.shards=2", "engine.num_engines=4"])
     assert cfg.rollout.shards == 2
     assert load_run_config(None, BASE).rollout.shards == 1
+
+
+def test_each_shard_reserves_its_cpus_in_ray() -> None:
+    import ray
+
+    from agentrl.placement import check_cluster
+
+    cfg = load_run_config(None, [*BASE, "rollout.shards=2", "engine.num_engines=2"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:  # a trainer rank and two shards: 3 CPUs
+        with pytest.raises(ConfigError, match=r"reserves 3 CPUs .* rollout.shards = 2\) .* ray.num_cpus=3"):
+            check_cluster(cfg)
+        check_cluster(load_run_config(None, [*BASE, "engine.num_engines=2"]))  # one shard fits
+    finally:
+        ray.shutdown()

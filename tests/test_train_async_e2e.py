@@ -236,7 +236,7 @@ def test_next_batch_ends_when_cancelled_even_as_the_batch_arrives() -> None:
 
     async def race(turns: int | None) -> tuple[bool, bool, bool]:
         batch = asyncio.get_running_loop().create_future()
-        rollout = SimpleNamespace(get_batch=SimpleNamespace(remote=lambda: batch))
+        rollout = SimpleNamespace(get_batch=lambda: batch)  # a RolloutGroup's get_batch: awaited as is
         task = asyncio.ensure_future(next_batch(rollout, 1))
         for _ in range(3):
             await asyncio.sleep(0)  # next_batch is waiting
