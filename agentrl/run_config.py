@@ -413,9 +413,9 @@ def _check_shards(cfg: RunConfig) -> None:
     cfg.rollout.check_shards()
     if e.router:
         raise ValueError(
-            f"rollout.shards: {n} shards need engines of their own, but engine.router spreads every request over "
-            "all the router's workers; use rollout.shards: 1 with a router, or list the workers in engine.urls "
-            "without engine.router"
+            f"rollout.shards: {n} shards need engines of their own, but engine.router spreads every request "
+            "over all the router's workers; use rollout.shards: 1 with a router, or list the workers in "
+            "engine.urls without engine.router"
         )
     engines, field = (
         (len(e.urls), "engine.urls") if e.backend == "external" else (e.num_engines, "engine.num_engines")

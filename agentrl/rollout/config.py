@@ -153,14 +153,14 @@ class RolloutConfig(ConfigModel):
         n = self.shards
         if self.batch_size % n:
             raise ValueError(
-                f"rollout.batch_size: {self.batch_size} groups cannot be split evenly over rollout.shards = {n} "
-                "orchestrators (each forms batch_size / shards groups of every batch)"
+                f"rollout.batch_size: {self.batch_size} groups cannot be split evenly over rollout.shards = "
+                f"{n} orchestrators (each forms batch_size / shards groups of every batch)"
             )
         if self.max_concurrency // n < self.group_size:
             raise ValueError(
                 f"rollout.max_concurrency: {self.max_concurrency} episodes split over rollout.shards = {n} "
-                f"leave {self.max_concurrency // n} a shard, fewer than rollout.group_size = {self.group_size} "
-                "(a group runs on one shard); raise max_concurrency or lower shards"
+                f"leave {self.max_concurrency // n} a shard, fewer than rollout.group_size = "
+                f"{self.group_size} (a group runs on one shard); raise max_concurrency or lower shards"
             )
 
     @property

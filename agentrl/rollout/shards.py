@@ -75,8 +75,8 @@ def shard_specs(spec: OrchestratorSpec, shards: int) -> list[OrchestratorSpec]:
     urls = [spec.engine_urls] if isinstance(spec.engine_urls, str) else list(spec.engine_urls)
     if spec.router or len(urls) % shards:
         raise ConfigError(
-            f"rollout.shards: {shards} shards need the engines split evenly among them; got {len(urls)} engine "
-            f"URL(s){' behind a router' if spec.router else ''}"
+            f"rollout.shards: {shards} shards need the engines split evenly among them; got {len(urls)} "
+            f"engine URL(s){' behind a router' if spec.router else ''}"
         )
     tasks = list(spec.dataset)
     if len(tasks) < shards:
@@ -182,8 +182,9 @@ async def _call(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 class RolloutGroup:
-    """The rollout the driver awaits: N shards (Ray actors of :class:`~agentrl.rollout.ray_actor.RolloutWorker`,
-    or the workers themselves in process) as one; see the module docstring. The methods are the worker's."""
+    """The rollout the driver awaits: N shards (Ray actors of
+    :class:`~agentrl.rollout.ray_actor.RolloutWorker`, or the workers themselves in process) as one; see
+    the module docstring. The methods are the worker's."""
 
     def __init__(self, shards: Sequence[Any]) -> None:
         if not shards:
