@@ -423,6 +423,7 @@ async def test_lora_adapters_served_by_name(
             base_after = await base_only.generate(prompt, greedy)
             assert await tr.disconnect_engines()
     finally:
+        await tr.disconnect_engines()  # on this loop (a no-op once done): shutdown() would start its own
         tr.shutdown()
     assert list(loaded.values()) == [[adapter_name(2)]]  # v1 unloaded
     assert base_after.output_ids == base_before.output_ids  # the base weights stayed as they were

@@ -8,7 +8,10 @@ new adapter. Real SGLang: tests/test_gpu_sglang.py."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from agentrl.engine.launcher import SGLangConfig, SGLangLauncher, SGLangLoRAConf
 from agentrl.engine.types import SamplingParams
 from agentrl.recipe import load_run_config
 from agentrl.testing.stub_engine import stub_engine_in_process
+from agentrl.testing.stub_lora import _TensorUnpickler
 from agentrl.trainer.adapter_sync import NamedAdapterSync, adapter_payload, complete_fused_groups
 from agentrl.trainer.config import LoRAConfig
 from agentrl.trainer.lora import PEFT_PREFIX, merge_into_hf, save_peft_dir
@@ -196,6 +200,25 @@ async def test_each_sync_loads_a_new_name_and_unloads_the_last(tmp_path: Path, m
         assert engine.lora.loaded["agentrl-v2"].applied == set(FUSED)
         await trainer_side.close()
         await rollout.close()
+
+
+def _safe_load_from_bytes(b: bytes) -> Any:  # what megatron-core 0.19 puts in torch.storage at import
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+def test_payload_names_only_torch_when_torch_storage_is_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core 0.19 replaces ``torch.storage._load_from_bytes`` with a function of its own module at
+    import; a plain pickle of CPU tensors then names that module, and SGLang's restricted unpickler refuses
+    the adapter. The payload names torch's function, unpickles under the stand-in's (SGLang's) rules, and
+    the patch is in place again afterwards."""
+    monkeypatch.setattr(torch.storage, "_load_from_bytes", _safe_load_from_bytes)
+    peft = _peft(["q_proj", "v_proj"])
+    with pytest.raises(pickle.UnpicklingError, match="test_sglang_lora"):  # the plain pickle, refused
+        plain = base64.b64encode(pickle.dumps(peft)).decode()
+        _TensorUnpickler(io.BytesIO(base64.b64decode(plain))).load()
+    loaded = _TensorUnpickler(io.BytesIO(base64.b64decode(adapter_payload(peft)))).load()
+    assert loaded.keys() == peft.keys() and all(torch.equal(loaded[k], peft[k]) for k in peft)
+    assert torch.storage._load_from_bytes is _safe_load_from_bytes
 
 
 def test_partial_targets_are_completed_as_the_trainer_computes_them(tiny_model_dir: Path) -> None:

@@ -45,11 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import pickle
 import shutil
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +117,41 @@ def complete_fused_groups(
 
 def adapter_payload(tensors: dict[str, torch.Tensor]) -> str:
     """SGLang's ``serialized_tensors`` of ``/load_lora_adapter_from_tensors``: the base64 of a pickle of
-    ``{name: tensor}`` with CPU tensors, which carries their bytes (module docstring)."""
+    ``{name: tensor}`` with CPU tensors, which carries their bytes (module docstring). The storages are
+    named as torch's own ``torch.storage._load_from_bytes`` (:func:`_storages_named_by_torch`)."""
     named = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()}
-    return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+    with _storages_named_by_torch():
+        blob = pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)
+    return base64.b64encode(blob).decode()
+
+
+_PICKLE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _storages_named_by_torch() -> Iterator[None]:
+    """While pickling: a CPU storage pickles as a call of ``torch.storage._load_from_bytes``, the function
+    found there when it is pickled. megatron-core 0.19 puts a function of its own there at import
+    (``megatron.core.safe_globals.safe_load_from_bytes``), which a pickle then names, and SGLang's restricted
+    unpickler refuses every module outside torch and a few others. For the pickle, the name holds a function
+    that says it is torch's (and calls the one in place); the unpickling process, without megatron, finds
+    torch's own there."""
+    current = torch.storage._load_from_bytes
+    if getattr(current, "__module__", None) == "torch.storage":
+        yield
+        return
+
+    def _load_from_bytes(b: bytes) -> Any:
+        return current(b)
+
+    _load_from_bytes.__module__ = "torch.storage"
+    _load_from_bytes.__qualname__ = "_load_from_bytes"
+    with _PICKLE_LOCK:
+        torch.storage._load_from_bytes = _load_from_bytes
+        try:
+            yield
+        finally:
+            torch.storage._load_from_bytes = current
 
 
 class NamedAdapterSync:
