@@ -103,6 +103,15 @@ def _added(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
+def trainer_env(cfg: RunConfig) -> dict[str, str]:
+    """What the trainer ranks' environment needs for the run's engines: with SGLang, the NCCL setting its
+    servers run with (:data:`agentrl.engine.launcher.SGLANG_PEER_ENV`), so that a weight-update group
+    between the two opens."""
+    from agentrl.engine.launcher import SGLANG_PEER_ENV
+
+    return dict(SGLANG_PEER_ENV) if cfg.engine.backend == "sglang" else {}
+
+
 def colocated_bundles(cfg: RunConfig) -> int:
     """GPUs a colocated run pairs engines and trainer ranks on (one bundle each); 0 when not colocated
     on GPUs."""
@@ -252,6 +261,7 @@ class Fleet:
             deterministic=cfg.deterministic,
             placement_group=self.group,  # rank i on bundle i: the GPU of engine i
             resources=cfg.ray.trainer_resources,
+            env=trainer_env(cfg),
         )
         # the run's seed added: task order, and request seeds when deterministic
         rollout_cfg = cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed})

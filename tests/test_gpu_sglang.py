@@ -213,16 +213,22 @@ async def test_update_interrupts_and_recomputes_without_stale_kv(
     assert statistics.mean(under_old) > 4 * statistics.mean(under_new)  # B's, not A's (nor a mix)
 
 
-async def test_distributed_weight_update(models: tuple[Path, Path], tmp_path: Path) -> None:
+async def test_distributed_weight_update(
+    models: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SGLang's distributed update protocol (``/init_weights_update_group``, ``/update_weights_from_distributed``,
     ``/destroy_weights_update_group``) against agentrl's trainer side: NCCL from GPU 0 to a server on GPU 1
     when there are two GPUs (an NCCL group cannot hold two processes of one GPU), else gloo on one GPU (the
     same requests and broadcasts). Afterwards the server answers as the broadcast weights do."""
     from agentrl.cluster import free_port
     from agentrl.engine.dist import init_custom_process_group, leave_process_group
+    from agentrl.engine.launcher import SGLANG_PEER_ENV
 
     two = torch.cuda.device_count() >= 2
     backend = "nccl" if two else "gloo"
+    # the server's NCCL setting at this end too (read once: before this process's first NCCL group)
+    for key, value in SGLANG_PEER_ENV.items():
+        monkeypatch.setenv(key, value)
     torch.cuda.set_device(0)
     cfg = SGLangConfig(
         model_path=str(models[0]), port=0, mem_fraction_static=0.3, env={"CUDA_VISIBLE_DEVICES": "1"} if two else {},

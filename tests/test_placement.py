@@ -67,3 +67,15 @@ def test_engine_quantization_reaches_the_engines_it_starts() -> None:
     assert "--quantization" not in plain.keywords["extra_args"]
     sglang = engine_starter(load_run_config(None, [*run, "engine.backend=sglang"]), "/m", 0)
     assert sglang.args[0].quantization == "fp8"
+
+
+def test_trainer_ranks_start_with_the_nccl_setting_of_sglang_servers() -> None:
+    """A weight-update group between trainer ranks and SGLang servers opens only when both ends run NCCL
+    with the same NCCL_CUMEM_ENABLE, which SGLang's schedulers set to 0: with SGLang engines the ranks start
+    with it; with the embedded engine nothing is set."""
+    from agentrl.placement import trainer_env
+    from agentrl.recipe import load_run_config
+
+    run = ["model_path=/m", "data.path=/d", "env.name=math"]
+    assert trainer_env(load_run_config(None, [*run, "engine.backend=sglang"])) == {"NCCL_CUMEM_ENABLE": "0"}
+    assert trainer_env(load_run_config(None, run)) == {}

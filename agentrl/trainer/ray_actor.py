@@ -114,7 +114,8 @@ class TrainerGroup:
     ``deterministic``: the run's deterministic switch, passed to every rank (see :class:`MegatronTrainer`).
     ``placement_group``: schedule rank i on that Ray placement group's bundle ``bundle_indices[i]``
     (default: bundle i), e.g. to put a trainer rank on the GPU of the engine it shares it with.
-    ``resources``: custom Ray resources every rank asks for (which nodes may take the ranks)."""
+    ``resources``: custom Ray resources every rank asks for (which nodes may take the ranks).
+    ``env``: environment variables every rank starts with (set before anything in it imports torch)."""
 
     def __init__(
         self,
@@ -128,6 +129,7 @@ class TrainerGroup:
         placement_group: Any = None,
         bundle_indices: list[int] | None = None,
         resources: dict[str, float] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -144,7 +146,7 @@ class TrainerGroup:
         )(TrainerWorker)
         self.actors = []
         for r in range(world_size):
-            where: dict[str, Any] = {}
+            where: dict[str, Any] = {"runtime_env": {"env_vars": dict(env)}} if env else {}
             if placement_group is not None:
                 where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundles[r]
