@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from agentrl.engine.client import _Endpoint
+from agentrl.engine.endpoint import Endpoint, EngineError, EngineRequestError
 
 __all__ = ["ADAPTER_PREFIX", "AdapterNaming", "adapter_name", "adapter_version"]
 
@@ -53,7 +52,7 @@ class AdapterNaming:
     ``endpoints``, ``router``, ``timeout``, ``_call``, ``_request``, ``_all`` and ``control_endpoints`` it
     uses."""
 
-    endpoints: list[_Endpoint]
+    endpoints: list[Endpoint]
     router: bool
     timeout: float
     _call: Any
@@ -82,8 +81,6 @@ class AdapterNaming:
         """Whether the engines apply a LoRA adapter only to the requests that name it: SGLang launched with
         ``--enable-lora`` (its ``/get_server_info`` holds its server arguments, ``enable_lora`` true), not
         the embedded engine (which applies its adapter to every request). Engines of both kinds: an error."""
-        from agentrl.engine.client import EngineError
-
         infos = await self._all("GET", "/get_server_info")
         named = [isinstance(i, dict) and i.get("enable_lora") is True for i in infos]
         if any(named) and not all(named):
@@ -99,11 +96,9 @@ class AdapterNaming:
         found = await asyncio.gather(*(self._listed_adapters(ep) for ep in endpoints))
         return {ep.url: names for ep, names in zip(endpoints, found, strict=True)}
 
-    async def _listed_adapters(self, ep: _Endpoint, once: bool = False) -> list[str]:
+    async def _listed_adapters(self, ep: Endpoint, once: bool = False) -> list[str]:
         """The adapter cards of ``ep``'s ``GET /v1/models``; ``once``: one try, a connection error or 5xx
         raised as retryable (asked for a ``/generate``, whose retry then fails over to another endpoint)."""
-        from agentrl.engine.client import EngineRequestError
-
         try:
             if once:
                 body = await self._call(ep, "GET", "/v1/models", None, min(self.timeout, 30.0))
@@ -116,7 +111,7 @@ class AdapterNaming:
         cards = body.get("data") if isinstance(body, dict) else None
         return [str(c["id"]) for c in cards or [] if isinstance(c, dict) and c.get("parent") and c.get("id")]
 
-    async def _newest_adapter(self, ep: _Endpoint) -> str | None:
+    async def _newest_adapter(self, ep: Endpoint) -> str | None:
         """The newest ``agentrl-v*`` adapter ``ep`` serves (behind a router: one that all its workers have)."""
         if self.router:
             lists = list((await self.loaded_adapters()).values())
@@ -126,7 +121,7 @@ class AdapterNaming:
         ours = [(v, n) for n in names if (v := adapter_version(n)) is not None]
         return max(ours)[1] if ours else None
 
-    async def _adapter_of(self, ep: _Endpoint) -> str | None:
+    async def _adapter_of(self, ep: Endpoint) -> str | None:
         """The adapter a ``/generate`` to ``ep`` names, asked of the engine where not known (one question at
         a time per endpoint, however many requests wait for it)."""
         if ep.adapter_known:

@@ -37,12 +37,18 @@ import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from agentrl.engine.adapters import AdapterNaming
+from agentrl.engine.endpoint import (
+    Endpoint,
+    EngineError,
+    EngineRequestError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 from agentrl.engine.json_body import JSON_HEADERS, dumps_json, loads_json
 from agentrl.engine.types import GenerateResult, SamplingParams
 
@@ -53,38 +59,6 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
 ]
-
-
-class EngineError(RuntimeError):
-    """Base of every engine-call failure."""
-
-
-class EngineUnavailable(EngineError):
-    """The engine could not be reached, or kept answering 5xx, after all retries."""
-
-
-class EngineTimeout(EngineError):
-    """The engine did not answer within the client's timeout."""
-
-
-class EngineRequestError(EngineError):
-    """The engine rejected the request (4xx, or ``success: false``); carries the server's message."""
-
-    def __init__(self, message: str, status: int | None = None, url: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.url = url
-
-
-@dataclass
-class _Endpoint:
-    url: str
-    in_flight: int = 0
-    # After a connection failure the endpoint is avoided for a short while when others are available.
-    down_until: float = 0.0
-    adapter: str | None = None  # the LoRA adapter every /generate here names (SGLang's lora_path)
-    adapter_known: bool = False  # False: ask the engine (GET /v1/models) before the next /generate
-    lookup: asyncio.Task[str | None] | None = None  # that question, while it is asked
 
 
 def _normalize_url(url: str) -> str:
@@ -110,7 +84,7 @@ class EngineClient(AdapterNaming):
             urls = [u for u in urls.split(",") if u.strip()]
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
-        self.endpoints = [_Endpoint(_normalize_url(u)) for u in urls]
+        self.endpoints = [Endpoint(_normalize_url(u)) for u in urls]
         self.api_key = api_key
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
@@ -118,9 +92,9 @@ class EngineClient(AdapterNaming):
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._rr = itertools.count()
-        self._rid_endpoint: dict[str, _Endpoint] = {}
+        self._rid_endpoint: dict[str, Endpoint] = {}
         self.router = router
-        self._workers: dict[str, _Endpoint] = {}  # router mode: the router's workers, by URL
+        self._workers: dict[str, Endpoint] = {}  # router mode: the router's workers, by URL
 
     @property
     def urls(self) -> list[str]:
@@ -141,7 +115,7 @@ class EngineClient(AdapterNaming):
             self._session_loop = loop
         return self._session
 
-    def _pick(self, exclude: set[str]) -> _Endpoint:
+    def _pick(self, exclude: set[str]) -> Endpoint:
         now = time.monotonic()
         candidates = [e for e in self.endpoints if e.url not in exclude and e.down_until <= now]
         if not candidates:
@@ -155,7 +129,7 @@ class EngineClient(AdapterNaming):
 
     async def _call(
         self,
-        ep: _Endpoint,
+        ep: Endpoint,
         method: str,
         path: str,
         payload: dict[str, Any] | None = None,
@@ -198,10 +172,10 @@ class EngineClient(AdapterNaming):
         method: str,
         path: str,
         payload: dict[str, Any] | None = None,
-        endpoint: _Endpoint | None = None,
+        endpoint: Endpoint | None = None,
         timeout: float | None = None,
         rid: str | None = None,
-        prepare: Callable[[_Endpoint], Awaitable[dict[str, Any]]] | None = None,
+        prepare: Callable[[Endpoint], Awaitable[dict[str, Any]]] | None = None,
     ) -> Any:
         """A call with retries; ``endpoint=None`` routes to the least-loaded endpoint (and fails over).
 
@@ -235,16 +209,16 @@ class EngineClient(AdapterNaming):
                 await asyncio.sleep(self._delay(attempt))
         raise EngineUnavailable(f"engine unavailable after {self.max_retries + 1} attempts: {last}")
 
-    async def control_endpoints(self) -> list[_Endpoint]:
+    async def control_endpoints(self) -> list[Endpoint]:
         """Where control calls go: the endpoints, or in router mode the router's workers."""
         if not self.router:
             return self.endpoints
-        found: list[_Endpoint] = []
+        found: list[Endpoint] = []
         for ep in self.endpoints:
             body = await self._request("GET", "/workers", endpoint=ep)
             for w in body.get("workers", []) if isinstance(body, dict) else []:
                 url = _normalize_url(str(w["url"]))
-                found.append(self._workers.setdefault(url, _Endpoint(url)))
+                found.append(self._workers.setdefault(url, Endpoint(url)))
         if not found:
             raise EngineUnavailable(f"the router(s) {self.urls} list no workers (GET /workers)")
         return found
@@ -299,7 +273,7 @@ class EngineClient(AdapterNaming):
             payload["rid"] = rid
         named: dict[str, str | None] = {}  # endpoint URL -> the adapter its request named
 
-        async def prepare(ep: _Endpoint) -> dict[str, Any]:
+        async def prepare(ep: Endpoint) -> dict[str, Any]:
             named[ep.url] = adapter = await self._adapter_of(ep)
             return payload if adapter is None else {**payload, "lora_path": adapter}
 
@@ -526,7 +500,7 @@ class EngineClient(AdapterNaming):
     async def health(self) -> bool:
         """True when every endpoint answers ``/health`` with 200 (one try, short timeout)."""
 
-        async def one(ep: _Endpoint) -> bool:
+        async def one(ep: Endpoint) -> bool:
             try:
                 await self._call(ep, "GET", "/health", None, timeout=min(self.timeout, 10.0))
                 return True

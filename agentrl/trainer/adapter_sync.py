@@ -58,11 +58,15 @@ from typing import Any
 
 import torch
 
-from agentrl.trainer.weight_sync import _adapter_push_stats
-
 log = logging.getLogger("agentrl.weight_sync")
 
-__all__ = ["FUSED_GROUPS", "NamedAdapterSync", "adapter_payload", "complete_fused_groups"]
+__all__ = [
+    "FUSED_GROUPS",
+    "NamedAdapterSync",
+    "adapter_payload",
+    "adapter_push_stats",
+    "complete_fused_groups",
+]
 
 
 # the HF modules one fused layer of the trainer (and of SGLang) computes, with the prefix of their PEFT names
@@ -113,6 +117,16 @@ def complete_fused_groups(
                     out[key % "A"] = a.clone()  # a tensor of its own: a PEFT file holds no shared ones
                     out[key % "B"] = torch.zeros(rows[other], b.shape[1], dtype=b.dtype)
     return out, lora.model_copy(update={"target_modules": sorted(targets | missing)})
+
+
+def adapter_push_stats(started: float, adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+    """An adapter push's figures (every LoRA sync reports them): seconds since ``started``, tensors and
+    bytes pushed."""
+    return {
+        "seconds": time.perf_counter() - started,
+        "num_tensors": float(len(adapters)),
+        "num_bytes": float(sum(t.numel() * t.element_size() for t in adapters.values())),
+    }
 
 
 def adapter_payload(tensors: dict[str, torch.Tensor]) -> str:
@@ -208,7 +222,7 @@ class NamedAdapterSync:
         previous, self.loaded = self.loaded, name
         if previous is not None:
             await self._retire(previous)
-        return {**_adapter_push_stats(t0, tensors), "pack_seconds": pack_seconds}
+        return {**adapter_push_stats(t0, tensors), "pack_seconds": pack_seconds}
 
     async def _retire(self, name: str) -> None:
         """Remove ``name``'s dir (so SGLang cannot load it again for a late request), then unload it. An

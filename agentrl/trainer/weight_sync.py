@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.cluster import free_port
+from agentrl.trainer.adapter_sync import NamedAdapterSync, adapter_push_stats
 from agentrl.trainer.colocate import push_tensors
 from agentrl.trainer.model import ModelArch, mcore_to_hf, save_hf_dir
 from agentrl.trainer.moe import is_expert_param
@@ -352,15 +353,6 @@ def _num_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _adapter_push_stats(started: float, adapters: dict[str, torch.Tensor]) -> dict[str, float]:
-    """An adapter push's figures: seconds since ``started``, tensors and bytes pushed."""
-    return {
-        "seconds": time.perf_counter() - started,
-        "num_tensors": float(len(adapters)),
-        "num_bytes": float(_num_bytes(adapters)),
-    }
-
-
 class LoRADiskSync:
     """``disk`` with LoRA: rank 0 writes the adapters as a PEFT dir to ``out_dir`` and the engines load it
     (``/load_lora_adapter``; the embedded engine serves it as ``engine.lora_apply`` says, SGLang by name)."""
@@ -383,7 +375,7 @@ class LoRADiskSync:
         await asyncio.to_thread(save_peft_dir, hf, self.lora, self.out_dir, str(self.model_path))
         if self.client is not None:
             await self.client.load_lora_adapter(LORA_NAME, str(self.out_dir), weight_version=str(version))
-        return _adapter_push_stats(t0, hf)
+        return adapter_push_stats(t0, hf)
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
@@ -416,7 +408,7 @@ class LoRATensorSync:
         finally:
             packed.close()
         # the same figures as a full tensor push, which a colocated step splits into pack and push
-        return {**_adapter_push_stats(t0, hf), "pack_seconds": pack_seconds}
+        return {**adapter_push_stats(t0, hf), "pack_seconds": pack_seconds}
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
@@ -476,8 +468,6 @@ async def connect_engine_sync(
     (SGLang with ``--enable-lora``, asked through ``client``) as
     :class:`~agentrl.trainer.adapter_sync.NamedAdapterSync`, in every mode."""
     if lora is not None and client is not None and await client.serves_adapters_by_name():
-        from agentrl.trainer.adapter_sync import NamedAdapterSync
-
         if mode == "disk" and out_dir is None:
             raise ValueError("weight sync from disk needs out_dir (where the PEFT dirs are written)")
         return NamedAdapterSync(client, model_path, lora, out_dir if mode == "disk" else None)
