@@ -184,7 +184,7 @@ ray: {{num_cpus: 2}}
 # per-step figures that may differ between a run and its resumed continuation: timings and rates, and the
 # rollout's work counters (the groups in flight at the checkpoint are generated again after a resume)
 NOT_COMPARED = re.compile(
-    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|policy_version$|^rollout/loop_|^retrieval/(?!workers$)"
+    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|policy_version$|^rollout/(shard\d+/)?loop_|^retrieval/(?!workers$)"
     r"|^engine/|^rollout/|^buffer/|^staleness/"
 )
 
