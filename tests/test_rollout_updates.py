@@ -162,8 +162,10 @@ async def test_checkpoint_resume_redraws_in_flight_exactly_once(tok: Any) -> Non
     assert not trained_before & trained_after  # nothing trained twice
     assert in_flight <= trained_after | {u for u, o in orch2.outcomes if o.startswith("dropped")}
     acc = orch2.accounting()
-    assert acc["drawn"] == 40 and acc["in_flight"] == 0 and acc["balanced"] == 1
-    assert len(trained_before | trained_after) + acc["dropped"] == 40
+    assert acc["drawn"] == 40 and acc["balanced"] == 1
+    # at the end, groups too few to fill a batch stay buffered (a group dropped on the way leaves one)
+    assert acc["in_flight"] == acc["buffered"] < 2
+    assert len(trained_before | trained_after) + acc["dropped"] + acc["buffered"] == 40
 
 
 # ---------------------------------------------------------------- evaluation, metrics, exhaustion
