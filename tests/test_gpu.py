@@ -26,6 +26,7 @@ import torch
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
+from agentrl.testing.gpus import child_gpu_env
 from agentrl.types import Trajectory
 
 pytestmark = pytest.mark.gpu
@@ -93,7 +94,7 @@ def _random_trajs(n: int, prompt_len: int, lengths: list[int], seed: int) -> lis
 async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> None:
     _two_gpus()
     trainer = _trainer(tiny_model_dir)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    env = {**os.environ, **child_gpu_env(1)}
     try:
         for engine_dies_first in (False, True):
             server = start_embedded_server(tiny_model_dir, device="cuda", dtype="bfloat16", env=env)

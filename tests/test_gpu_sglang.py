@@ -41,6 +41,7 @@ from agentrl.engine.adapters import adapter_name
 from agentrl.engine.client import EngineClient
 from agentrl.engine.launcher import SGLangConfig, SGLangLauncher, SGLangLoRAConfig
 from agentrl.engine.types import SamplingParams
+from agentrl.testing.gpus import child_gpu_env
 from agentrl.trainer.colocate import push_tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.usefixtures("sglang_required")]
@@ -231,7 +232,7 @@ async def test_distributed_weight_update(
         monkeypatch.setenv(key, value)
     torch.cuda.set_device(0)
     cfg = SGLangConfig(
-        model_path=str(models[0]), port=0, mem_fraction_static=0.3, env={"CUDA_VISIBLE_DEVICES": "1"} if two else {},
+        model_path=str(models[0]), port=0, mem_fraction_static=0.3, env=child_gpu_env(1) if two else {},
         extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900,
     )  # fmt: skip
     weights = hf_weights(models[1])
@@ -241,7 +242,6 @@ async def test_distributed_weight_update(
     with SGLangLauncher(cfg) as launcher:
         async with EngineClient(launcher.url, timeout=300) as client:
             port = free_port()
-            device = torch.device("cuda:0") if two else None
             _, pg = await asyncio.gather(
                 client.init_weights_update_group("127.0.0.1", port, 1, 2, "agentrl_test", backend),
                 asyncio.to_thread(
@@ -252,8 +252,7 @@ async def test_distributed_weight_update(
                     0,
                     "agentrl_test",
                     120.0,
-                    device,
-                ),
+                ),  # the NCCL communicator comes at the first broadcast, as SGLang's end makes its own
             )
 
             def broadcast() -> None:

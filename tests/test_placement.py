@@ -79,3 +79,15 @@ def test_trainer_ranks_start_with_the_nccl_setting_of_sglang_servers() -> None:
     run = ["model_path=/m", "data.path=/d", "env.name=math"]
     assert trainer_env(load_run_config(None, [*run, "engine.backend=sglang"])) == {"NCCL_CUMEM_ENABLE": "0"}
     assert trainer_env(load_run_config(None, run)) == {}
+
+
+def test_a_child_process_is_given_the_machine_gpu_behind_this_process_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentrl.testing.gpus import child_gpu_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert child_gpu_env(0) == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert child_gpu_env(1) == {"CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=2,3 gives 2"):
+        child_gpu_env(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert child_gpu_env(1) == {"CUDA_VISIBLE_DEVICES": "1"}

@@ -6,6 +6,8 @@
   terminal rewards).
 * :mod:`agentrl.testing.verifiers`: rewards that need no trained model (``length_parity``).
 * :mod:`agentrl.testing.configs`: run-config fragments for CI-sized runs of ``train_async.py``.
+* :mod:`agentrl.testing.gpus`: the machine's GPU behind a test process's GPU, for the servers a GPU test
+  starts on a GPU of their own.
 
 The real parts they stand beside: the embedded engine (:mod:`agentrl.embedded.server`), SGLang, and
 the built-in envs (:mod:`agentrl.envs`).
