@@ -6,7 +6,9 @@ run and on the same device, HF ``model.generate`` on batches of C prompts of the
 number of new tokens (sampling at temperature 1, EOS ignored). ``--multi-turn K`` adds agent-like
 episodes: ``--concurrency``'s largest C episodes at once, each K turns whose prompt is the previous
 prompt + output + ``--obs-len`` new tokens, and reports prefill tokens computed against submitted (what
-prefix reuse saves). Prints ONE JSON line.
+prefix reuse saves). Each round of the embedded engine carries the engine's own account of it
+(``engine_time``: the share its device was busy, rows and device milliseconds a decode step against the
+round's wall time per step). Prints ONE JSON line.
 
 CPU (default): the tiny test model. GPU: ``--device cuda --shape qwen2.5-0.5b --dtype bfloat16`` builds a
 randomly initialised model with Qwen2.5-0.5B's exact shape (151,936 vocab, 24 layers, hidden 896);
@@ -135,8 +137,10 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 async def engine_round(
-    url: str, conc: int, prompt_len: int, new_tokens: int, vocab: int
+    url: str, conc: int, prompt_len: int, new_tokens: int, vocab: int, account: dict[str, float] | None = None
 ) -> tuple[int, float]:
+    """2*C requests with C in flight, after a warm-up: (tokens generated, seconds). ``account``, when
+    given, is filled with the engine's own account of the timed round (:func:`where_time_went`)."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
     sem = asyncio.Semaphore(conc)
     async with EngineClient(url, timeout=3600) as client:
@@ -150,9 +154,39 @@ async def engine_round(
         short = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
         await asyncio.gather(*(client.generate(p, short) for p in prompts(conc, prompt_len, vocab, seed=1)))
         batch = prompts(2 * conc, prompt_len, vocab, seed=conc)
+        before = (await client.server_info())[0] if account is not None else {}
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in batch))
-        return sum(counts), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if account is not None:
+            account.update(where_time_went(before, (await client.server_info())[0], seconds))
+        return sum(counts), seconds
+
+
+ENGINE_COUNTERS = ("busy_s", "prefill_busy_s", "decode_busy_s", "decode_steps", "decode_rows", "prefill_steps")
+
+
+def where_time_went(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float]:
+    """The embedded engine's account of a timed round of ``seconds``, from its counters in
+    ``/get_server_info`` before and after it: the share of the round its device was busy (in all, on
+    decode steps, on prefill steps), its decode steps, rows a decode step, and the milliseconds a decode
+    step took on the device against the round's wall time over its decode steps (prefill included; what
+    the device was not busy for, it waited on the host: scheduling, sampling's host side, HTTP). Empty
+    for an engine without these counters (SGLang)."""
+    if not all(isinstance(d.get(k), int | float) for d in (before, after) for k in ENGINE_COUNTERS):
+        return {}
+    d = {k: float(after[k]) - float(before[k]) for k in ENGINE_COUNTERS}
+    steps = max(d["decode_steps"], 1.0)
+    return {
+        "device_busy_frac": round(d["busy_s"] / seconds, 3),
+        "decode_busy_frac": round(d["decode_busy_s"] / seconds, 3),
+        "prefill_busy_frac": round(d["prefill_busy_s"] / seconds, 3),
+        "decode_steps": int(d["decode_steps"]),
+        "prefill_steps": int(d["prefill_steps"]),
+        "rows_per_decode_step": round(d["decode_rows"] / steps, 1),
+        "decode_device_ms_per_step": round(d["decode_busy_s"] / steps * 1e3, 3),
+        "wall_ms_per_decode_step": round(seconds / steps * 1e3, 3),
+    }
 
 
 async def multi_turn_round(
@@ -368,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         """Every round (and the multi-turn episodes) on one server; its ``/get_server_info`` (and, with
         ``update``, an :func:`update_round` after the rounds under ``"update"``)."""
         engine: dict[int, tuple[int, float]] = {}
+        accounts: dict[int, dict[str, float]] = {c: {} for c in concs}
         if backend == "sglang":
             server = launch_sglang(a, model_dir, tmp / "sglang.log", max(concs))
         else:
@@ -375,7 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         multi: dict[str, float] | None = None
         try:
             for c in concs:
-                engine[c] = asyncio.run(engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab))
+                engine[c] = asyncio.run(
+                    engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab, accounts[c])
+                )
             if a.multi_turn:
                 multi = asyncio.run(
                     multi_turn_round(
@@ -383,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 )
             info = asyncio.run(_server_info(server.url))
+            info["rounds"] = {c: acc for c, acc in accounts.items() if acc}
             if update:
                 info["update"] = asyncio.run(update_round(server.url, model_dir))
         finally:
@@ -426,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         e_tok, e_s = engine[c]
         results[str(c)]["engine_tok_s"] = round(e_tok / e_s, 1)
+        if c in info.get("rounds", {}):
+            results[str(c)]["engine_time"] = info["rounds"][c]
         if c in sglang:
             results[str(c)]["ratio_sglang_over_embedded"] = round(
                 (sglang[c][0] / sglang[c][1]) / (e_tok / e_s), 3

@@ -31,6 +31,10 @@ def test_fp8_ab_reports_both_modes_their_ratio_and_the_quantization_time() -> No
         assert row["engine_tok_s"] > 0 and row["fp8_tok_s"] > 0
         ratio = row["fp8_tok_s"] / row["engine_tok_s"]
         assert abs(row["ratio_fp8_over_unquantized"] - ratio) <= 0.01 * ratio + 1e-3
+        spent = row["engine_time"]  # the unquantized server's own account of the round
+        assert spent["decode_steps"] >= 4 and 1 <= spent["rows_per_decode_step"] <= int(c)
+        assert 0 < spent["decode_busy_frac"] <= spent["device_busy_frac"] <= 1.05
+        assert 0 < spent["decode_device_ms_per_step"] <= spent["wall_ms_per_decode_step"]
     fp8 = out["fp8"]
     assert fp8["quantize_load_s"] > 0 and fp8["quantize_update_s"] > 0
     # the update reads the checkpoint from disk, then quantizes
