@@ -5,7 +5,8 @@ A :class:`~agentrl.embedded.runner.ModelRunner` of a model shape with random wei
 ``--steps`` steps for ``--rows`` sequences at position ``--position`` (after warm-ups), with CUDA graphs,
 in each of ``--modes`` (``default``: the engine's compiled kernels; ``batch_invariant``), in the same
 process: the forward alone, without HTTP, scheduling or sampling. With ``--profile`` it also profiles
-the first mode's step at the first row count (torch profiler, graphs off, so each kernel launch shows):
+the first mode's step at the first row count (torch profiler, graphs off, so each kernel launch shows;
+for an MoE shape the runner then takes its per-expert loop, not the grouped GEMMs its graphs capture):
 the kernels' table goes to stderr, and the JSON line gets the GPU time a step by kernel, largest first.
 Prints ONE JSON line: ms per step for each mode and row count, and the modes' ratio when both ran.
 
