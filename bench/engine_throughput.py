@@ -64,6 +64,7 @@ import torch
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
+from agentrl.metrics import engine_metrics
 from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B, QWEN25_7B, build_tiny_model
 
 SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-moe-1b", "qwen2.5-7b")
@@ -154,28 +155,29 @@ async def engine_round(
         short = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
         await asyncio.gather(*(client.generate(p, short) for p in prompts(conc, prompt_len, vocab, seed=1)))
         batch = prompts(2 * conc, prompt_len, vocab, seed=conc)
-        before = (await client.server_info())[0] if account is not None else {}
+        before = await engine_metrics(client) if account is not None else {}
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in batch))
         seconds = time.perf_counter() - t0
         if account is not None:
-            account.update(where_time_went(before, (await client.server_info())[0], seconds))
+            account.update(where_time_went(before, await engine_metrics(client), seconds))
         return sum(counts), seconds
 
 
 ENGINE_COUNTERS = ("busy_s", "prefill_busy_s", "decode_busy_s", "decode_steps", "decode_rows", "prefill_steps")
 
 
-def where_time_went(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float]:
-    """The embedded engine's account of a timed round of ``seconds``, from its counters in
-    ``/get_server_info`` before and after it: the share of the round its device was busy (in all, on
-    decode steps, on prefill steps), its decode steps, rows a decode step, and the milliseconds a decode
-    step took on the device against the round's wall time over its decode steps (prefill included; what
-    the device was not busy for, it waited on the host: scheduling, sampling's host side, HTTP). Empty
-    for an engine without these counters (SGLang)."""
-    if not all(isinstance(d.get(k), int | float) for d in (before, after) for k in ENGINE_COUNTERS):
+def where_time_went(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """The embedded engine's account of a timed round of ``seconds``, from its counters as
+    :func:`agentrl.metrics.engine_metrics` reads them before and after it: the share of the round its
+    device was busy (in all, on decode steps, on prefill steps), its decode steps, rows a decode step,
+    and the milliseconds a decode step took on the device against the round's wall time over its decode
+    steps (prefill included; what the device was not busy for, it waited on the host: scheduling,
+    sampling's host side, HTTP). Empty for an engine without these counters (SGLang)."""
+    keys = [f"engine/{k}" for k in ENGINE_COUNTERS]
+    if not all(k in before and k in after for k in keys):
         return {}
-    d = {k: float(after[k]) - float(before[k]) for k in ENGINE_COUNTERS}
+    d = {k: after[f"engine/{k}"] - before[f"engine/{k}"] for k in ENGINE_COUNTERS}
     steps = max(d["decode_steps"], 1.0)
     return {
         "device_busy_frac": round(d["busy_s"] / seconds, 3),
