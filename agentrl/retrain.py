@@ -72,13 +72,9 @@ def build_trainer(run_dir: Path, device: str | None = None) -> tuple[Any, dict[s
         raise SystemExit(f"retrain runs one trainer rank; the run's trainer has tp={cfg.tp}, pp={cfg.pp}")
     if info.get("trainer_threads"):
         torch.set_num_threads(int(info["trainer_threads"]))
-    # a world of its own, one rank: a torch.distributed world inherited from the caller's environment
-    # (a launcher's RANK / WORLD_SIZE, or a MASTER_PORT another process already listens on) is not ours
-    from agentrl.cluster import free_port
-
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    # a world of its own, one rank (which takes no port): a torch.distributed world inherited from the
+    # caller's environment (a launcher's RANK / WORLD_SIZE) is not ours
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     return MegatronTrainer(cfg, deterministic=deterministic), info
 
 

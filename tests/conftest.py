@@ -162,13 +162,11 @@ def megatron_single_rank() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from agentrl.cluster import free_port
     from agentrl.trainer.mcore_compat import apply_cpu_patches
 
     warnings.filterwarnings("ignore")
     apply_cpu_patches()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     yield
     ps.destroy_model_parallel()

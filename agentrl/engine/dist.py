@@ -31,12 +31,23 @@ import torch.distributed as dist
 __all__ = [
     "abort_process_group",
     "destroy_process_group",
+    "host_store",
     "init_custom_process_group",
     "leave_process_group",
     "parse_dtype",
 ]
 
 log = logging.getLogger("agentrl.dist")
+
+
+def host_store(world_size: int, timeout: float | datetime.timedelta = 600.0) -> Any:
+    """Rank 0's rendezvous store, listening on every interface on a port the OS picks (``store.port``).
+
+    Handing that port to the other ranks leaves no moment in which another process can take it, as a
+    port found free and bound later can be (any outgoing connection may draw it meanwhile)."""
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
 def init_custom_process_group(
@@ -47,11 +58,13 @@ def init_custom_process_group(
     group_name: str,
     timeout: float | datetime.timedelta = 600.0,
     device_id: torch.device | None = None,
+    store: Any = None,
 ) -> Any:
     """Create a process group that is not the default one (SGLang's ``init_custom_process_group``).
 
-    ``init_method`` is ``tcp://HOST:PORT``; rank 0 hosts the rendezvous store. Blocks until all
-    ``world_size`` ranks have joined. Returns the group to pass as ``group=`` to collectives.
+    ``init_method`` is ``tcp://HOST:PORT``; rank 0 hosts the rendezvous store there, or passes the one
+    it already hosts (``store``, from :func:`host_store`). Blocks until all ``world_size`` ranks have
+    joined. Returns the group to pass as ``group=`` to collectives.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -63,7 +76,8 @@ def init_custom_process_group(
 
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     kwargs: dict[str, Any] = {"group_name": group_name, "backend_options": None, "timeout": timeout}

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from agentrl.cluster import free_port
 from agentrl.trainer.losses import MetricSums
 
 if TYPE_CHECKING:
@@ -28,21 +27,28 @@ def resolve_device(cfg: TrainerConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(cfg: TrainerConfig, device: torch.device) -> None:
-    """torch.distributed from the env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; defaults: one
-    process on loopback) and megatron's parallel_state for ``tp`` x ``pp`` x dp."""
+def init_distributed(cfg: TrainerConfig, device: torch.device, store: Any = None) -> None:
+    """torch.distributed from the env (RANK, WORLD_SIZE; default one process) and megatron's
+    parallel_state for ``tp`` x ``pp`` x dp.
+
+    The ranks meet through ``store`` when given (rank 0's from :func:`agentrl.engine.dist.host_store`,
+    a client of it elsewhere), else at MASTER_ADDR:MASTER_PORT. One process alone meets nobody: it
+    takes no port."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            if world > 1:
-                raise RuntimeError("MASTER_PORT must be set when WORLD_SIZE > 1")
-            os.environ["MASTER_PORT"] = str(free_port())
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        if store is None and world == 1:
+            store = dist.HashStore()
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        else:
+            if "MASTER_PORT" not in os.environ:
+                raise RuntimeError("MASTER_PORT must be set when WORLD_SIZE > 1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group(backend, rank=rank, world_size=world)
     if dist.get_world_size() % (cfg.tp * cfg.pp):
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp*pp = {cfg.tp * cfg.pp}")
     if cfg.ep > 1 and dist.get_world_size() % (cfg.tp * cfg.pp * cfg.ep):

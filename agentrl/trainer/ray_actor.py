@@ -21,26 +21,20 @@ import os
 import sys
 from typing import Any, Literal
 
-from agentrl.cluster import free_port, location
+from agentrl.cluster import location
 from agentrl.trainer.config import TrainerConfig
 from agentrl.types import Trajectory
 
 
 class TrainerWorker:
-    """The body of one rank's actor (plain class; :class:`TrainerGroup` wraps it with ``ray.remote``)."""
+    """The body of one rank's actor (plain class; :class:`TrainerGroup` wraps it with ``ray.remote``).
 
-    def __init__(
-        self,
-        cfg: dict[str, Any],
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        deterministic: bool = False,
-    ) -> None:
-        os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
-        )
+    Built in two steps, so that the ranks never meet at a port chosen before it is bound: rank 0
+    :meth:`hosts <host_rendezvous>` the rendezvous store, then every rank :meth:`starts <start>` its
+    trainer there."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, deterministic: bool = False) -> None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
         os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own visible GPU
         # Sequences of every length make the caching allocator split blocks it then cannot reuse: on an
         # H200 the trainer reserved 63 GB for a 23 GB peak, which leaves a colocated engine no room on an
@@ -51,15 +45,33 @@ class TrainerWorker:
         # logs, agentrl.metrics); importing it costs a second and makes scratch dirs in the temp dir that
         # an actor killed at shutdown leaves behind. An import of it here finds None and fails.
         sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]
-        from agentrl.trainer.trainer import MegatronTrainer
-
-        self.trainer = MegatronTrainer(TrainerConfig.model_validate(cfg), deterministic=deterministic)
+        self._cfg, self._rank, self._world_size, self._deterministic = cfg, rank, world_size, deterministic
+        self._store: Any = None
+        self.trainer: Any = None
         # The trainer's async verbs (the engines' calls) run on one event loop with one EngineClient per
         # engine list, kept for the actor's life: a new loop and connection per sync cost time on every
         # step. Plain methods that run the loop, not async methods: an async method would turn the actor
         # into an async actor whose methods run in Ray's own loop.
         self._loop = asyncio.new_event_loop()
         self._clients: dict[tuple[str, ...], Any] = {}
+
+    def host_rendezvous(self) -> int:
+        """Rank 0: bind the store the ranks meet at, on a port the OS picks; that port."""
+        from agentrl.engine.dist import host_store
+
+        self._store = host_store(self._world_size)
+        return int(self._store.port)
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        """Build this rank's trainer, meeting the others at rank 0's store ``master_addr:master_port``."""
+        import torch.distributed as dist
+
+        from agentrl.trainer.trainer import MegatronTrainer
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        store = self._store or dist.TCPStore(master_addr, master_port, self._world_size, is_master=False)
+        cfg = TrainerConfig.model_validate(self._cfg)
+        self.trainer = MegatronTrainer(cfg, deterministic=self._deterministic, store=store)
 
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``trainer.<verb>(*args, **kwargs)``, a coroutine run to completion on this actor's loop; for an
@@ -140,7 +152,6 @@ class TrainerGroup:
         if len(bundles) != world_size:
             raise ValueError(f"bundle_indices names {len(bundles)} bundles for {world_size} ranks")
         self._ray = ray
-        port = free_port()
         actor_cls = ray.remote(
             num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, resources=resources or {}
         )(TrainerWorker)
@@ -151,11 +162,10 @@ class TrainerGroup:
                 where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundles[r]
                 )
-            actor = actor_cls.options(**where).remote(
-                cfg.model_dump(mode="json"), r, world_size, master_addr, port, deterministic
-            )
-            self.actors.append(actor)
-        ray.get([a.call.remote("policy_version") for a in self.actors])  # surface construction errors here
+            spec = cfg.model_dump(mode="json")
+            self.actors.append(actor_cls.options(**where).remote(spec, r, world_size, deterministic))
+        port = ray.get(self.actors[0].host_rendezvous.remote())
+        ray.get([a.start.remote(master_addr, port) for a in self.actors])  # construction errors surface here
 
     async def _all(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``verb`` on every rank (collectives need them all); rank 0's answer."""

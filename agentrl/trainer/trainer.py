@@ -104,9 +104,10 @@ class MegatronTrainer:
 
     ``deterministic``: the run's deterministic switch. On a GPU the logprobs then come from the true
     on-policy forward (batch-invariant kernels) and its attention backward runs torch's math kernel, since
-    the flash backward accumulates dq in a varying order; on CPU nothing changes."""
+    the flash backward accumulates dq in a varying order; on CPU nothing changes.
+    ``store``: where the ranks meet (see :func:`~agentrl.trainer.distributed.init_distributed`)."""
 
-    def __init__(self, cfg: TrainerConfig, deterministic: bool = False) -> None:
+    def __init__(self, cfg: TrainerConfig, deterministic: bool = False, store: Any = None) -> None:
         from megatron.core import parallel_state as ps
 
         if deterministic and cfg.lora is not None:  # the run config refuses it at load; so does the class
@@ -118,7 +119,7 @@ class MegatronTrainer:
             apply_cpu_patches()
         if self.device.type == "cpu" and cfg.pp > 1:
             raise ValueError("pipeline parallelism needs CUDA (megatron's pipeline schedules are CUDA-bound)")
-        init_distributed(cfg, self.device)
+        init_distributed(cfg, self.device, store)
         self.ps = ps
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()

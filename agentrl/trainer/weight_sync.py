@@ -48,7 +48,6 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from agentrl.cluster import free_port
 from agentrl.trainer.adapter_sync import NamedAdapterSync, adapter_push_stats
 from agentrl.trainer.colocate import push_tensors
 from agentrl.trainer.model import ModelArch, mcore_to_hf, save_hf_dir
@@ -141,15 +140,19 @@ class WeightBroadcaster:
     async def connect(
         self,
         master_address: str,
-        master_port: int,
+        master_port: int | None,
         num_engine_ranks: int,
         backend: str,
         timeout: float = 600.0,
     ) -> None:
-        """Create the group (trainer = rank 0, engines from rank 1) with every engine joining concurrently."""
-        from agentrl.engine.dist import init_custom_process_group
+        """Create the group (trainer = rank 0, engines from rank 1) with every engine joining concurrently;
+        its rendezvous at ``master_address:master_port`` (None: a port this side binds first)."""
+        from agentrl.engine.dist import host_store, init_custom_process_group
 
         world = 1 + num_engine_ranks
+        store = host_store(world, timeout) if master_port is None else None
+        if store is not None:
+            master_port = store.port
         join = asyncio.to_thread(
             init_custom_process_group,
             backend=backend,
@@ -158,6 +161,7 @@ class WeightBroadcaster:
             rank=0,
             group_name=self.group_name,
             timeout=timeout,
+            store=store,
         )
         ask = self.client.init_weights_update_group(
             master_address=master_address,
@@ -496,6 +500,6 @@ async def connect_engine_sync(
         return BroadcastSync(None, "cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     broadcaster = WeightBroadcaster(client, bucket_bytes=bucket_bytes)
-    await broadcaster.connect(master_address, master_port or free_port(), num_engine_ranks, backend)
+    await broadcaster.connect(master_address, master_port, num_engine_ranks, backend)
     # the weights to broadcast must be where the backend sends from: the GPU for NCCL, else the CPU
     return BroadcastSync(broadcaster, "cpu" if device.type == "cpu" or backend == "gloo" else device)
