@@ -62,9 +62,10 @@ async def info(client: EngineClient) -> dict:
 
 
 async def wait_decoding(client: EngineClient, n: int, tokens: int = 40) -> None:
-    """Until ``n`` requests run and have had time for about ``tokens`` decode steps each."""
+    """Until ``n`` requests are in the running batch and have decoded ``tokens`` steps since (a request
+    the engine holds may wait for admission while the others decode)."""
     deadline = time.monotonic() + 30
-    while (await info(client))["num_running_requests"] < n:
+    while (await info(client))["num_batch_requests"] < n:
         assert time.monotonic() < deadline, "the requests never started"
         await asyncio.sleep(0.02)
     start = (await info(client)).get("decode_steps", 0)

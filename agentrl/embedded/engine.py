@@ -273,6 +273,11 @@ class EmbeddedEngine(AdapterEndpoints):
         its abort is applied at the next step)."""
         return len({*self._requests.values(), *self.scheduler.active, *self.scheduler.waiting})
 
+    @property
+    def num_in_batch(self) -> int:
+        """Requests in the running batch: admitted, prefilling or decoding (not waiting for admission)."""
+        return len(self.scheduler.active)
+
     def shutdown(self) -> None:
         self.scheduler.cancel()
         self._device_thread.shutdown(wait=False, cancel_futures=True)

@@ -431,6 +431,7 @@ class NativeAPI:
                 "context_length": self.engine.max_context,
                 "weight_version": self.engine.weight_version,
                 "num_running_requests": self.engine.num_running,
+                "num_batch_requests": self.engine.num_in_batch,
                 "paused": self.engine.paused_mode,
                 "api_key_required": bool(self.api_key),
                 "context_len": self.engine.context_len,
