@@ -46,16 +46,13 @@ def main() -> None:
     import transformers
 
     from agentrl.embedded.runner import ModelRunner
-    from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B
+    from agentrl.models.tiny import shape_config
 
     rows = [int(r) for r in a.rows.split(",") if r]
     modes = [m for m in a.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes: pick from {', '.join(MODES)}")
-    if a.shape == "qwen3-moe-1b":
-        cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE_1B, eos_token_id=2, pad_token_id=0)
-    else:
-        cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    cfg = shape_config(a.shape)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
     ms: dict[str, dict[str, float]] = {}

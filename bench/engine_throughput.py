@@ -65,7 +65,7 @@ from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.metrics import engine_metrics
-from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B, QWEN25_7B, build_tiny_model
+from agentrl.models.tiny import build_tiny_model, shape_config
 
 SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-moe-1b", "qwen2.5-7b")
 
@@ -80,11 +80,7 @@ def build_model(shape: str, dtype: str, out: Path, device: str = "cpu") -> Path:
     import transformers
 
     build_tiny_model(out / "tok", arch="qwen2")  # only for its tokenizer files
-    if shape == "qwen3-moe-1b":
-        cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE_1B, eos_token_id=2, pad_token_id=0)
-    else:
-        cfg = transformers.Qwen2Config(**(QWEN25_7B if shape == "qwen2.5-7b" else QWEN25_05B), eos_token_id=2,
-                                       pad_token_id=0)  # fmt: skip
+    cfg = shape_config(shape)
     if shape == "qwen2.5-7b":
         save_random_model(cfg, getattr(torch, dtype), device, out)
     else:

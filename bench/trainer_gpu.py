@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from trainer_gpu_modes import long_tail, make_batch, sync, true_on_policy
 
-from agentrl.models.tiny import QWEN3_MOE_1B, QWEN25_05B
+from agentrl.models.tiny import shape_config
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 
@@ -60,10 +60,7 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
     import transformers
 
     build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
-    if shape == "qwen3-moe-1b":
-        cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE_1B, eos_token_id=2, pad_token_id=0)
-    else:
-        cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=2, pad_token_id=0)
+    cfg = shape_config(shape)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -39,3 +41,18 @@ def test_without_a_cuda_device_it_says_so_and_exits() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": "", "PATH": ""},
     )  # fmt: skip
     assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_benches_named_shapes_build_their_configs() -> None:
+    """The shapes the GPU benches name (``shape_config``): the family and size each name stands for."""
+    from agentrl.models.tiny import shape_config
+
+    moe = shape_config("qwen3-moe-1b")
+    assert type(moe).__name__ == "Qwen3MoeConfig" and (moe.num_experts, moe.num_experts_per_tok) == (16, 2)
+    small, large = shape_config("qwen2.5-0.5b"), shape_config("qwen2.5-7b")
+    assert type(small).__name__ == type(large).__name__ == "Qwen2Config"
+    assert (small.hidden_size, large.hidden_size) == (896, 3584)
+    assert small.tie_word_embeddings and not large.tie_word_embeddings
+    assert (moe.eos_token_id, moe.pad_token_id) == (2, 0)  # the tiny tokenizer's, whose files the benches copy
+    with pytest.raises(ValueError, match=r"choose qwen2\.5-0\.5b"):
+        shape_config("qwen2.5-1b")

@@ -131,6 +131,26 @@ QWEN3_MOE_1B = dict(
     tie_word_embeddings=True,
 )
 
+# The named full-size shapes the GPU benchmarks build with random weights: name -> (family, shape)
+FULL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
+    "qwen2.5-7b": ("qwen2", QWEN25_7B),
+    "qwen3-moe-1b": ("qwen3_moe", QWEN3_MOE_1B),
+}
+
+
+def shape_config(name: str) -> Any:
+    """The transformers config of the full-size shape ``name`` (:data:`FULL_SHAPES`), with the tiny
+    tokenizer's end-of-sequence (2) and padding (0) ids."""
+    import transformers
+
+    if name not in FULL_SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose {', '.join(FULL_SHAPES)}")
+    arch, dims = FULL_SHAPES[name]
+    cls = transformers.Qwen3MoeConfig if arch == "qwen3_moe" else transformers.Qwen2Config
+    return cls(**dims, eos_token_id=2, pad_token_id=0)
+
+
 _BUILTIN_TEXT = """
 Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get
 new information. After reasoning, if you find you lack some knowledge, you can call a search engine by
