@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -157,6 +158,20 @@ def _start_wandb(cfg: WandbConfig, out_dir: Path, run_config: dict[str, Any] | N
         # no stdout capture (the progress line redraws in place) and no system-metrics sampler
         settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
     )
+
+
+# The keys of a metrics row that depend on wall-clock time: durations, rates, latencies and idle shares; the
+# engines' batching counters; the rollout loop's and the retrieval servers' work. Two deterministic runs of
+# one config agree on everything else (docs/design/deterministic-mode.md).
+TIMING_KEYS = re.compile(
+    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|^engine/|^engine_"
+    r"|^rollout/(shard\d+/)?loop_|^retrieval/(?!workers$)"
+)
+
+
+def without_timings(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` less its :data:`TIMING_KEYS`: what two deterministic runs of one config give alike."""
+    return {k: v for k, v in row.items() if not TIMING_KEYS.search(k)}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

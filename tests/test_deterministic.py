@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from agentrl.buffer import Group
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.envs.base import Env, Message, StepResult
-from agentrl.metrics import read_metrics
+from agentrl.metrics import read_metrics, without_timings
 from agentrl.rollout import Orchestrator, RolloutConfig
 from agentrl.rollout.lockstep import LockstepSchedule, request_seed
 from agentrl.testing.configs import TINY_SEARCH_R1
@@ -205,11 +204,6 @@ eval: {{num_tasks: 8}}
 # batching counters (decode steps and rows, prefill and cached tokens: how requests were batched, which
 # may vary with timing; what they produced may not), and the load of the rollout's event loop and of the
 # retrieval server
-TIMING = re.compile(
-    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|^engine/|^engine_|^rollout/(shard\d+/)?loop_|^retrieval/(?!workers$)"
-)
-
-
 def _deterministic_run(
     tmp: Path, name: str, *overrides: str, rank: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -223,7 +217,7 @@ def _deterministic_run(
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]
-    rows = [{k: v for k, v in r.items() if not TIMING.search(k)} for r in read_metrics(out / "metrics.jsonl")]
+    rows = [without_timings(r) for r in read_metrics(out / "metrics.jsonl")]
     return weights, rows
 
 

@@ -130,3 +130,19 @@ def test_summary_keeps_step_weighted_means_of_loop_and_retrieval_load() -> None:
     assert out["rollout_loop_lag_ms_p90"] == (2.0 * 1 + 10.0 * 3) / 4
     assert out["retrieval_busy_frac"] == 0.1  # over the steps that report it
     assert "rollout_loop_cpu_frac" not in out
+
+
+def test_without_timings_keeps_what_deterministic_runs_agree_on() -> None:
+    """The loop's load, the engines' counters, durations and rates go; the learning figures stay, and so
+    does the retrieval servers' worker count (a setting, not a measurement)."""
+    from agentrl.metrics import without_timings
+
+    row = {
+        "step": 3, "loss": 0.5, "reward/mean": 0.25, "trainer/policy_version": 3, "retrieval/workers": 2,
+        "time": 12.0, "time/step_s": 1.2, "train_seconds": 0.4, "rollout/trajectories_per_s": 50.0,
+        "rollout/engine_idle_frac": 0.1, "engine/decode_steps": 80, "engine_decode_rows_per_step": 6.0,
+        "rollout/loop_busy_frac": 0.3, "rollout/shard1/loop_lag_ms_p90": 4.0, "retrieval/busy_frac": 0.2,
+        "retrieval/latency_ms_p50": 3.0,
+    }  # fmt: skip
+    kept = without_timings(row)
+    assert kept == {"step": 3, "loss": 0.5, "reward/mean": 0.25, "trainer/policy_version": 3, "retrieval/workers": 2}

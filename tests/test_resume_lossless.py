@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Message, StepResult
-from agentrl.metrics import read_metrics
+from agentrl.metrics import read_metrics, without_timings
 from agentrl.rollout import Orchestrator, RolloutConfig
 from agentrl.types import Trajectory
 
@@ -181,12 +181,10 @@ eval: {{before: false, after: false}}
 checkpoint: {{interval: {ckpt}}}
 ray: {{num_cpus: 2}}
 """
-# per-step figures that may differ between a run and its resumed continuation: timings and rates, and the
-# rollout's work counters (the groups in flight at the checkpoint are generated again after a resume)
-NOT_COMPARED = re.compile(
-    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|policy_version$|^rollout/(shard\d+/)?loop_|^retrieval/(?!workers$)"
-    r"|^engine/|^rollout/|^buffer/|^staleness/"
-)
+# per-step figures that may differ between a run and its resumed continuation besides the timings
+# (TIMING_KEYS): the rollout's work counters (the groups in flight at the checkpoint are generated again
+# after a resume)
+RESUME_COUNTERS = re.compile(r"policy_version$|^rollout/|^buffer/|^staleness/")
 
 
 class Job:
@@ -344,8 +342,8 @@ def test_job_killed_after_a_checkpoint_resumes_losslessly(tmp_path: Path, tiny_m
                     where,
                     s,
                 )
-                again = {k: v for k, v in rows[s].items() if not NOT_COMPARED.search(k)}
-                first = {k: v for k, v in killed[name]["rows"][s].items() if not NOT_COMPARED.search(k)}
+                again = {k: v for k, v in without_timings(rows[s]).items() if not RESUME_COUNTERS.search(k)}
+                first = {k: v for k, v in without_timings(killed[name]["rows"][s]).items() if not RESUME_COUNTERS.search(k)}
                 assert again == first and len(again) > 20, (where, s)
                 pv = "trainer/policy_version"
                 assert rows[s][pv] == killed[name]["rows"][s][pv] + offset, (where, s)
