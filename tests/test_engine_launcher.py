@@ -252,6 +252,35 @@ def test_fails_fast_with_log_tail_when_server_exits(tmp_path: Path, fake_python:
     assert time.monotonic() - t0 < 30  # not the 900 s startup timeout
 
 
+def test_a_port_taken_before_the_server_binds_it_is_replaced(
+    tmp_path: Path, fake_python: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``port: 0``: the port found free is taken by someone else before the server binds it. The server
+    exits saying so and starts again on another port; the first attempt leaves no process behind."""
+    import socket
+
+    from agentrl.cluster import free_port
+    from agentrl.engine import launcher as launcher_module
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        offered = iter([taken])
+        monkeypatch.setattr(launcher_module, "free_port", lambda host: next(offered, None) or free_port(host))
+        cfg = SGLangConfig(model_path="m", port=0, python=fake_python, env=_env(tmp_path), startup_timeout=60)
+        with SGLangLauncher(cfg) as launcher:
+            assert launcher.healthy() and launcher.port not in (0, taken)
+
+    # a port set in the config is the user's: it is not swapped for another
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        cfg = SGLangConfig(model_path="m", port=squatter.getsockname()[1], python=fake_python, env=_env(tmp_path))
+        with pytest.raises(ServerStartError, match=r"(?i)address already in use"):
+            SGLangLauncher(cfg).start()
+
+
 def test_health_timeout_stops_the_server(tmp_path: Path, fake_python: str) -> None:
     cfg = SGLangConfig(
         model_path="m",

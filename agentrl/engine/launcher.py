@@ -47,6 +47,7 @@ What the LoRA and fp8 flags rest on, read in SGLang 0.5.16's source:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -59,6 +60,11 @@ from pydantic import Field, model_validator
 from agentrl.cluster import WILDCARD_HOSTS, free_port
 from agentrl.config import ConfigModel
 from agentrl.engine._proc import ServerProcess, ServerStartError, http_ok, is_loopback
+
+log = logging.getLogger("agentrl.launcher")
+
+# How many ports a server with ``port: 0`` is started on before its start fails (see _Launcher.start)
+PORT_ATTEMPTS = 3
 
 __all__ = [
     "SGLANG_LORA_MODULES",
@@ -228,7 +234,7 @@ class SGLangConfig(ConfigModel):
         None, gt=0.0, lt=1.0, description="GPU memory fraction for weights + KV cache (--mem-fraction-static)"
     )
     host: str = Field("127.0.0.1", description="bind address; non-loopback needs api_key")
-    port: int = Field(30000, ge=0, le=65535, description="HTTP port; 0 picks a free one at start")
+    port: int = Field(30000, ge=0, le=65535, description="HTTP port; 0 picks a free one at start (another if it is taken before the server binds it)")
     api_key: str | None = Field(None, description="--api-key; clients send it as a Bearer token")
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -312,7 +318,7 @@ class SGLangRouterConfig(ConfigModel):
 
     worker_urls: list[str] = Field(..., min_length=1, description="URLs of the SGLang servers behind it")
     host: str = Field("127.0.0.1", description="bind address of the router")
-    port: int = Field(30000, ge=0, le=65535, description="router port; 0 picks a free one")
+    port: int = Field(30000, ge=0, le=65535, description="router port; 0 picks a free one (another if it is taken before the router binds it)")
     policy: str = Field("cache_aware", description="cache_aware | round_robin | random | power_of_two")
     api_key: str | None = Field(None, description="API key the router checks and forwards")
     extra_args: dict[str, Any] = Field(default_factory=dict, description="pass-through router flags")
@@ -363,11 +369,31 @@ class _Launcher:
         return f"http://{h}:{self._port}"
 
     def start(self, wait: bool = True) -> _Launcher:
-        """Start the process (and wait for health unless ``wait=False``)."""
+        """Start the process (and wait for health unless ``wait=False``).
+
+        With ``port: 0`` the port is one found free, which another process may take before the server
+        binds it: a server that then exits saying its address is in use is started again on another
+        port (:data:`PORT_ATTEMPTS` in all)."""
         if self.process is not None and self.process.alive():
             raise RuntimeError(f"{self.name} already running (pid {self.process.pid})")
-        if self.cfg.port == 0:
-            self._port = free_port(self.cfg.host)
+        attempt = 1
+        while True:
+            if self.cfg.port == 0:
+                self._port = free_port(self.cfg.host)
+            self._spawn()
+            if not wait:
+                return self
+            try:
+                self.wait_healthy()
+                return self
+            except ServerStartError as err:
+                taken = self.cfg.port == 0 and "address already in use" in str(err).lower()
+                if not taken or attempt == PORT_ATTEMPTS:
+                    raise
+            log.warning("%s: port %d was taken before the server bound it; trying another", self.name, self._port)
+            attempt += 1
+
+    def _spawn(self) -> None:
         import tempfile
 
         # a temp dir of the server's own (its TMPDIR, and its log unless log_file is set), removed when it stops
@@ -380,9 +406,6 @@ class _Launcher:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
         self.process = ServerProcess(argv, log_file, env=env, scratch_dir=scratch)
-        if wait:
-            self.wait_healthy()
-        return self
 
     def wait_healthy(self, timeout: float | None = None) -> None:
         if self.process is None:
