@@ -73,6 +73,22 @@ def moe_expert_parallel_worker(
     tr.shutdown()
 
 
+def spawn_ranks(fn: Any, world: int, *args: Any) -> None:
+    """``fn(rank, world, port, *args)`` in ``world`` processes that meet at a store this process hosts
+    on ``port`` (torchelastic's agent store: every rank a client of it), so no rank has to bind a port
+    found free earlier, which another process may have taken meanwhile."""
+    import torch.multiprocessing as mp
+
+    from agentrl.engine.dist import host_store
+
+    store = host_store(world)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # inherited by the spawned ranks
+    try:
+        mp.spawn(fn, args=(world, store.port, *args), nprocs=world, join=True)
+    finally:
+        del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+
+
 def dist_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
         RANK=str(rank),

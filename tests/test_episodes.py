@@ -91,11 +91,7 @@ def test_train_async_names_bad_dump_and_wandb_fields() -> None:
 
 # ---------------------------------------------------------------- the trainer's logprobs
 def _trainer(model_dir: Path, **kw: Any) -> Any:
-    from _trainer_helpers import free_port
-
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _trainer_helpers import dist_env, free_port, make_trajectories, offset_rollout_logprobs
+from _trainer_helpers import dist_env, make_trajectories, offset_rollout_logprobs, spawn_ranks
 
 from agentrl.config import ConfigError
 from agentrl.recipe import load_run_config
@@ -22,9 +21,7 @@ CPU_RUN = ["model_path=/m", "data.path=/d", "env.name=math"]
 
 def _trainer(model_dir: Path, **kw):
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
@@ -218,7 +215,7 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> No
 
 
 def _run_tp(world: int, model_dir: Path, out: Path) -> dict:
-    mp.spawn(_tp_worker, args=(world, free_port(), str(model_dir), str(out)), nprocs=world, join=True)
+    spawn_ranks(_tp_worker, world, str(model_dir), str(out))
     return torch.load(out, weights_only=False)
 
 

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _trainer_helpers import free_port, make_trajectories, offset_rollout_logprobs
+from _trainer_helpers import make_trajectories, offset_rollout_logprobs
 
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient, EngineRequestError
@@ -33,9 +33,7 @@ UNMERGED_TOL = 1e-5
 @pytest.fixture
 def trainer(tiny_model_dir: Path):
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port, make_trajectories, moe_expert_parallel_worker
+from _trainer_helpers import make_trajectories, moe_expert_parallel_worker, spawn_ranks
 
 from agentrl.models.moe import decode_routed_experts, encode_routed_experts
 from agentrl.trainer.model import (
@@ -302,9 +302,7 @@ async def test_engine_returns_routed_experts_in_sglang_format(moe_dir: Path) -> 
 @pytest.fixture
 def dist_env_one():
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def _trainer(model_dir: Path, **kw):
@@ -434,17 +432,11 @@ async def test_routing_replay_removes_the_routing_mismatch(dist_env_one, moe_dir
 def test_expert_parallel_two_ranks_match_one(moe_dir: Path, tmp_path: Path) -> None:
     # two gloo ranks, each holding 4 of the 8 experts (and half the batch: data parallel for the rest),
     # give one rank's loss, gradient norm and update (micro-batches padded to one shape on both ranks)
-    import torch.multiprocessing as mp
 
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"ep{world}.pt"
-        mp.spawn(
-            moe_expert_parallel_worker,
-            args=(world, free_port(), str(moe_dir), str(out), False),
-            nprocs=world,
-            join=True,
-        )
+        spawn_ranks(moe_expert_parallel_worker, world, str(moe_dir), str(out), False)
         runs[world] = torch.load(out, weights_only=False)
     one, two = runs[1], runs[2]
     assert (one["local_experts"], two["local_experts"]) == (16, 8)  # 2 layers x 8 experts, split in two

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port, make_trajectories, moe_expert_parallel_worker
+from _trainer_helpers import make_trajectories, moe_expert_parallel_worker, spawn_ranks
 
 from agentrl.trainer.model import (
     ModelArch,
@@ -173,17 +173,11 @@ def test_grouped_layout_names_the_expert_tensor_that_does_not_fit(
 # ---------------------------------------------------------------------------------- trainer, expert parallel
 def test_grouped_expert_parallel_two_ranks_match_sequential_one(moe_dir: Path, tmp_path: Path) -> None:
     # two gloo ranks with grouped experts, 4 of the 8 each, give one rank's SequentialMLP step
-    import torch.multiprocessing as mp
 
     runs = {}
     for world, grouped in ((1, False), (2, True)):
         out = tmp_path / f"ep{world}.pt"
-        mp.spawn(
-            moe_expert_parallel_worker,
-            args=(world, free_port(), str(moe_dir), str(out), grouped),
-            nprocs=world,
-            join=True,
-        )
+        spawn_ranks(moe_expert_parallel_worker, world, str(moe_dir), str(out), grouped)
         runs[world] = torch.load(out, weights_only=False)
     one, two = runs[1], runs[2]
     assert one["stacked"] == [] and len(two["stacked"]) == 2 and two["stacked"][0][0] == 4
@@ -203,9 +197,7 @@ def test_trainer_with_grouped_experts_matches_transformers_and_replays_routing(m
     from agentrl.trainer.trainer import MegatronTrainer
 
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     cfg = TrainerConfig(model_path=str(moe_dir), lr=1e-3, micro_batch_size=2, moe={"grouped_gemm": True})
     tr = MegatronTrainer(cfg)
     try:

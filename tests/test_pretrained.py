@@ -100,7 +100,6 @@ async def test_engine_logprobs_equal_a_teacher_forced_forward(smollm2: Path, hf_
 
 
 def test_megatron_trainer_and_conversion_roundtrip(smollm2: Path, hf_model, tmp_path: Path) -> None:
-    from _trainer_helpers import free_port
 
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.hf_checkpoint import hf_to_mcore, mcore_to_hf_dir
@@ -109,9 +108,7 @@ def test_megatron_trainer_and_conversion_roundtrip(smollm2: Path, hf_model, tmp_
     from agentrl.types import Trajectory
 
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     trainer = MegatronTrainer(TrainerConfig(model_path=str(smollm2)))
     try:
         prompt, response = list(range(100, 120)), list(range(500, 510))

@@ -20,7 +20,6 @@ import pytest
 import torch
 from _trainer_helpers import make_trajectories, offset_rollout_logprobs
 
-from agentrl.cluster import free_port
 from agentrl.config import ConfigError
 from agentrl.engine.adapters import adapter_name, adapter_version
 from agentrl.engine.client import EngineClient, EngineRequestError
@@ -304,9 +303,7 @@ async def test_requests_resubmitted_after_an_update_name_the_new_adapter(tiny_mo
 @pytest.fixture
 def trainer(tiny_model_dir: Path):
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port
 
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
@@ -28,9 +27,7 @@ def model_dir(request, tiny_model_factory) -> Path:
 @pytest.fixture
 def trainer(model_dir: Path):
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 

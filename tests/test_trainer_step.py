@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port, make_trajectories
+from _trainer_helpers import make_trajectories
 
 from agentrl.buffer import StalenessError
 from agentrl.types import Status
@@ -18,9 +18,7 @@ from agentrl.types import Status
 
 def _trainer(model_dir: Path, **kw):
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
 

@@ -9,8 +9,7 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from _trainer_helpers import dist_env, free_port, make_trajectories, offset_rollout_logprobs
+from _trainer_helpers import dist_env, make_trajectories, offset_rollout_logprobs, spawn_ranks
 
 
 def _worker(rank: int, world: int, port: int, model_dirs: list[str], out: str, extra: dict) -> None:
@@ -53,12 +52,7 @@ def _train_once(rank: int, world: int, model_dir: str, extra: dict) -> dict:
 
 
 def _run(world: int, model_dirs: list[Path], out: Path, **extra) -> list[dict]:
-    mp.spawn(
-        _worker,
-        args=(world, free_port(), [str(d) for d in model_dirs], str(out), extra),
-        nprocs=world,
-        join=True,
-    )
+    spawn_ranks(_worker, world, [str(d) for d in model_dirs], str(out), extra)
     return torch.load(out, weights_only=False)
 
 

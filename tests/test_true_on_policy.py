@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import free_port
 
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.sampling import RequestSampling
@@ -21,9 +20,7 @@ from agentrl.types import Trajectory
 
 def _trainer(model_dir: Path, true_on_policy: bool, pack: bool = False):
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.losses import LossConfig
     from agentrl.trainer.trainer import MegatronTrainer
