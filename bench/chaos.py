@@ -281,6 +281,7 @@ async def run(
                 await asyncio.to_thread(engine.kill)
                 await asyncio.to_thread(engine.restart, live)
                 await client.update_weight_version(str(orch.version))
+            await until_generating(client)
             await orch.pause_for_update()  # the update lands mid-generation: in-flight requests abort
             live = weights[step % 2]
             await client.update_weights_from_disk(str(live), weight_version=str(orch.version + 1))
@@ -303,6 +304,16 @@ async def run(
         {"uid": u, "sample": i, "attempt": a, "error": e} for u, i, a, e in orch.failed_attempts
     ]
     return out
+
+
+async def until_generating(client: Any, timeout: float = 2.0) -> None:
+    """Until the engine has a request in its batch (at most ``timeout`` s), so that the update after it
+    lands mid-generation, as the fault means, and not in a gap between turns."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (await client.server_info())[0].get("num_batch_requests", 0) > 0:
+            return
+        await asyncio.sleep(0.002)
 
 
 def report(
