@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,10 +21,10 @@ import pytest
 import sglang_router  # noqa: F401  (a test dependency: missing, the import fails; it never skips)
 from transformers import AutoTokenizer
 
-from agentrl.cluster import free_port
 from agentrl.config import ConfigError, build_config
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
+from agentrl.engine.launcher import SGLangRouterConfig, SGLangRouterLauncher
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env
 from agentrl.metrics import read_metrics
@@ -49,38 +46,30 @@ async def router_agent(task: dict, client: openai.AsyncOpenAI) -> float:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path):
     workers = [start_embedded_server(tiny_model_dir, max_batch_size=8) for _ in range(2)]
-    port = free_port()
-    router = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *[w.url for w in workers], "--log-level", "error",
-         # round robin: every test's traffic reaches both workers (the default, cache_aware, sends prompts
-         # sharing a chat-template prefix to one worker until it is loaded)
-         "--policy", "round_robin"],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    # round robin: every test's traffic reaches both workers (the default, cache_aware, sends prompts
+    # sharing a chat-template prefix to one worker until it is loaded)
+    cfg = SGLangRouterConfig(
+        worker_urls=[w.url for w in workers], port=0, policy="round_robin", extra_args={"log-level": "error"}
+    )
+    router = SGLangRouterLauncher(cfg)
     try:
+        router.start()
         deadline = time.monotonic() + 60
         while True:
-            assert router.poll() is None, "the router exited"
+            assert router.process.alive(), "the router exited"
             try:
                 import urllib.request
 
-                with urllib.request.urlopen(f"{url}/workers", timeout=2) as resp:
+                with urllib.request.urlopen(f"{router.url}/workers", timeout=2) as resp:
                     if resp.status == 200 and resp.read().count(b'"is_healthy":true') == 2:
                         break
             except OSError:
                 pass
             assert time.monotonic() < deadline, "the router did not list two healthy workers"
             time.sleep(0.2)
-        yield url, workers
+        yield router.url, workers
     finally:
-        os.killpg(router.pid, signal.SIGTERM)
-        try:
-            router.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.pid, signal.SIGKILL)
-            router.wait()
+        router.stop()
         for w in workers:
             w.stop()
 
