@@ -65,9 +65,9 @@ from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.metrics import engine_metrics
-from agentrl.models.tiny import build_tiny_model, shape_config
+from agentrl.models.tiny import FULL_SHAPES, build_tiny_model, shape_config
 
-SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-moe-1b", "qwen2.5-7b")
+SHAPES = ("tiny", *FULL_SHAPES)
 
 
 def build_model(shape: str, dtype: str, out: Path, device: str = "cpu") -> Path:

@@ -45,7 +45,7 @@ class TrainerWorker:
         # logs, agentrl.metrics); importing it costs a second and makes scratch dirs in the temp dir that
         # an actor killed at shutdown leaves behind. An import of it here finds None and fails.
         sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]
-        self._cfg, self._rank, self._world_size, self._deterministic = cfg, rank, world_size, deterministic
+        self._cfg, self._world_size, self._deterministic = cfg, world_size, deterministic
         self._store: Any = None
         self.trainer: Any = None
         # The trainer's async verbs (the engines' calls) run on one event loop with one EngineClient per
@@ -155,6 +155,7 @@ class TrainerGroup:
         actor_cls = ray.remote(
             num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, resources=resources or {}
         )(TrainerWorker)
+        spec = cfg.model_dump(mode="json")
         self.actors = []
         for r in range(world_size):
             where: dict[str, Any] = {"runtime_env": {"env_vars": dict(env)}} if env else {}
@@ -162,7 +163,6 @@ class TrainerGroup:
                 where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundles[r]
                 )
-            spec = cfg.model_dump(mode="json")
             self.actors.append(actor_cls.options(**where).remote(spec, r, world_size, deterministic))
         port = ray.get(self.actors[0].host_rendezvous.remote())
         ray.get([a.start.remote(master_addr, port) for a in self.actors])  # construction errors surface here
