@@ -10,7 +10,9 @@ trained once.
 
 In process (the orchestrator against a seeded engine stand-in, random timings): the rollout's side, with
 a checkpoint at a random moment. Through ``train_async.py`` (Ray, the embedded engine, the Megatron
-trainer, all on CPU): the whole job SIGKILLed at a random step after its checkpoint, then ``--resume``.
+trainer, all on CPU): the whole job SIGKILLed at a random point after its checkpoint, then ``--resume``.
+The killed job's env holds every task past the first ``STEPS - 1`` batches' (``tests/_gated_env.py``), so
+it cannot reach its next checkpoint (the last step) before the kill, however late the watcher sees it.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ steps: {steps}
 deterministic: {deterministic}
 model_path: {model}
 data: {{path: {data}}}
-env: {{name: math}}
+env: {{name: "_gated_env:GatedMathEnv", kwargs: {{admit: {admit}}}}}
 engine: {{max_batch_size: 8}}
 rollout: {{group_size: 2, batch_size: {b}, max_staleness: {eta}, max_concurrency: 8, max_turns: 1,
           max_total_tokens: 256, epochs: 1, sampling: {{temperature: 1.0, max_new_tokens: 24}},
@@ -194,25 +196,21 @@ class Job:
     def __init__(self, tmp: Path, name: str, deterministic: bool, eta: int, model: Path, data: Path) -> None:
         self.out = tmp / name
         self.cfg = tmp / f"{name}.yaml"
-        self.cfg.write_text(
-            CONFIG.format(
-                out=self.out,
-                steps=STEPS,
-                deterministic=str(deterministic).lower(),
-                model=model,
-                data=data,
-                b=B,
-                eta=eta,
-                ckpt=CKPT,
-            )
-        )
+        self.fields = {
+            "out": self.out, "steps": STEPS, "deterministic": str(deterministic).lower(), "model": model,
+            "data": data, "b": B, "eta": eta, "ckpt": CKPT,
+        }  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
-    def start(self, *args: str) -> None:
+    def start(self, *args: str, admit: int | None = None) -> None:
+        """Start the job; with ``admit`` its env holds the episodes of every task past the first ``admit``."""
+        self.cfg.write_text(CONFIG.format(**self.fields, admit="null" if admit is None else admit))
         log = (self.out.parent / f"{self.out.name}{''.join(args)}.log").open("w")
+        path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONPATH": path}  # the driver and Ray's workers import the gated env
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "train_async.py", "--config", str(self.cfg), *args],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
         )  # fmt: skip
         self.log = Path(log.name)
 
@@ -297,9 +295,9 @@ def test_job_killed_after_a_checkpoint_resumes_losslessly(tmp_path: Path, tiny_m
     }
     kill_at = {name: rng.randint(CKPT + 1, STEPS - 1) for name in jobs}
     for job in jobs.values():
-        job.start()
+        job.start(admit=(STEPS - 1) * B)  # the tasks of steps 1 .. STEPS - 1: never the last step
     with ThreadPoolExecutor(len(jobs)) as pool:  # each job watched (and killed) on its own
-        kills = [pool.submit(job.kill_after, kill_at[n], rng.random() * 0.02) for n, job in jobs.items()]
+        kills = [pool.submit(job.kill_after, kill_at[n], rng.random() * 0.3) for n, job in jobs.items()]
         for kill in kills:
             kill.result()
     killed: dict[str, dict[str, Any]] = {}
