@@ -127,8 +127,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
                 await save_checkpoint(fleet, handover, ckpt_dir, step + 1)
         progress.close()
-        if cfg.steps > start_step:
-            await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)
+        if cfg.steps > start_step and not (cfg.checkpoint.interval and cfg.steps % cfg.checkpoint.interval == 0):
+            await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)  # the last step, unless just saved
         after = await evaluate(cfg.steps) if cfg.eval.after else {}
         accounting = await rollout.accounting()
     finally:
