@@ -89,6 +89,47 @@ def spawn_ranks(fn: Any, world: int, *args: Any) -> None:
         del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
 
 
+_BROADCASTER = r"""
+import json, os, sys, torch
+from safetensors.torch import load_file
+from agentrl.engine.dist import destroy_process_group, host_store, init_custom_process_group
+path, names, group = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+store = host_store(2, timeout=120)
+print(f"port {store.port}", flush=True)
+pg = init_custom_process_group("gloo", "", world_size=2, rank=0, group_name=group, timeout=120, store=store)
+weights = load_file(path)
+for name in names:
+    torch.distributed.broadcast(weights[name], src=0, group=pg)
+destroy_process_group(pg)  # a gloo group left alive at exit aborts the interpreter
+print("broadcast done", flush=True)
+# gloo's transport threads can race interpreter teardown ("terminate called without an active
+# exception"); the work is done and flushed, so leave without running it
+os._exit(0)
+"""
+
+
+async def start_broadcaster(weights: str, names: list[str], group: str) -> tuple[Any, int]:
+    """A trainer-side process (rank 0 of a two-rank gloo group ``group``) that broadcasts the tensors
+    ``names`` of the safetensors file ``weights`` in order, prints ``broadcast done`` and exits. Returns
+    the process and the port of the store it hosts (bound before it is named, so no other process can
+    hold it); the engine joins there as rank 1."""
+    import asyncio
+    import json
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _BROADCASTER, weights, json.dumps(names), group,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+    if not line.startswith("port "):
+        proc.kill()
+        rest = (await proc.communicate())[0].decode()
+        raise AssertionError(f"the broadcaster did not start:\n{line}{rest}")
+    return proc, int(line.split()[1])
+
+
 def dist_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
         RANK=str(rank),

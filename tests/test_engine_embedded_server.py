@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from _trainer_helpers import start_broadcaster
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentrl.cluster import free_port
 from agentrl.embedded.server import EmbeddedServer, start_embedded_server
 from agentrl.engine._proc import ServerStartError
 from agentrl.engine.client import EngineClient, EngineRequestError
@@ -342,35 +342,11 @@ async def test_update_with_abort_all_aborts_in_flight(client, server, tiny_model
         assert max_err(teacher_forced(hf_model, p, r.output_ids), r.logprobs) < TOL
 
 
-_TRAINER = r"""
-import json, sys, torch
-from safetensors.torch import load_file
-from agentrl.engine.dist import destroy_process_group, init_custom_process_group
-port, path, names = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                               group_name="agentrl_test_sync", timeout=120)
-weights = load_file(path)
-for name in names:
-    torch.distributed.broadcast(weights[name], src=0, group=pg)
-destroy_process_group(pg)  # a gloo group left alive at exit aborts the interpreter
-print("broadcast done", flush=True)
-# gloo's transport threads can still race interpreter teardown ("terminate called without an active
-# exception"); the work is done and flushed, so leave without running it
-import os
-os._exit(0)
-"""
-
-
 async def test_update_weights_from_distributed_gloo(client, tiny_model_dir, hf_model, tmp_path) -> None:
     new_model, sd = perturbed_copy(tiny_model_dir, tmp_path / "dist", seed=2)
     save_file(sd, str(tmp_path / "w.safetensors"))
     names = list(sd)
-    port = free_port()
-    trainer = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _TRAINER, str(port), str(tmp_path / "w.safetensors"), json.dumps(names),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    trainer, port = await start_broadcaster(str(tmp_path / "w.safetensors"), names, "agentrl_test_sync")
     try:
         await client.init_weights_update_group("127.0.0.1", port, 1, 2, "agentrl_test_sync", "gloo")
         await client.update_weights_from_distributed(

@@ -177,32 +177,14 @@ async def test_a_weight_update_requantizes(
             engine.shutdown()
 
 
-_BROADCASTER = r"""
-import json, os, sys, torch
-from safetensors.torch import load_file
-from agentrl.engine.dist import destroy_process_group, init_custom_process_group
-port, path = int(sys.argv[1]), sys.argv[2]
-pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                               group_name="fp8_sync", timeout=120)
-weights = load_file(path)
-for name in json.loads(sys.argv[3]):
-    torch.distributed.broadcast(weights[name], src=0, group=pg)
-destroy_process_group(pg)
-print("broadcast done", flush=True)
-os._exit(0)  # gloo's threads may race interpreter teardown; the work is done
-"""
-
-
 async def test_a_broadcast_update_requantizes(
     tiny_model_factory: Callable[..., Path], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     import asyncio
-    import json
-    import sys
 
+    from _trainer_helpers import start_broadcaster
     from safetensors.torch import save_file
 
-    from agentrl.cluster import free_port
     from agentrl.embedded.weights import load_checkpoint
 
     new_dir = tiny_model_factory("qwen2", seed=7)
@@ -210,14 +192,11 @@ async def test_a_broadcast_update_requantizes(
     assert weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
     sd = {n: t.contiguous() for n, t in weights.items() if n != "lm_head.weight"}  # tied: sent once
     save_file(sd, str(tmp_path / "w.safetensors"))
-    names, port = list(sd), free_port()
+    names = list(sd)
     prompt = list(range(30, 60))
     fresh = EmbeddedEngine(new_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
     engine = EmbeddedEngine(tiny_model_dir, max_batch_size=2, prefix_cache_slots=0, quantization="fp8")
-    sender = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _BROADCASTER, str(port), str(tmp_path / "w.safetensors"), json.dumps(names),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    sender, port = await start_broadcaster(str(tmp_path / "w.safetensors"), names, "fp8_sync")
     try:
         await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "fp8_sync", "gloo")
         dtypes, shapes = [str(sd[n].dtype) for n in names], [list(sd[n].shape) for n in names]

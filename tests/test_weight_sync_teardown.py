@@ -9,8 +9,6 @@ import asyncio
 import threading
 import time
 
-from _trainer_helpers import free_port
-
 from agentrl.engine import dist as agent_dist
 from agentrl.trainer.weight_sync import WeightBroadcaster
 
@@ -59,11 +57,12 @@ async def test_trainer_leaves_when_the_engine_never_answers() -> None:
     b.group = await asyncio.to_thread(
         agent_dist.init_custom_process_group,
         "gloo",
-        f"tcp://127.0.0.1:{free_port()}",
+        "",
         1,
         0,
         "teardown_test",
         30.0,
+        store=agent_dist.host_store(1, 30.0),
     )
     t0 = time.monotonic()
     assert await b.close(timeout=1.0) is False  # the engine did not confirm
