@@ -185,10 +185,9 @@ async def test_4xx_is_not_retried_and_carries_server_message(engine: FakeEngine)
 async def test_timeout(engine: FakeEngine) -> None:
     engine.delay = 1.0
     async with EngineClient(engine.url, timeout=0.2, max_retries=3) as c:
-        t0 = time.monotonic()
         with pytest.raises(EngineTimeout):
             await c.generate([1], SP)
-        assert time.monotonic() - t0 < 0.9  # not retried
+        assert engine.calls["/generate"] == 1  # not retried
     assert issubclass(EngineTimeout, EngineError)
 
 
