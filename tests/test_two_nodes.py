@@ -221,8 +221,7 @@ def _wait_for_nodes(cluster: Cluster, count: int, timeout: float = 120.0) -> lis
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def two_nodes() -> Iterator[Cluster]:
+def _start_two_nodes() -> Cluster:
     """Head node: 2 CPUs and ``trainer_node``; second node: 1 CPU and ``engine_node``. Token authentication
     on, with a token of this cluster's own (every process of it, and the job, get it)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="agentrl-2n-", dir=os.environ.get("RAY_TMPDIR", "/tmp")))
@@ -236,10 +235,31 @@ def two_nodes() -> Iterator[Cluster]:
             for name in ("engine_node", "trainer_node"):
                 if name in node["Resources"]:
                     cluster.node_ids[name] = node["NodeID"]
+    except BaseException:
+        cluster.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return cluster
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[Cluster]:
+    """A two-node cluster of this machine (:func:`_start_two_nodes`). Its daemons bind ports found free a
+    moment earlier, and a node that finds one taken meanwhile fails to start (Ray names the port only
+    sometimes), so a cluster that does not come up is stopped and started again on other ports; the third
+    failure fails the test. The cluster is Ray's alone: no agentrl code runs before the test body."""
+    for attempt in range(3):
+        try:
+            cluster = _start_two_nodes()
+            break
+        except (AssertionError, subprocess.TimeoutExpired):
+            if attempt == 2:
+                raise
+    try:
         yield cluster
     finally:
         cluster.stop()  # the test asserts a clean stop itself; this makes sure of it after a failure
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
 
 
 def _left_by_the_job(cluster: Cluster, timeout: float = 60.0) -> list[str]:
