@@ -124,10 +124,10 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 last.update(await evaluate(step + 1))
             logger.log(last, step + 1)
             progress.update(step + 1, {**last, **(evals[-1][1] if evals else {})})
-            if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+            if cfg.checkpoint.due(step + 1):
                 await save_checkpoint(fleet, handover, ckpt_dir, step + 1)
         progress.close()
-        if cfg.steps > start_step and not (cfg.checkpoint.interval and cfg.steps % cfg.checkpoint.interval == 0):
+        if cfg.steps > start_step and not cfg.checkpoint.due(cfg.steps):
             await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)  # the last step, unless just saved
         after = await evaluate(cfg.steps) if cfg.eval.after else {}
         accounting = await rollout.accounting()

@@ -167,6 +167,10 @@ class CheckpointConfig(ConfigModel):
 
     interval: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
 
+    def due(self, step: int) -> bool:
+        """Whether training step ``step`` (1-based) ends with an interval checkpoint."""
+        return self.interval > 0 and step % self.interval == 0
+
 
 class RayConfig(ConfigModel):
     """Where the actors run: a local Ray instance or a cluster, and which nodes take the engines and the

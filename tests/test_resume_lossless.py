@@ -42,6 +42,7 @@ from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Message, StepResult
 from agentrl.metrics import read_metrics, without_timings
 from agentrl.rollout import Orchestrator, RolloutConfig
+from agentrl.run_config import CheckpointConfig
 from agentrl.types import Trajectory
 
 
@@ -163,6 +164,12 @@ async def test_rollout_resume_redraws_in_order_and_trains_each_task_once(
         assert max(trained.values()) == 1 and len(trained) == steps * 2  # none trained twice, none skipped
         if deterministic and eta == 0:  # every batch is generated under the version it is trained at
             assert [_view(b) for b in batches] == [_view(b) for b in straight], timing_seed
+
+
+def test_checkpoint_is_due_at_every_interval_and_never_when_off() -> None:
+    """The loop's schedule (the last step is saved once more only when no interval checkpoint fell on it)."""
+    assert [s for s in range(1, 8) if CheckpointConfig(interval=3).due(s)] == [3, 6]
+    assert not any(CheckpointConfig().due(s) for s in range(1, 8))
 
 
 # ---------------------------------------------------------------- the whole job, killed and resumed
