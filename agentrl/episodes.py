@@ -184,10 +184,15 @@ class EpisodeDump:
 
     def _write(self, step: int, records: list[dict[str, Any]], mode: str) -> Path:
         path = step_path(self.dir.parent, step)
-        # one gzip member per write: the eval records of a step are appended to its train records (a
-        # resumed run writes a step's train records anew)
-        with gzip.open(path, mode) as f:
-            f.write("".join(json.dumps(r, default=str) + "\n" for r in records).encode())
+        data = "".join(json.dumps(r, default=str) + "\n" for r in records).encode()
+        # one gzip member per write: the eval records of a step are appended to its train records; the
+        # train records start the file anew (a resumed run rewrites its steps), written aside and moved in,
+        # so a run killed meanwhile leaves the old file or the new one, never a cut-short one
+        out = path if mode == "ab" else path.with_name(path.name + ".tmp")
+        with gzip.open(out, mode) as f:
+            f.write(data)
+        if out != path:
+            out.replace(path)
         return path
 
     def train(self, step: int, batch: Sequence[Trajectory], got: dict[str, Any]) -> Path | None:
