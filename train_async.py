@@ -70,8 +70,11 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         await fleet.start(model_dir, functools.partial(make_env, cfg.env.name, **env_kwargs), train_tasks)
         trainer, rollout = fleet.trainer, fleet.rollout
         handover = Handover(cfg, trainer, rollout, fleet.control)
-        retrain_info = {"trainer": fleet.trainer_config(model_dir).model_dump(mode="json"),
-                       "deterministic": cfg.deterministic, "max_staleness": cfg.rollout.max_staleness}  # fmt: skip
+        retrain_info = {
+            "trainer": fleet.trainer_config(model_dir).model_dump(mode="json"),
+            "deterministic": cfg.deterministic,
+            "max_staleness": cfg.rollout.max_staleness,
+        }
         dump = EpisodeDump(
             out, cfg.rollout.dump, model_dir, retrain_info
         )  # rollout.dump: what agentrl.retrain needs
@@ -138,8 +141,15 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         await fleet.stop()
         logger.close()
 
-    result = {"eval_before": before, "eval_after": after, "steps": cfg.steps, "policy_version": version,
-              "wall_s": time.monotonic() - t_start, **step_time_summary(logger.history), "accounting": accounting}  # fmt: skip
+    result = {
+        "eval_before": before,
+        "eval_after": after,
+        "steps": cfg.steps,
+        "policy_version": version,
+        "wall_s": time.monotonic() - t_start,
+        **step_time_summary(logger.history),
+        "accounting": accounting,
+    }
     result = recipe.finish(result, logger.history, evals)  # the recipe's plot and summary table
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     return result
@@ -162,9 +172,14 @@ async def check_verifier(cfg: RunConfig, env_kwargs: dict[str, Any]) -> str | No
 
 
 async def evaluation(
-    recipe: Any, rollout: Any, tasks: list[dict[str, Any]], logger: MetricsLogger, dump: EpisodeDump,
-    evals: list[tuple[int, dict[str, float]]], step: int,
-) -> dict[str, float]:  # fmt: skip
+    recipe: Any,
+    rollout: Any,
+    tasks: list[dict[str, Any]],
+    logger: MetricsLogger,
+    dump: EpisodeDump,
+    evals: list[tuple[int, dict[str, float]]],
+    step: int,
+) -> dict[str, float]:
     """The recipe's held-out figures of the policy after ``step`` steps (greedy, one sample a task),
     logged with a table of the episodes, and their dump (rollout.dump)."""
     if not tasks:

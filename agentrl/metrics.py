@@ -248,8 +248,18 @@ async def engine_metrics(client: Any) -> dict[str, float]:
         return {}
     peaks = [float(i["peak_gpu_mem_gb"]) for i in infos if isinstance(i.get("peak_gpu_mem_gb"), int | float)]
     out = {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
-    counters = ("busy_s", "prefill_busy_s", "decode_busy_s", "decode_steps", "decode_rows", "prefill_steps",
-                "prefill_rows", "prefill_tokens", "cached_tokens", "slot_copies")  # fmt: skip
+    counters = (
+        "busy_s",
+        "prefill_busy_s",
+        "decode_busy_s",
+        "decode_steps",
+        "decode_rows",
+        "prefill_steps",
+        "prefill_rows",
+        "prefill_tokens",
+        "cached_tokens",
+        "slot_copies",
+    )
     for key in counters:
         vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]
         if vals:

@@ -75,8 +75,10 @@ def check_resources(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
     actors ask for together, or no node holding what one actor (colocated: one GPU's bundle) asks for."""
     r = cfg.ray
     engines = 0 if cfg.engine.backend == "external" else cfg.engine.num_engines
-    asks = [("ray.engine_resources", r.engine_resources, engines),
-            ("ray.trainer_resources", r.trainer_resources, cfg.trainer_world_size)]  # fmt: skip
+    asks = [
+        ("ray.engine_resources", r.engine_resources, engines),
+        ("ray.trainer_resources", r.trainer_resources, cfg.trainer_world_size),
+    ]
     held = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     for field, ask, count in asks:
         for name, amount in ask.items():
@@ -266,9 +268,15 @@ class Fleet:
         # the run's seed added: task order, and request seeds when deterministic
         rollout_cfg = cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed})
         spec = OrchestratorSpec(
-            rollout_cfg, self.engine_urls, model_dir, env_factory, train_tasks, api_key=e.api_key,
-            router=e.router, deterministic=cfg.deterministic,
-        )  # fmt: skip
+            rollout_cfg,
+            self.engine_urls,
+            model_dir,
+            env_factory,
+            train_tasks,
+            api_key=e.api_key,
+            router=e.router,
+            deterministic=cfg.deterministic,
+        )
         self.rollout = RolloutGroup(  # each orchestrator is built inside its actor
             [make_rollout_actor(s, num_cpus=ROLLOUT_CPUS) for s in shard_specs(spec, cfg.rollout.shards)]
         )
@@ -292,9 +300,13 @@ class Fleet:
         for i in range(0 if e.backend == "external" else e.num_engines):
             start, scheduling = engine_starter(self.cfg, model_dir, i), on_bundle(self.group, i)
             engine = start_service(
-                f"engine_{i}", start, num_gpus=e.gpus_per_engine or 0, scheduling=scheduling,
-                resources=r.engine_resources, wait=False,
-            )  # fmt: skip
+                f"engine_{i}",
+                start,
+                num_gpus=e.gpus_per_engine or 0,
+                scheduling=scheduling,
+                resources=r.engine_resources,
+                wait=False,
+            )
             self.services.append(engine)  # stopped by stop() even when another engine fails to start
             self.engines.append(engine)
         # the first failure surfaces here, with its server's log tail

@@ -63,9 +63,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, default=4096, help="rows of the product (a micro-batch's tokens)")
-    ap.add_argument("--tilings", nargs="+", default=["64,64,64,4,3", "128,128,64,8,3", "64,32,64,4,3",
-                                                     "64,128,64,4,4"])  # fmt: skip
-    ap.add_argument("--decode-rows", default="64,256", help="row counts of decode steps to time (comma-separated)")
+    ap.add_argument(
+        "--tilings", nargs="+", default=["64,64,64,4,3", "128,128,64,8,3", "64,32,64,4,3", "64,128,64,4,4"]
+    )
+    ap.add_argument(
+        "--decode-rows", default="64,256", help="row counts of decode steps to time (comma-separated)"
+    )
     ap.add_argument("--repeats", type=int, default=20)
     a = ap.parse_args()
     if not torch.cuda.is_available():

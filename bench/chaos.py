@@ -404,7 +404,12 @@ def main() -> None:
     ap.add_argument("--sandbox-oom", type=float, default=0.1, help="rate per python call")
     ap.add_argument("--verifier-raise", type=float, default=0.03, help="rate per verifier call")
     ap.add_argument("--retrieval-500", type=float, default=0.2, help="rate per retrieval request")
-    ap.add_argument("--engine-kills", type=int, default=None, help="engine kills, in the first half of the steps (default: one per 20 steps)")
+    ap.add_argument(
+        "--engine-kills",
+        type=int,
+        default=None,
+        help="engine kills, in the first half of the steps (default: one per 20 steps)",
+    )
     ap.add_argument("--step-timeout", type=float, default=1.0, help="rollout.env_step_timeout, seconds")
     ap.add_argument(
         "--train-time", type=float, default=0.05, help="seconds the stand-in trainer takes a step"
@@ -413,8 +418,14 @@ def main() -> None:
     args = ap.parse_args()
     steps = args.episodes // args.group_size // args.batch_size
     kills = args.engine_kills if args.engine_kills is not None else max(1, steps // 20)
-    faulty = Faults(args.seed, args.env_raise, args.tool_timeout, args.sandbox_oom, args.verifier_raise,
-                    args.retrieval_500)  # fmt: skip
+    faulty = Faults(
+        args.seed,
+        args.env_raise,
+        args.tool_timeout,
+        args.sandbox_oom,
+        args.verifier_raise,
+        args.retrieval_500,
+    )
     clean_n = args.episodes if args.clean_episodes is None else args.clean_episodes
     with tempfile.TemporaryDirectory(prefix="agentrl-chaos-") as tmp:
         clean = (

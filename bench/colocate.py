@@ -47,13 +47,17 @@ def nvidia_smi() -> dict[str, Any]:
     try:
         total = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30,
-        ).stdout.split()  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
         out["total_mib"] = int(total[0]) if total else None
         apps = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         out["per_pid_mib"] = {
             int(p): int(m) for p, m in (line.split(",") for line in apps.strip().splitlines() if "," in line)
         }
@@ -136,10 +140,14 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
     from agentrl.engine.client import EngineClient
 
     server = start_embedded_server(
-        model_dir, device="cuda", dtype="bfloat16", max_batch_size=a.engine_batch, timeout=900,
+        model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=a.engine_batch,
+        timeout=900,
         extra_args=["--mem-fraction", str(a.mem_fraction), "--warmup-len", str(a.warmup_len), "--no-compile"],
         log_file=work / f"engine_{name}.log",
-    )  # fmt: skip
+    )
     client = EngineClient(server.url, timeout=900)
     trainer = make_trainer(model_dir)
     res: dict[str, Any] = {}

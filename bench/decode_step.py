@@ -77,8 +77,14 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        runner = ModelRunner(model, num_slots=rows[0] + 4, context_len=512, max_batch=rows[0], cuda_graphs=False,
-                             **MODES[modes[0]])  # fmt: skip
+        runner = ModelRunner(
+            model,
+            num_slots=rows[0] + 4,
+            context_len=512,
+            max_batch=rows[0],
+            cuda_graphs=False,
+            **MODES[modes[0]],
+        )
         for _ in range(3):
             runner.decode([5] * rows[0], [a.position] * rows[0])
         torch.cuda.synchronize()
@@ -95,15 +101,21 @@ def main() -> None:
     ratio = None
     if "default" in ms and "batch_invariant" in ms:
         ratio = {b: round(ms["default"][b] / ms["batch_invariant"][b], 3) for b in ms["default"]}
-    print(json.dumps({
-        "bench": "decode_step",
-        "gpu": torch.cuda.get_device_name(),
-        "shape": a.shape,
-        "position": a.position,
-        "ms_per_step": ms,
-        "batch_invariant_over_default_speed": ratio,
-        "profile": None if kernels is None else {"mode": modes[0], "rows": rows[0], "graphs": False, **kernels},
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "decode_step",
+                "gpu": torch.cuda.get_device_name(),
+                "shape": a.shape,
+                "position": a.position,
+                "ms_per_step": ms,
+                "batch_invariant_over_default_speed": ratio,
+                "profile": None
+                if kernels is None
+                else {"mode": modes[0], "rows": rows[0], "graphs": False, **kernels},
+            }
+        )
+    )
 
 
 def kernel_times(averages: Any, steps: int, top: int = 15) -> dict[str, Any]:

@@ -91,10 +91,12 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--eval-tasks", type=int, default=16)
     p.add_argument(
-        "--rounds", type=int, default=1,
+        "--rounds",
+        type=int,
+        default=1,
         help="pairs of runs, the order alternating (default first, then deterministic first, ...); the "
         "ratios are the medians of the rounds' ratios, so one run slowed by a neighbour moves them less",
-    )  # fmt: skip
+    )
     a = p.parse_args()
     rounds: list[tuple[dict[str, float], dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="agentrl_bench_") as tmp:  # removed at the end of the run

@@ -33,8 +33,14 @@ def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     import transformers
 
     if shape == "tiny":
-        cfg = transformers.Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        cfg = transformers.Qwen2Config(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
     elif shape == "smollm2-135m":
         cfg = transformers.LlamaConfig(**SMOLLM2_135M)
     elif shape == "qwen2.5-0.5b":
@@ -52,11 +58,15 @@ def plan(rows: list[tuple[int, list[int], int]], budget: int, padded: bool) -> l
     while todo:
         takes = prefill_takes([len(toks) for _, toks, _ in todo], budget, padded)
         picked = todo[: len(takes)]
-        steps.append(ExtendBatch([slot for slot, _, _ in picked],
-                                 [toks[:n] for (_, toks, _), n in zip(picked, takes, strict=True)],
-                                 [start for _, _, start in picked]))  # fmt: skip
+        steps.append(
+            ExtendBatch(
+                [slot for slot, _, _ in picked],
+                [toks[:n] for (_, toks, _), n in zip(picked, takes, strict=True)],
+                [start for _, _, start in picked],
+            )
+        )
         rest = [(slot, toks[n:], start + n) for (slot, toks, start), n in zip(picked, takes, strict=True)]
-        todo = [r for r in rest if r[1]] + todo[len(takes):]
+        todo = [r for r in rest if r[1]] + todo[len(takes) :]
     return steps
 
 
@@ -99,11 +109,18 @@ def main() -> None:
         elif args.device == "cpu":
             r.packed_prefill = True  # the kernel's torch reference, block by block: a layout check only
         elif not r.packed_prefill:
-            raise SystemExit("the packed prefill does not serve this model's head size (or Triton is missing)")
+            raise SystemExit(
+                "the packed prefill does not serve this model's head size (or Triton is missing)"
+            )
         runners[name] = r
-    result: dict = {"bench": "engine_prefill", "device": args.device, "shape": args.shape,
-                    "dtype": str(dtype).removeprefix("torch."), "rows": args.rows,
-                    "max_prefill_tokens": args.max_prefill_tokens}  # fmt: skip
+    result: dict = {
+        "bench": "engine_prefill",
+        "device": args.device,
+        "shape": args.shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": args.rows,
+        "max_prefill_tokens": args.max_prefill_tokens,
+    }
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     phases = {
@@ -124,7 +141,9 @@ def main() -> None:
             result[f"{phase}_{name}_s"] = round(s, 4)
             result[f"{phase}_{name}_tokens_per_s"] = round(tokens / s)
         for name in ("packed", "packed_graphs"):
-            result[f"{phase}_{name}_over_padded"] = round(result[f"{phase}_padded_s"] / result[f"{phase}_{name}_s"], 2)
+            result[f"{phase}_{name}_over_padded"] = round(
+                result[f"{phase}_padded_s"] / result[f"{phase}_{name}_s"], 2
+            )
     print(json.dumps(result))
 
 

@@ -160,7 +160,14 @@ async def engine_round(
         return sum(counts), seconds
 
 
-ENGINE_COUNTERS = ("busy_s", "prefill_busy_s", "decode_busy_s", "decode_steps", "decode_rows", "prefill_steps")
+ENGINE_COUNTERS = (
+    "busy_s",
+    "prefill_busy_s",
+    "decode_busy_s",
+    "decode_steps",
+    "decode_rows",
+    "prefill_steps",
+)
 
 
 def where_time_went(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
@@ -240,15 +247,31 @@ async def update_round(url: str, model_dir: Path) -> dict[str, float]:
 def launch(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: int, extra: list[str]) -> Any:
     """An embedded engine server for the bench: ``--server-args`` and then ``extra`` as its flags."""
     return start_embedded_server(
-        model_dir, device=a.device, dtype=a.dtype, max_batch_size=max_batch, timeout=1800, log_file=log_file,
+        model_dir,
+        device=a.device,
+        dtype=a.dtype,
+        max_batch_size=max_batch,
+        timeout=1800,
+        log_file=log_file,
         extra_args=shlex.split(a.server_args) + extra,
-    )  # fmt: skip
+    )
 
 
-SGLANG_INFO = ("version", "attention_backend", "sampling_backend", "disable_cuda_graph", "cuda_graph_max_bs",
-               "cuda_graph_max_bs_decode",
-               "mem_fraction_static", "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size",
-               "max_running_requests", "enable_deterministic_inference", "dtype")  # fmt: skip
+SGLANG_INFO = (
+    "version",
+    "attention_backend",
+    "sampling_backend",
+    "disable_cuda_graph",
+    "cuda_graph_max_bs",
+    "cuda_graph_max_bs_decode",
+    "mem_fraction_static",
+    "skip_tokenizer_init",
+    "disable_radix_cache",
+    "chunked_prefill_size",
+    "max_running_requests",
+    "enable_deterministic_inference",
+    "dtype",
+)
 
 
 def launch_sglang(a: argparse.Namespace, model_dir: Path, log_file: Path, max_batch: int) -> Any:
@@ -257,9 +280,14 @@ def launch_sglang(a: argparse.Namespace, model_dir: Path, log_file: Path, max_ba
 
     extra = {"cuda-graph-max-bs": max_batch, "dtype": a.dtype, **json.loads(a.sglang_args)}
     cfg = SGLangConfig(
-        model_path=str(model_dir), port=0, mem_fraction_static=a.sglang_mem_fraction, skip_tokenizer_init=True,
-        extra_args=extra, log_file=str(log_file), startup_timeout=1800,
-    )  # fmt: skip
+        model_path=str(model_dir),
+        port=0,
+        mem_fraction_static=a.sglang_mem_fraction,
+        skip_tokenizer_init=True,
+        extra_args=extra,
+        log_file=str(log_file),
+        startup_timeout=1800,
+    )
     return SGLangLauncher(cfg).start()
 
 

@@ -46,10 +46,17 @@ from trainer_gpu_modes import make_batch, sync
 from agentrl.models.tiny import QWEN25_05B, SMOLLM2_135M
 
 QWEN25_7B = dict(
-    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False,
-    rope_theta=1e6, rms_norm_eps=1e-6,
-)  # fmt: skip
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+)
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-135m": ("llama", SMOLLM2_135M),
     "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
@@ -116,9 +123,14 @@ async def _train_and_sync(a: argparse.Namespace, model_dir: Path) -> dict[str, A
     cuda = a.device == "cuda"
     lora = {"rank": a.rank, "alpha": 2.0 * a.rank} if a.mode == "lora" else None
     cfg = TrainerConfig(
-        model_path=str(model_dir), device=a.device, dtype="bfloat16" if cuda else "float32", lr=1e-5,
-        micro_batch_size=a.micro_batch_size, vocab_divisible_by=128 if cuda else 1, lora=lora,
-    )  # fmt: skip
+        model_path=str(model_dir),
+        device=a.device,
+        dtype="bfloat16" if cuda else "float32",
+        lr=1e-5,
+        micro_batch_size=a.micro_batch_size,
+        vocab_divisible_by=128 if cuda else 1,
+        lora=lora,
+    )
     trainer = MegatronTrainer(cfg)
     out: dict[str, Any] = {
         "params": trainer.arch.num_params(),
@@ -177,9 +189,13 @@ async def _engine_syncs(
         torch.cuda.empty_cache()  # the engine sizes its KV cache from the memory free now
         args = [*args, "--mem-fraction", str(a.engine_mem_fraction)]
     server = start_embedded_server(
-        model_dir, device=a.device, dtype="bfloat16" if cuda else "float32", timeout=900, extra_args=args,
+        model_dir,
+        device=a.device,
+        dtype="bfloat16" if cuda else "float32",
+        timeout=900,
+        extra_args=args,
         max_batch_size=max(a.gen_requests, 8),
-    )  # fmt: skip
+    )
     client = EngineClient(server.url, timeout=3600)
     try:
         before = await _generation_speed(a, client, min(trainer.arch.vocab_size, 150000))
@@ -286,10 +302,16 @@ def main() -> None:
                 continue
             modes[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
         result: dict[str, Any] = {
-            "bench": "lora", "device": a.device, "gpu": torch.cuda.get_device_name() if cuda else None,
-            "shape": a.shape, "rank": a.rank, "batch": a.batch, "seq_len": a.prompt_len + a.response_len - 1,
-            "steps": a.steps, **modes,
-        }  # fmt: skip
+            "bench": "lora",
+            "device": a.device,
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "shape": a.shape,
+            "rank": a.rank,
+            "batch": a.batch,
+            "seq_len": a.prompt_len + a.response_len - 1,
+            "steps": a.steps,
+            **modes,
+        }
         full, lora = modes["full"], modes["lora"]
         if full.get("fits") and lora.get("fits"):
             result["lora_over_full"] = {

@@ -46,7 +46,9 @@ async def _sample(model_dir: Path, dtype: str, prompts: list[list[int]], new_tok
             *(
                 engine.generate(
                     p,
-                    RequestSampling(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=seed + i),
+                    RequestSampling(
+                        temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=seed + i
+                    ),
                     f"r{i}",
                 )
                 for i, p in enumerate(prompts)
@@ -81,7 +83,9 @@ def measure(trainer, trajs: list, replay: bool) -> dict[str, float]:
         k1_sum += float(d.sum())
         n += d.numel()
         worst = max(worst, float(d.abs().max()))
-        engine = torch.from_numpy(decode_routed_experts(t.routed_experts, arch.num_layers, arch.moe.topk).copy())
+        engine = torch.from_numpy(
+            decode_routed_experts(t.routed_experts, arch.num_layers, arch.moe.topk).copy()
+        )
         ours = torch.stack(chosen, 1)  # [tokens, layers, k] (one sequence: router order = position order)
         m = min(len(engine), len(ours))
         same += int((engine[:m].sort(-1).values == ours[:m].sort(-1).values.to(engine.dtype)).all(-1).sum())
@@ -106,7 +110,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+    )
     from agentrl.models.tiny import build_tiny_model
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.trainer import MegatronTrainer
@@ -114,12 +120,19 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(
-            Path(tmp) / "moe", arch="qwen3_moe", seed=a.seed, hidden_size=a.hidden, num_hidden_layers=a.layers,
-            num_experts=a.experts, num_experts_per_tok=a.topk,
-        )  # fmt: skip
+            Path(tmp) / "moe",
+            arch="qwen3_moe",
+            seed=a.seed,
+            hidden_size=a.hidden,
+            num_hidden_layers=a.layers,
+            num_experts=a.experts,
+            num_experts_per_tok=a.topk,
+        )
         g = torch.Generator().manual_seed(a.seed)
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        prompts = [torch.randint(3, vocab, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.trajectories)]
+        prompts = [
+            torch.randint(3, vocab, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.trajectories)
+        ]
         trainer = MegatronTrainer(
             TrainerConfig(model_path=str(model_dir), micro_batch_size=8, moe={"routing_replay": True})
         )

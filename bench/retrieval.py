@@ -53,8 +53,9 @@ bm25s = import_bm25s()  # JAX kept off the GPU (see import_bm25s)
 def make_corpus(passages: int, seed: int, out: Path) -> tuple[Path, list[str]]:
     """A world with at least ``passages`` passages (cut to exactly that many) and its questions."""
     rate = 0.5
-    world = generate_world(seed, num_entities=math.ceil(passages / (1 + rate) * 1.05), num_syllables=240,
-                           distractor_rate=rate)  # fmt: skip
+    world = generate_world(
+        seed, num_entities=math.ceil(passages / (1 + rate) * 1.05), num_syllables=240, distractor_rate=rate
+    )
     if len(world.corpus) < passages:
         raise RuntimeError(f"world has {len(world.corpus)} passages < {passages}")
     path = write_corpus(out / "corpus.jsonl", world.corpus[:passages])

@@ -56,11 +56,26 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     cfg = BootstrapConfig(
         world={"seed": 0, "num_entities": 2000, "year_questions": False},
-        model={"vocab_size": a.vocab, "hidden_size": 64, "num_hidden_layers": a.layers, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "intermediate_size": 192},
-        sft={"steps": a.steps, "batch_size": 16, "lr": a.lr, "schedule": a.schedule, "lm_weight": a.lm_weight,
-             "practice_worlds": 20, "practice_entities": 500, "think": False, "seed": a.seed},
-    )  # fmt: skip  # the demo's config.yaml, without the calibration
+        model={
+            "vocab_size": a.vocab,
+            "hidden_size": 64,
+            "num_hidden_layers": a.layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 192,
+        },
+        sft={
+            "steps": a.steps,
+            "batch_size": 16,
+            "lr": a.lr,
+            "schedule": a.schedule,
+            "lm_weight": a.lm_weight,
+            "practice_worlds": 20,
+            "practice_entities": 500,
+            "think": False,
+            "seed": a.seed,
+        },
+    )  # the demo's config.yaml, without the calibration
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="search_r1_sft-"))
     try:

@@ -43,10 +43,17 @@ async def rollout_window(
     from agentrl.rollout import Orchestrator, RolloutConfig
 
     group = 8
-    cfg = RolloutConfig(group_size=group, batch_size=max(1, a.concurrency // group // 2), max_staleness=2,
-                        max_concurrency=a.concurrency, max_turns=4, max_total_tokens=2048,
-                        sampling=SamplingParams(temperature=1.0, max_new_tokens=64), verifier="exact_match",
-                        filter_zero_variance=False)  # fmt: skip
+    cfg = RolloutConfig(
+        group_size=group,
+        batch_size=max(1, a.concurrency // group // 2),
+        max_staleness=2,
+        max_concurrency=a.concurrency,
+        max_turns=4,
+        max_total_tokens=2048,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=64),
+        verifier="exact_match",
+        filter_zero_variance=False,
+    )
     client = EngineClient(url, timeout=120)
     env = functools.partial(SearchEnv, retrieval_url=retrieval_url, topk=3, max_turns=3)
     orch = Orchestrator(cfg, client, tok, env, tasks)
@@ -135,12 +142,21 @@ def main() -> None:
                     )
         finally:
             engine.stop()
-    print(json.dumps({
-        "bench": "search_rollout", "concurrency": a.concurrency, "seconds": a.seconds,
-        "engine_latency_s": a.engine_latency,
-        "passages": len(world.corpus), **rows,
-        "cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "search_rollout",
+                "concurrency": a.concurrency,
+                "seconds": a.seconds,
+                "engine_latency_s": a.engine_latency,
+                "passages": len(world.corpus),
+                **rows,
+                "cpus": os.cpu_count(),
+                "load_1min": round(os.getloadavg()[0], 2),
+                "python": platform.python_version(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -88,8 +88,13 @@ def measure(a: argparse.Namespace, model_dir: Path, tp: int) -> dict[str, Any]:
 
 def tp_rank(rank: int, port: int, a: argparse.Namespace, model_dir: Path, out: Path) -> None:
     """One rank of the tp=N trainer (its own process, ``cuda:rank`` on a GPU); rank 0 saves its figures."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.tp), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(a.tp),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     result = measure(a, model_dir, a.tp)
     if rank == 0:
         torch.save(result, out)
@@ -151,8 +156,9 @@ def main() -> None:
 
     from agentrl.cluster import free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))  # fmt: skip
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-tp-logprobs-"))
     try:

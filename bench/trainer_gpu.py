@@ -438,12 +438,27 @@ def parallel(a, model_dir: Path, dtype: str, batch: int, plen: int, rlen: int, v
     return out
 
 
-def parallel_rank(rank: int, port: int, a, model_dir: Path, dtype: str, batch: int, plen: int, rlen: int,
-                  vocab: int, results: Any) -> None:  # fmt: skip
+def parallel_rank(
+    rank: int,
+    port: int,
+    a,
+    model_dir: Path,
+    dtype: str,
+    batch: int,
+    plen: int,
+    rlen: int,
+    vocab: int,
+    results: Any,
+) -> None:
     """One rank of :func:`parallel` (its own process): rank 0 puts the figures (or any rank its error)."""
     world = a.world_size
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         from agentrl.trainer.trainer import MegatronTrainer
 

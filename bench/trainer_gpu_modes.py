@@ -90,7 +90,10 @@ def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> 
     med = {name: statistics.median(t) for name, t in times.items()}
     extra = {}
     if "deterministic" in med:
-        extra = {"deterministic_step_s": med["deterministic"], "deterministic_over_default_step": med["default"] / med["deterministic"]}  # fmt: skip
+        extra = {
+            "deterministic_step_s": med["deterministic"],
+            "deterministic_over_default_step": med["default"] / med["deterministic"],
+        }
     return {
         "step_s": med["exact"],
         "default_step_s": med["default"],

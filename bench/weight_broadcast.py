@@ -40,11 +40,25 @@ import torch
 
 # The shapes (HF config fields) of the models whose weights are broadcast.
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
-}  # fmt: skip
+    "tiny": dict(
+        vocab_size=600,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 def shape_config(name: str) -> dict[str, Any]:
@@ -83,8 +97,9 @@ def bus_bandwidth(op: str, nbytes: int, seconds: float, ranks: int = 2) -> dict[
     return {"algbw_gbps": algbw, "busbw_gbps": algbw * factor}
 
 
-def run_collective(op: str, numel: int, dtype: torch.dtype, device: torch.device, group: Any, iters: int,
-                   warmup: int) -> float:  # fmt: skip
+def run_collective(
+    op: str, numel: int, dtype: torch.dtype, device: torch.device, group: Any, iters: int, warmup: int
+) -> float:
     """Seconds per ``op`` (all_reduce or broadcast from rank 0) of ``numel`` elements in ``group``."""
     import torch.distributed as dist
 
@@ -124,16 +139,30 @@ class BroadcastReceiver:
         self.verify = False
         self.received = {"bytes": 0, "tensors": 0, "checksum": 0}
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> None:  # fmt: skip
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
         await self.groups.join(master_address, master_port, rank_offset, world_size, group_name, backend)
 
     async def destroy_weights_update_group(self, group_name: str, timeout: float = 30.0) -> bool:
         return await self.groups.leave(group_name, timeout)
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: str | None, abort_all: bool,
-                                              flush: bool = True) -> None:  # fmt: skip
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        abort_all: bool,
+        flush: bool = True,
+    ) -> None:
         tensors = await self.groups.receive(group_name, names, dtypes, shapes)
         if weight_version is not None:  # the last bucket: the engine has the weights once the device does
             await asyncio.to_thread(sync, self.device)
@@ -167,9 +196,13 @@ async def serve_receiver(device: torch.device) -> None:
     async def collective(request: web.Request) -> web.Response:
         b = await request.json()
         group = await asyncio.to_thread(
-            init_custom_process_group, b["backend"], f"tcp://{b['master_address']}:{b['master_port']}", 2, 1,
+            init_custom_process_group,
+            b["backend"],
+            f"tcp://{b['master_address']}:{b['master_port']}",
+            2,
+            1,
             f"bench_{b['op']}",
-        )  # fmt: skip
+        )
         dtype = getattr(torch, b["dtype"])
         await asyncio.to_thread(
             run_collective, b["op"], b["numel"], dtype, device, group, b["iters"], b["warmup"]
@@ -248,8 +281,15 @@ class Receiver:
             self.proc.wait()
 
 
-async def push_shape(client: Any, receiver: Receiver, name: str, a: argparse.Namespace,
-                     device: torch.device, dtype: torch.dtype, backend: str) -> dict[str, Any]:  # fmt: skip
+async def push_shape(
+    client: Any,
+    receiver: Receiver,
+    name: str,
+    a: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+) -> dict[str, Any]:
     """One checked push of shape ``name``, then ``a.repeats`` timed ones, as trainer rank 0 pushes."""
     from agentrl.trainer.weight_sync import connect_engine_sync
 
@@ -291,16 +331,25 @@ async def push_shape(client: Any, receiver: Receiver, name: str, a: argparse.Nam
     }
 
 
-async def collective(receiver: Receiver, op: str, a: argparse.Namespace, device: torch.device,
-                     dtype: torch.dtype, backend: str) -> dict[str, Any]:  # fmt: skip
+async def collective(
+    receiver: Receiver, op: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype, backend: str
+) -> dict[str, Any]:
     """``op`` between this process (rank 0) and the receiver (rank 1), in a group of their own."""
     from agentrl.cluster import free_port
     from agentrl.engine.dist import init_custom_process_group, leave_process_group
 
     numel = (a.collective_mb << 20) // dtype.itemsize
     port = free_port()
-    body = {"op": op, "backend": backend, "master_address": "127.0.0.1", "master_port": port, "numel": numel,
-            "dtype": str(dtype).removeprefix("torch."), "iters": a.iters, "warmup": a.warmup}  # fmt: skip
+    body = {
+        "op": op,
+        "backend": backend,
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "numel": numel,
+        "dtype": str(dtype).removeprefix("torch."),
+        "iters": a.iters,
+        "warmup": a.warmup,
+    }
 
     def mine() -> float:
         group = init_custom_process_group(backend, f"tcp://127.0.0.1:{port}", 2, 0, f"bench_{op}")

@@ -48,15 +48,25 @@ def test_attention_is_the_same_for_a_whole_sequence_decode_and_prefill_chunks() 
     slot = torch.tensor([2])
     for t in (0, 1, 63, 64, 65, 128, 149):  # decode: one query over a bucket of 256 or all 512 keys
         for length in (256, 512):
-            one = bi.attention(q[:, t : t + 1], cache_k[:, :, :length], cache_v[:, :, :length], torch.tensor([[t]]), 0.25, slot)
+            one = bi.attention(
+                q[:, t : t + 1],
+                cache_k[:, :, :length],
+                cache_v[:, :, :length],
+                torch.tensor([[t]]),
+                0.25,
+                slot,
+            )
             assert torch.equal(one[0, 0], whole[0, t]), (t, length)
     for width in (1, 37, 64, 100):  # prefill in chunks of `width` queries over the keys cached so far
         parts = []
         for s in range(0, n, width):
             e = min(n, s + width)
-            parts.append(bi.attention(q[:, s:e], cache_k[:, :, :e], cache_v[:, :, :e], torch.arange(s, e)[None], 0.25, slot))
+            parts.append(
+                bi.attention(
+                    q[:, s:e], cache_k[:, :, :e], cache_v[:, :, :e], torch.arange(s, e)[None], 0.25, slot
+                )
+            )
         assert torch.equal(torch.cat(parts, 1), whole), width
-
 
 
 def test_attention_row_ignores_the_batch_and_stale_keys_past_its_position() -> None:
@@ -117,7 +127,10 @@ async def test_engine_request_bits_alone_among_255_at_any_position_with_reuse_an
     for pos in (0, 100, 255):  # its batch position (slot) among 255 others
         batch = [*others[:pos], mine, *others[pos:]]
         recs = await asyncio.gather(
-            *(crowd.generate(p, seeded(p, 7 if p is mine else 1000 + i), f"c{pos}-{i}") for i, p in enumerate(batch))
+            *(
+                crowd.generate(p, seeded(p, 7 if p is mine else 1000 + i), f"c{pos}-{i}")
+                for i, p in enumerate(batch)
+            )
         )
         check(recs[pos])
     crowd.shutdown()

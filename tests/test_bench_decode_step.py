@@ -53,6 +53,9 @@ def test_the_benches_named_shapes_build_their_configs() -> None:
     assert type(small).__name__ == type(large).__name__ == "Qwen2Config"
     assert (small.hidden_size, large.hidden_size) == (896, 3584)
     assert small.tie_word_embeddings and not large.tie_word_embeddings
-    assert (moe.eos_token_id, moe.pad_token_id) == (2, 0)  # the tiny tokenizer's, whose files the benches copy
+    assert (moe.eos_token_id, moe.pad_token_id) == (
+        2,
+        0,
+    )  # the tiny tokenizer's, whose files the benches copy
     with pytest.raises(ValueError, match=r"choose qwen2\.5-0\.5b"):
         shape_config("qwen2.5-1b")

@@ -24,7 +24,9 @@ COLOCATED = (
 
 def _config(tmp_path: Path, steps: int) -> Path:
     cfg = tmp_path / "colocated.yaml"
-    text = COLOCATED.format(out=tmp_path / "run", cache=tmp_path / "cache").replace("steps: 3", f"steps: {steps}")
+    text = COLOCATED.format(out=tmp_path / "run", cache=tmp_path / "cache").replace(
+        "steps: 3", f"steps: {steps}"
+    )
     cfg.write_text(text.replace("checkpoint: {interval: 2}", "checkpoint: {interval: 0}"))
     return cfg
 
@@ -73,15 +75,24 @@ def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path) -> 
     assert "mode: overlap" in text
     cfg.write_text(text)
     proc = subprocess.run(
-        [sys.executable, "train_async.py", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=900
+        [sys.executable, "train_async.py", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["policy_version"] == 2 and summary["accounting"]["trained"] > 0
-    assert not [k for k in summary if "engine_release" in k or "trainer_onload" in k or "trainer_offload" in k]
+    assert not [
+        k for k in summary if "engine_release" in k or "trainer_onload" in k or "trainer_offload" in k
+    ]
     assert summary["mean_train_s"] > 0 and summary["mean_sync_s"] > 0
     parts = [summary[f"mean_weight_sync_{k}_s"] for k in ("gather", "pack", "push")]
-    assert all(p > 0 for p in parts) and sum(parts) <= summary["mean_weight_sync_s"] * 1.01 <= summary["mean_sync_s"] * 1.01
+    assert (
+        all(p > 0 for p in parts)
+        and sum(parts) <= summary["mean_weight_sync_s"] * 1.01 <= summary["mean_sync_s"] * 1.01
+    )
     assert not _left_after(), "the run left processes behind"
 
 

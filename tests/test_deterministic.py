@@ -200,6 +200,7 @@ eval: {{num_tasks: 8}}
 """
 )
 
+
 # what may differ between two deterministic runs: clocks, durations, rates and latencies, the engine's
 # batching counters (decode steps and rows, prefill and cached tokens: how requests were batched, which
 # may vary with timing; what they produced may not), and the load of the rollout's event loop and of the
@@ -254,4 +255,6 @@ def test_two_seeded_data_parallel_runs_are_bit_identical(tmp_path: Path) -> None
     _same_bytes(torch.load(step / "rank_00000.pt", map_location="cpu", weights_only=False)["model"], wa)
     assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
     train = [r for r in ma if "policy_version" in r]
-    assert [r["policy_version"] for r in train] == [1, 2, 3] and any(r["trainer/grad_norm"] > 0 for r in train)
+    assert [r["policy_version"] for r in train] == [1, 2, 3] and any(
+        r["trainer/grad_norm"] > 0 for r in train
+    )

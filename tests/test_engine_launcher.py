@@ -276,7 +276,9 @@ def test_a_port_taken_before_the_server_binds_it_is_replaced(
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
-        cfg = SGLangConfig(model_path="m", port=squatter.getsockname()[1], python=fake_python, env=_env(tmp_path))
+        cfg = SGLangConfig(
+            model_path="m", port=squatter.getsockname()[1], python=fake_python, env=_env(tmp_path)
+        )
         with pytest.raises(ServerStartError, match=r"(?i)address already in use"):
             SGLangLauncher(cfg).start()
 

@@ -84,9 +84,7 @@ def test_train_async_names_bad_dump_and_wandb_fields() -> None:
         timeout=120,
     )
     assert proc.returncode != 0
-    assert (
-        "rollout.dump: expected" in proc.stderr and "metrics.wandb.projekt: unknown field" in proc.stderr
-    )
+    assert "rollout.dump: expected" in proc.stderr and "metrics.wandb.projekt: unknown field" in proc.stderr
 
 
 # ---------------------------------------------------------------- the trainer's logprobs

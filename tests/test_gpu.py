@@ -341,7 +341,9 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
     procs = {}
     for name in ("a", "b"):
         cfg = tmp_path / f"{name}.yaml"
-        cfg.write_text((TINY_SEARCH_R1 + DETERMINISTIC_GPU).format(out=tmp_path / name, cache=tmp_path / f"cache_{name}"))
+        cfg.write_text(
+            (TINY_SEARCH_R1 + DETERMINISTIC_GPU).format(out=tmp_path / name, cache=tmp_path / f"cache_{name}")
+        )
         log = open(tmp_path / f"{name}.log", "w")
         procs[name] = (subprocess.Popen([sys.executable, "train_async.py", "--config", str(cfg)], cwd=root,
                                         stdout=log, stderr=subprocess.STDOUT), log)  # fmt: skip
@@ -360,13 +362,18 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
         out = tmp_path / name
         ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "rank_00000.pt"
         weights = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
-        rows = [{k: v for k, v in r.items() if not timing.search(k)} for r in read_metrics(out / "metrics.jsonl")]
+        rows = [
+            {k: v for k, v in r.items() if not timing.search(k)} for r in read_metrics(out / "metrics.jsonl")
+        ]
         runs.append((weights, rows))
     (wa, ma), (wb, mb) = runs
     tensors = [k for k, v in wa.items() if isinstance(v, torch.Tensor)]
     assert tensors and wa.keys() == wb.keys()
     for k in tensors:
-        assert wa[k].contiguous().view(torch.uint8).numpy().tobytes() == wb[k].contiguous().view(torch.uint8).numpy().tobytes(), k
+        assert (
+            wa[k].contiguous().view(torch.uint8).numpy().tobytes()
+            == wb[k].contiguous().view(torch.uint8).numpy().tobytes()
+        ), k
     assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
     assert [r["policy_version"] for r in ma if "policy_version" in r] == [1, 2, 3]
 
@@ -400,7 +407,9 @@ def test_batch_invariant_ops_on_gpu_bf16() -> None:
     assert torch.equal(bi.rope(x, cos, sin), want)  # [s, d] tables for [b, s] tokens: read every s rows
     pos = torch.arange(70, device=dev).expand(3, 70)
     assert torch.equal(bi.rope(x, cos[pos], sin[pos]), want)  # one table row per token (the engine's)
-    strided = torch.randn(3, 70, 2, 9, 64, device=dev, dtype=dt, generator=g)[..., 7, :]  # a key of a fused qkv
+    strided = torch.randn(3, 70, 2, 9, 64, device=dev, dtype=dt, generator=g)[
+        ..., 7, :
+    ]  # a key of a fused qkv
     assert torch.equal(bi.rope(strided, cos, sin), bi.rope(strided.contiguous(), cos, sin))
     xr = x.detach().requires_grad_()
     gy = torch.randn_like(x)
@@ -459,7 +468,10 @@ async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:
     e = engine(prefix_cache_slots=8, max_prefill_tokens=16)
     await e.generate([*mine[:48], 5, 6, 7], sp(3), "prefix")
     recs = await asyncio.gather(
-        *(e.generate(p, sp(7 if p is mine else 1000 + i), f"r{i}") for i, p in enumerate([*others[:40], mine]))
+        *(
+            e.generate(p, sp(7 if p is mine else 1000 + i), f"r{i}")
+            for i, p in enumerate([*others[:40], mine])
+        )
     )
     assert recs[-1].cached_tokens >= 48
     assert recs[-1].output_ids == alone.output_ids and recs[-1].logprobs == alone.logprobs
@@ -497,7 +509,9 @@ async def test_true_on_policy_on_gpu_bf16(model: str, tmp_path: Path) -> None:
     from agentrl.embedded.sampling import RequestSampling
     from agentrl.models.pretrained import convert
 
-    model_dir = convert("smollm2-135m-instruct") if model == "smollm2-135m" else _qwen05b_shape(tmp_path / "m")
+    model_dir = (
+        convert("smollm2-135m-instruct") if model == "smollm2-135m" else _qwen05b_shape(tmp_path / "m")
+    )
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )

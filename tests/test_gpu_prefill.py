@@ -102,5 +102,7 @@ def test_slot_copies_in_one_launch_per_wave_equal_copies_one_by_one() -> None:
         for src, dst, n, start in copies:
             want_k[:, dst, :, start:n] = want_k[:, src, :, start:n].clone()
             want_v[:, dst, :, start:n] = want_v[:, src, :, start:n].clone()
-        assert copy_slots(k, v, copies) == len(copy_waves(copies))  # one launch per wave (none: nothing to do)
+        assert copy_slots(k, v, copies) == len(
+            copy_waves(copies)
+        )  # one launch per wave (none: nothing to do)
         assert torch.equal(k, want_k) and torch.equal(v, want_v), (trial, copies)

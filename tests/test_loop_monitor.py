@@ -145,4 +145,10 @@ def test_without_timings_keeps_what_deterministic_runs_agree_on() -> None:
         "retrieval/latency_ms_p50": 3.0,
     }  # fmt: skip
     kept = without_timings(row)
-    assert kept == {"step": 3, "loss": 0.5, "reward/mean": 0.25, "trainer/policy_version": 3, "retrieval/workers": 2}
+    assert kept == {
+        "step": 3,
+        "loss": 0.5,
+        "reward/mean": 0.25,
+        "trainer/policy_version": 3,
+        "retrieval/workers": 2,
+    }

@@ -81,7 +81,9 @@ def test_trainer_ranks_start_with_the_nccl_setting_of_sglang_servers() -> None:
     assert trainer_env(load_run_config(None, run)) == {}
 
 
-def test_a_child_process_is_given_the_machine_gpu_behind_this_process_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_child_process_is_given_the_machine_gpu_behind_this_process_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from agentrl.testing.gpus import child_gpu_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")

@@ -318,7 +318,9 @@ def test_job_killed_after_a_checkpoint_resumes_losslessly(tmp_path: Path, tiny_m
         out = job.wait()
         assert f"resumed at step {CKPT}" in out, where
         version = int(re.search(r"resumed at step \d+, policy version (\d+)", out).group(1))
-        offset = version - CKPT  # 0: the resume pushes the checkpoint's weights as the version they were saved at
+        offset = (
+            version - CKPT
+        )  # 0: the resume pushes the checkpoint's weights as the version they were saved at
         dumps, rows = job.dumps(), job.rows()
         # none skipped, none trained twice: the batches of steps 1..k (before the kill) and k+1..K
         # (after the resume) hold each of the 12 tasks exactly once
@@ -350,7 +352,11 @@ def test_job_killed_after_a_checkpoint_resumes_losslessly(tmp_path: Path, tiny_m
                 )
             for s in (s for s in redone if s in killed[name]["rows"]):
                 again = {k: v for k, v in without_timings(rows[s]).items() if not RESUME_COUNTERS.search(k)}
-                first = {k: v for k, v in without_timings(killed[name]["rows"][s]).items() if not RESUME_COUNTERS.search(k)}
+                first = {
+                    k: v
+                    for k, v in without_timings(killed[name]["rows"][s]).items()
+                    if not RESUME_COUNTERS.search(k)
+                }
                 assert again == first and len(again) > 20, (where, s)
                 pv = "trainer/policy_version"
                 assert rows[s][pv] == killed[name]["rows"][s][pv] + offset, (where, s)

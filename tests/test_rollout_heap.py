@@ -20,7 +20,9 @@ def test_freeze_setup_heap_freezes_once_per_process() -> None:
         later = [object()]  # made after the freeze: a second call must leave it to the collector
         assert heap.freeze_setup_heap() is False  # once per process
         assert any(o is later for o in gc.get_objects())
-        assert gc.get_freeze_count() <= frozen  # nothing frozen again (frozen objects of other threads may die)
+        assert (
+            gc.get_freeze_count() <= frozen
+        )  # nothing frozen again (frozen objects of other threads may die)
         assert heap.freeze_setup_heap(force=True) is True
     finally:
         heap._frozen = was

@@ -43,7 +43,10 @@ def test_cpu_defaults_reserve_no_gpu() -> None:
             "colocation.mode overlap: the engines",
         ),
         (["rollout.deterministic=true"], "deterministic was replaced: the run.s top-level"),
-        (["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=null"], "trainer.pack_sequences: needs"),
+        (
+            ["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=null"],
+            "trainer.pack_sequences: needs",
+        ),
         (["trainer.tp=2"], "trainer_world_size: 1 ranks are not a multiple of trainer tp \\* pp = 2"),
         (["trainer_world_size=2"], "engine.num_engines: colocated, engine i and trainer rank i share GPU i"),
         (
@@ -115,8 +118,12 @@ def test_too_few_gpus_or_cpus_fail_at_start_instead_of_waiting() -> None:
             check_cluster(cfg)
         check_cluster(load_run_config(GPU_CONFIG, []))  # colocated: one GPU is enough
         # a trainer rank and the rollout reserve a CPU each: two ranks and the rollout do not fit in 2
-        cpu = load_run_config(None, ["model_path=/m", "data.path=/d", "env.name=math", "trainer_world_size=2"])
-        with pytest.raises(ConfigError, match=r"trainer_world_size: .* reserves 3 CPUs .* set ray.num_cpus=3"):
+        cpu = load_run_config(
+            None, ["model_path=/m", "data.path=/d", "env.name=math", "trainer_world_size=2"]
+        )
+        with pytest.raises(
+            ConfigError, match=r"trainer_world_size: .* reserves 3 CPUs .* set ray.num_cpus=3"
+        ):
             check_cluster(cpu)
     finally:
         ray.shutdown()

@@ -50,7 +50,9 @@ async def _episodes(engine: EmbeddedEngine, n: int, version: int, seed: int) -> 
         r = await engine.generate(prompt, sp, f"{seed}-{i}-a")
         t.append_model_tokens(r.output_ids, r.logprobs, version)
         t.append_observation_tokens([5, 6, 7, 8])
-        sp2 = RequestSampling(temperature=1.0, max_new_tokens=6, sampling_seed=seed + 100 + i, ignore_eos=True)
+        sp2 = RequestSampling(
+            temperature=1.0, max_new_tokens=6, sampling_seed=seed + 100 + i, ignore_eos=True
+        )
         r2 = await engine.generate(t.input_ids, sp2, f"{seed}-{i}-b")
         t.append_model_tokens(r2.output_ids, r2.logprobs, version)
         t.reward = float(i % 3 == 0)
@@ -80,7 +82,9 @@ async def test_trainer_logprobs_equal_the_engines_bit_for_bit(
 
         monkeypatch.setattr(TrueOnPolicyLogprobs, "HEAD_CHUNK", 37)
     model = tiny_model_factory(arch)
-    engine = EmbeddedEngine(model, max_batch_size=8, batch_invariant=True, prefix_cache_slots=8, max_prefill_tokens=32)
+    engine = EmbeddedEngine(
+        model, max_batch_size=8, batch_invariant=True, prefix_cache_slots=8, max_prefill_tokens=32
+    )
     tr = _trainer(model, true_on_policy=True, pack=pack)
     try:
         for step in range(2):
@@ -91,7 +95,10 @@ async def test_trainer_logprobs_equal_the_engines_bit_for_bit(
             assert m["mismatch_kl"] == 0.0 and m["mismatch_k1"] == 0.0
             assert m["mismatch_logprob_abs_diff_max"] == 0.0
             assert m["same_version_token_frac"] == 1.0  # every token sampled with the trainer's weights
-            assert m["mismatch_kl_same_version"] == 0.0 and m["mismatch_logprob_abs_diff_max_same_version"] == 0.0
+            assert (
+                m["mismatch_kl_same_version"] == 0.0
+                and m["mismatch_logprob_abs_diff_max_same_version"] == 0.0
+            )
             assert m["ppo_kl"] == 0.0  # π_old recomputed: equal to the update's first forward
             assert m["tis_weight_mean"] == 1.0 and m["tis_clip_frac"] == 0.0
             # the updated weights go to the engine (fp32 on disk: the same bits)
@@ -114,7 +121,6 @@ async def test_default_trainer_is_not_bitwise(tiny_model_dir: Path) -> None:
     finally:
         engine.shutdown()
         tr.shutdown()
-
 
 
 def test_gradient_through_the_exact_forward_is_the_defaults_up_to_rounding(tiny_model_dir: Path) -> None:
@@ -159,7 +165,9 @@ def test_a_packed_micro_batch_gives_the_padded_bits(tiny_model_dir: Path) -> Non
         g = torch.Generator().manual_seed(1)
         trajs = []
         for i, n in enumerate((7, 30, 18, 52)):
-            t = Trajectory(task_id=str(i), group_id="g", prompt_ids=torch.randint(3, 500, (5,), generator=g).tolist())
+            t = Trajectory(
+                task_id=str(i), group_id="g", prompt_ids=torch.randint(3, 500, (5,), generator=g).tolist()
+            )
             t.append_model_tokens(torch.randint(3, 500, (n,), generator=g).tolist(), [0.0] * n, 0)
             trajs.append(t)
         adv = [torch.zeros(len(t.response_ids)) for t in trajs]

@@ -69,9 +69,26 @@ def _pick(m: int, n: int, k: int) -> Tiling:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K, sam, sbn, scm, srm,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-               BIAS: tl.constexpr, RES: tl.constexpr):  # fmt: skip
+def _mm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    res_ptr,
+    M,
+    N,
+    K,
+    sam,
+    sbn,
+    scm,
+    srm,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    IEEE: tl.constexpr,
+    BIAS: tl.constexpr,
+    RES: tl.constexpr,
+):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -80,8 +97,12 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K, sam, sbn, scm, s
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * sam + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * sbn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        a = tl.load(
+            a_ptr + rm[:, None] * sam + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+        )
+        b = tl.load(
+            b_ptr + rn[None, :] * sbn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0
+        )
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -106,10 +127,28 @@ def _launch(a: Tensor, w: Tensor, bias: Tensor | None, res: Tensor | None, tilin
         return c
     bm, bn, bk, warps, stages = tiling
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _mm_kernel[grid](a, w, c, c if bias is None else bias, c if res is None else res, m, n, k,
-                     a.stride(0), w.stride(0), c.stride(0), 0 if res is None else res.stride(0),
-                     BM=bm, BN=bn, BK=bk, IEEE=a.dtype == torch.float32, BIAS=bias is not None,
-                     RES=res is not None, num_warps=warps, num_stages=stages)  # fmt: skip
+    _mm_kernel[grid](
+        a,
+        w,
+        c,
+        c if bias is None else bias,
+        c if res is None else res,
+        m,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        c.stride(0),
+        0 if res is None else res.stride(0),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        IEEE=a.dtype == torch.float32,
+        BIAS=bias is not None,
+        RES=res is not None,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return c
 
 
@@ -124,8 +163,12 @@ def tilings_agree(device: torch.device, dtype: torch.dtype) -> bool:
     first, *rest = (_launch(a, w, None, None, t) for t in TILINGS)
     agree = all(torch.equal(first, other) for other in rest)
     if not agree:
-        log.warning("batch-invariant matmul: tilings give different bits on %s (%s); every call takes %s",
-                    device, dtype, FIXED_TILING)  # fmt: skip
+        log.warning(
+            "batch-invariant matmul: tilings give different bits on %s (%s); every call takes %s",
+            device,
+            dtype,
+            FIXED_TILING,
+        )
     return agree
 
 
@@ -178,8 +221,22 @@ def _bf16_rounded(x):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, P, sx_t, sx_h, sc_t, sy_t, sy_h,
-                 HP: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    H,
+    P,
+    sx_t,
+    sx_h,
+    sc_t,
+    sy_t,
+    sy_h,
+    HP: tl.constexpr,
+    HALF: tl.constexpr,
+    BF16: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)
     j = tl.arange(0, HALF)
@@ -229,9 +286,23 @@ def _rope_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     c, s = _rope_tables(lead, d, cos, sin)
     y = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
-        _rope_kernel[(t,)](x3, c, s, y, h, c.shape[0], x3.stride(0), x3.stride(1), c.stride(0), y.stride(0),
-                           y.stride(1), HP=max(2, triton.next_power_of_2(h)), HALF=d // 2,
-                           BF16=x.dtype == torch.bfloat16, num_warps=1)  # fmt: skip
+        _rope_kernel[(t,)](
+            x3,
+            c,
+            s,
+            y,
+            h,
+            c.shape[0],
+            x3.stride(0),
+            x3.stride(1),
+            c.stride(0),
+            y.stride(0),
+            y.stride(1),
+            HP=max(2, triton.next_power_of_2(h)),
+            HALF=d // 2,
+            BF16=x.dtype == torch.bfloat16,
+            num_warps=1,
+        )
     return y.view(x.shape)
 
 
@@ -279,8 +350,9 @@ class _SiluMul(torch.autograd.Function):
         rows, n = g2.shape
         y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         if rows and n:
-            _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](g2, u2, y, n, g2.stride(0), u2.stride(0), BLOCK=1024,
-                                                           num_warps=4)  # fmt: skip
+            _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](
+                g2, u2, y, n, g2.stride(0), u2.stride(0), BLOCK=1024, num_warps=4
+            )
         return y
 
     @staticmethod
@@ -305,7 +377,9 @@ def _rms_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
     var = tl.sum(x * x, axis=0) / N
     y = (x * (1.0 / tl.sqrt(var + eps))).to(y_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        y_ptr + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def _rms_torch(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -322,7 +396,9 @@ class _RMSNorm(torch.autograd.Function):
         x2 = x.contiguous().view(-1, n)
         y = torch.empty_like(x2)
         if x2.shape[0]:
-            _rms_kernel[(x2.shape[0],)](x2, w.contiguous(), y, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=4)
+            _rms_kernel[(x2.shape[0],)](
+                x2, w.contiguous(), y, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=4
+            )
         return y.view(x.shape)
 
     @staticmethod
@@ -376,10 +452,33 @@ def logsumexp(x: Tensor) -> Tensor:
 
 
 @triton.jit(do_not_specialize=["W", "NB"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr, W, NB,
-                 sq_t, sq_h, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, so_t, so_h, scale,
-                 G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 IEEE: tl.constexpr):  # fmt: skip
+def _attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    slot_ptr,
+    pos_ptr,
+    W,
+    NB,
+    sq_t,
+    sq_h,
+    sk_s,
+    sk_h,
+    sk_l,
+    sv_s,
+    sv_h,
+    sv_l,
+    so_t,
+    so_h,
+    scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BQ: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     # rows of the tile: BQ query tokens x GP heads of the key head's group (padding rows never see a key)
     blk = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -394,7 +493,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr, W, NB,
     last = tl.max(pos, axis=0)
     d = tl.arange(0, D)
     heads = h * G + g
-    q = tl.load(q_ptr + t[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + t[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0
+    )
     m_i = tl.full([BQ * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BQ * GP], dtype=tl.float32)
     acc = tl.zeros([BQ * GP, D], dtype=tl.float32)
@@ -425,17 +526,24 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr, W, NB,
         l_i = tl.where(active, l_new, l_i)
         acc = tl.where(active[:, None], acc_new, acc)
     o = acc / l_i[:, None]
-    tl.store(o_ptr + t[:, None] * so_t + heads[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=valid[:, None])  # fmt: skip
+    tl.store(
+        o_ptr + t[:, None] * so_t + heads[:, None] * so_h + d[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
 
 
-def _attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None) -> Tensor:
+def _attn_forward(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None
+) -> Tensor:
     b, w, h, d = q.shape
     kv = k.shape[1]
     g = h // kv
     if d & (d - 1) or d < 16 or g > 16:
-        raise ValueError(f"the GPU attention kernel needs a power-of-two head_dim >= 16 and <= 16 query heads "
-                         f"per key head (got head_dim {d}, {g})")  # fmt: skip
+        raise ValueError(
+            f"the GPU attention kernel needs a power-of-two head_dim >= 16 and <= 16 query heads "
+            f"per key head (got head_dim {d}, {g})"
+        )
     qt = q.reshape(b * w, h, d)
     if qt.stride(-1) != 1:
         qt = qt.contiguous()
@@ -451,11 +559,33 @@ def _attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, 
     nb = triton.cdiv(w, bq)
     if b * w:
         _attn_kernel[(b * nb, kv)](
-            qt, k, v, o, slots, pos, w, nb,
-            qt.stride(0), qt.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), scale,
-            G=g, GP=gp, BQ=bq, D=d, BN=KEY_CHUNK, IEEE=q.dtype == torch.float32, num_warps=4,
-        )  # fmt: skip
+            qt,
+            k,
+            v,
+            o,
+            slots,
+            pos,
+            w,
+            nb,
+            qt.stride(0),
+            qt.stride(1),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            o.stride(0),
+            o.stride(1),
+            scale,
+            G=g,
+            GP=gp,
+            BQ=bq,
+            D=d,
+            BN=KEY_CHUNK,
+            IEEE=q.dtype == torch.float32,
+            num_warps=4,
+        )
     return o.view(b, w, h * d)
 
 
@@ -464,8 +594,16 @@ class _Attention(torch.autograd.Function):
     case, ``k``/``v`` [B, KV, W, d] with ``q_pos`` the positions 0..W-1)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None,
-                deterministic: bool) -> Tensor:  # type: ignore[override]  # fmt: skip
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        slots: Tensor | None,
+        deterministic: bool,
+    ) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(q, k, v)
         ctx.scale, ctx.deterministic = scale, deterministic
         return _attn_forward(q, k, v, q_pos, scale, slots)
@@ -489,12 +627,27 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, slots: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    scale: float,
+    slots: Tensor | None = None,
     deterministic_backward: bool = False,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, q_pos, scale, slots, deterministic_backward)
     return _attn_forward(q, k, v, q_pos, scale, slots)
 
 
-__all__ = ["TILINGS", "attention", "logsumexp", "matmul", "rms_norm", "rope", "silu_mul", "tiling_for", "tilings_agree"]
+__all__ = [
+    "TILINGS",
+    "attention",
+    "logsumexp",
+    "matmul",
+    "rms_norm",
+    "rope",
+    "silu_mul",
+    "tiling_for",
+    "tilings_agree",
+]

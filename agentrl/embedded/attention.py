@@ -37,10 +37,30 @@ def available(head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, meta_stride,
-                       sq_t, sq_h, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, so_t, so_h, qk_scale,
-                       G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       IEEE: tl.constexpr):  # fmt: skip
+    def _extend_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        meta_ptr,
+        meta_stride,
+        sq_t,
+        sq_h,
+        sk_s,
+        sk_h,
+        sk_l,
+        sv_s,
+        sv_h,
+        sv_l,
+        so_t,
+        so_h,
+        qk_scale,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         blk = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
         # meta [4, blocks]: the block's slot, its first token's index in q, its token count (0: a padding
@@ -81,8 +101,11 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         o = acc / l_i[:, None]
-        tl.store(o_ptr + (tok0 + m)[:, None] * so_t + h * so_h + d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=live[:, None])  # fmt: skip
+        tl.store(
+            o_ptr + (tok0 + m)[:, None] * so_t + h * so_h + d[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=live[:, None],
+        )
 
 
 def block_table(slots: list[int], lens: list[int], start: list[int]) -> list[list[int]]:
@@ -140,13 +163,31 @@ def extend_attention(
     n_blocks = meta.shape[1]
     if t and n_blocks:
         _extend_kernel[(n_blocks, heads)](
-            q, k_cache, v_cache, o, meta, meta.stride(0),
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
+            q,
+            k_cache,
+            v_cache,
+            o,
+            meta,
+            meta.stride(0),
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            o.stride(0),
+            o.stride(1),
             scale * 1.4426950408889634,  # log2(e): the softmax in exp2
-            G=heads // kv, D=d, BM=BLOCK_M, BN=BLOCK_N, IEEE=q.dtype == torch.float32,
-            num_warps=4, num_stages=2,
-        )  # fmt: skip
+            G=heads // kv,
+            D=d,
+            BM=BLOCK_M,
+            BN=BLOCK_N,
+            IEEE=q.dtype == torch.float32,
+            num_warps=4,
+            num_stages=2,
+        )
     return o.view(t, heads * d)
 
 

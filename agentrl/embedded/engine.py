@@ -111,9 +111,11 @@ class EmbeddedEngine(AdapterEndpoints):
         )
         log.info(
             "KV cache: %d running + %d prefix slots x %d tokens (%.2f GiB)",
-            max_batch_size, slots, self.context_len,
+            max_batch_size,
+            slots,
+            self.context_len,
             2 * self.runner.k.numel() * self.runner.k.element_size() / 2**30,
-        )  # fmt: skip
+        )
 
         self.weight_version = "default"
         self._rng = random.Random(seed)

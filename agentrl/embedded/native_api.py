@@ -337,9 +337,12 @@ class NativeAPI:
         if not body.get("lora_name") or not body.get("lora_path"):
             raise EngineBadRequest("lora_name and lora_path are required")
         await self.engine.load_lora_adapter(
-            str(body["lora_name"]), str(body["lora_path"]), body.get("weight_version"),
-            bool(body.get("abort_all_requests", False)), bool(body.get("flush_cache", True)),
-        )  # fmt: skip
+            str(body["lora_name"]),
+            str(body["lora_path"]),
+            body.get("weight_version"),
+            bool(body.get("abort_all_requests", False)),
+            bool(body.get("flush_cache", True)),
+        )
         return web.json_response(
             {"success": True, "message": "LoRA adapter loaded (merged into the weights)."}
         )
@@ -353,10 +356,14 @@ class NativeAPI:
         ):
             raise EngineBadRequest("lora_name, config_dict and serialized_tensors are required")
         await self.engine.load_lora_adapter_from_tensors(
-            str(body["lora_name"]), body["config_dict"], body["serialized_tensors"], body.get("load_format"),
-            body.get("weight_version"), bool(body.get("abort_all_requests", False)),
+            str(body["lora_name"]),
+            body["config_dict"],
+            body["serialized_tensors"],
+            body.get("load_format"),
+            body.get("weight_version"),
+            bool(body.get("abort_all_requests", False)),
             bool(body.get("flush_cache", True)),
-        )  # fmt: skip
+        )
         return web.json_response(
             {"success": True, "message": "LoRA adapter loaded (merged into the weights)."}
         )
@@ -396,7 +403,9 @@ class NativeAPI:
         if name not in params:
             raise EngineBadRequest(f"no parameter named {name!r}")
         n = int(body.get("truncate_size", 100))
-        values = await self.engine._on_device(lambda: params[name].detach().flatten()[:n].float().cpu().tolist())
+        values = await self.engine._on_device(
+            lambda: params[name].detach().flatten()[:n].float().cpu().tolist()
+        )
         return web.json_response(values)
 
     async def get_weight_version(self, request: web.Request) -> web.Response:

@@ -72,9 +72,15 @@ class EmbeddedBackend:
         if top_logprobs and rec.output_ids:
             top = await self.engine._on_device(self._top_logprobs, prompt.ids, rec.output_ids, top_logprobs)
         return Generation(
-            rec.output_ids, rec.logprobs, str(fr.get("type", "stop")), len(prompt.ids), rec.cached_tokens,
-            rec.weight_version, matched, top,
-        )  # fmt: skip
+            rec.output_ids,
+            rec.logprobs,
+            str(fr.get("type", "stop")),
+            len(prompt.ids),
+            rec.cached_tokens,
+            rec.weight_version,
+            matched,
+            top,
+        )
 
     def _top_logprobs(self, prompt: list[int], output: list[int], k: int) -> list[list[tuple[int, float]]]:
         model = self.engine.model

@@ -125,13 +125,18 @@ def _layer_weights(layer: torch.nn.Module, moe: MoESpec | None) -> LayerWeights:
     q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
     attention = dict(
         input_norm=layer.input_layernorm.weight,
-        q=a.q_proj.weight, q_bias=a.q_proj.bias, k=a.k_proj.weight, k_bias=a.k_proj.bias,
-        v=a.v_proj.weight, v_bias=a.v_proj.bias,
+        q=a.q_proj.weight,
+        q_bias=a.q_proj.bias,
+        k=a.k_proj.weight,
+        k_bias=a.k_proj.bias,
+        v=a.v_proj.weight,
+        v_bias=a.v_proj.bias,
         q_norm=None if q_norm is None else q_norm.weight,
         k_norm=None if k_norm is None else k_norm.weight,
-        o=a.o_proj.weight, o_bias=a.o_proj.bias,
+        o=a.o_proj.weight,
+        o_bias=a.o_proj.bias,
         mlp_norm=layer.post_attention_layernorm.weight,
-    )  # fmt: skip
+    )
     if moe is not None:
         experts = Experts(
             m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj, moe.topk, moe.norm_topk_prob
@@ -139,9 +144,13 @@ def _layer_weights(layer: torch.nn.Module, moe: MoESpec | None) -> LayerWeights:
         return LayerWeights(**attention, experts=experts)
     return LayerWeights(
         **attention,
-        gate=m.gate_proj.weight, gate_bias=m.gate_proj.bias, up=m.up_proj.weight, up_bias=m.up_proj.bias,
-        down=m.down_proj.weight, down_bias=m.down_proj.bias,
-    )  # fmt: skip
+        gate=m.gate_proj.weight,
+        gate_bias=m.gate_proj.bias,
+        up=m.up_proj.weight,
+        up_bias=m.up_proj.bias,
+        down=m.down_proj.weight,
+        down_bias=m.down_proj.bias,
+    )
 
 
 @dataclass
@@ -390,9 +399,14 @@ class ModelRunner:
                 kk = self.k[i][:, :, :keys].index_select(0, slots)  # slice first: copy only the keys in use
                 vv = self.v[i][:, :, :keys].index_select(0, slots)
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), kk, vv, attn_mask=mask, is_causal=fresh,
-                scale=self.scale, enable_gqa=group > 1,
-            )  # fmt: skip
+                q.transpose(1, 2),
+                kk,
+                vv,
+                attn_mask=mask,
+                is_causal=fresh,
+                scale=self.scale,
+                enable_gqa=group > 1,
+            )
             x = self._post_attention(i, x, o.transpose(1, 2).reshape(rows, width, -1), w)
         last = x[torch.arange(rows, device=dev), lens - 1]
         return self._logits_of(last)
@@ -438,10 +452,19 @@ class ModelRunner:
         pad = max(tokens - len(ids), 0)
         fill = max(blocks - len(table[0]), 0)
         host = torch.tensor(
-            [*ids, *[0] * pad, *slot_t, *[0] * pad, *pos_t, *[self.context_len] * pad,
-             *last, *[0] * max(rows - len(last), 0), *itertools.chain(*(b + [0] * fill for b in table))],
+            [
+                *ids,
+                *[0] * pad,
+                *slot_t,
+                *[0] * pad,
+                *pos_t,
+                *[self.context_len] * pad,
+                *last,
+                *[0] * max(rows - len(last), 0),
+                *itertools.chain(*(b + [0] * fill for b in table)),
+            ],
             dtype=torch.long,
-        )  # fmt: skip
+        )
         return host, len(table[0]) + fill
 
     def _prefill_blocks(self, tokens: int) -> int:

@@ -206,7 +206,11 @@ def sample_tokens(
     if invariant_rows is not None and logits.is_cuda and real < invariant_rows:
         pad = invariant_rows - real
         logits = torch.nn.functional.pad(logits, (0, 0, 0, pad))
-        params, seeds, positions = [*params, *[RequestSampling()] * pad], [*seeds, *[0] * pad], [*positions, *[0] * pad]
+        params, seeds, positions = (
+            [*params, *[RequestSampling()] * pad],
+            [*seeds, *[0] * pad],
+            [*positions, *[0] * pad],
+        )
     dev, vocab, n = logits.device, logits.shape[-1], len(params)
     temps = [p.temperature for p in params]
     if any(t > 0 for t in temps):

@@ -245,9 +245,10 @@ class Scheduler:
             # itself let one long row (an agent's whole history after a cache flush) keep a step to a few
             # rows, and a wave of such rows took one prefill step, with its fixed cost, per few rows.
             takes = prefill_takes(
-                [len(r.seq) - r.cached for r in rows], self.max_prefill_tokens,
+                [len(r.seq) - r.cached for r in rows],
+                self.max_prefill_tokens,
                 padded=not self.runner.packed_prefill,  # packed steps compute no padding
-            )  # fmt: skip
+            )
             picked = rows[: len(takes)]
             tokens = [r.seq[r.cached : r.cached + take] for r, take in zip(picked, takes, strict=True)]
             start = [r.cached for r in picked]

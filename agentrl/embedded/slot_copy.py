@@ -53,8 +53,17 @@ def copy_waves(copies: list[Copy]) -> list[list[Copy]]:
 if triton is not None:
 
     @triton.jit
-    def _copy_kernel(k_ptr, v_ptr, table_ptr, s_layer, s_slot, s_head,
-                     HEADS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    def _copy_kernel(
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        s_layer,
+        s_slot,
+        s_head,
+        HEADS: tl.constexpr,
+        D: tl.constexpr,
+        BT: tl.constexpr,
+    ):
         c = tl.program_id(0)
         lh = tl.program_id(1).to(tl.int64)
         tb = tl.program_id(2)
@@ -96,8 +105,9 @@ def copy_slots(k: torch.Tensor, v: torch.Tensor, copies: list[Copy]) -> int:
     for wave in waves:
         longest = max(n - start for _, _, n, start in wave)
         grid = (len(wave), layers * heads, triton.cdiv(longest, BLOCK_T))
-        _copy_kernel[grid](k, v, table[4 * at :], k.stride(0), k.stride(1), k.stride(2),
-                           HEADS=heads, D=d, BT=BLOCK_T)  # fmt: skip
+        _copy_kernel[grid](
+            k, v, table[4 * at :], k.stride(0), k.stride(1), k.stride(2), HEADS=heads, D=d, BT=BLOCK_T
+        )
         at += len(wave)
     return len(waves)
 

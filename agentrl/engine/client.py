@@ -440,8 +440,10 @@ class EngineClient(AdapterNaming):
         """Every endpoint loads the PEFT adapter dir ``lora_path`` as ``lora_name`` (the embedded engine
         serves it to every request, as version ``weight_version``; SGLang to requests that name it)."""
         payload: dict[str, Any] = {
-            "lora_name": lora_name, "lora_path": str(lora_path), "abort_all_requests": abort_all_requests,
-        }  # fmt: skip
+            "lora_name": lora_name,
+            "lora_path": str(lora_path),
+            "abort_all_requests": abort_all_requests,
+        }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         await self._all("POST", "/load_lora_adapter", payload)
@@ -458,9 +460,11 @@ class EngineClient(AdapterNaming):
         """Every endpoint loads an adapter handed over in memory: a PEFT state dict packed by
         :func:`agentrl.engine.named_tensors.pack_named_tensors` and its ``adapter_config.json`` mapping."""
         payload: dict[str, Any] = {
-            "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors,
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_tensors": serialized_tensors,
             "abort_all_requests": abort_all_requests,
-        }  # fmt: skip
+        }
         if load_format is not None:
             payload["load_format"] = load_format
         if weight_version is not None:

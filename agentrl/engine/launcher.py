@@ -181,9 +181,14 @@ def sglang_args_from_cli(argv: Sequence[str], prefix: str = "--sglang-") -> tupl
 # HF module name -> the module of SGLang's Llama / Qwen2 layers it is part of (what --lora-target-modules
 # names; SGLang stacks the q/k/v and gate/up adapters into its fused layers)
 SGLANG_LORA_MODULES = {
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
-}  # fmt: skip
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+}
 
 
 class SGLangLoRAConfig(ConfigModel):
@@ -234,7 +239,12 @@ class SGLangConfig(ConfigModel):
         None, gt=0.0, lt=1.0, description="GPU memory fraction for weights + KV cache (--mem-fraction-static)"
     )
     host: str = Field("127.0.0.1", description="bind address; non-loopback needs api_key")
-    port: int = Field(30000, ge=0, le=65535, description="HTTP port; 0 picks a free one at start (another if it is taken before the server binds it)")
+    port: int = Field(
+        30000,
+        ge=0,
+        le=65535,
+        description="HTTP port; 0 picks a free one at start (another if it is taken before the server binds it)",
+    )
     api_key: str | None = Field(None, description="--api-key; clients send it as a Bearer token")
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -318,7 +328,12 @@ class SGLangRouterConfig(ConfigModel):
 
     worker_urls: list[str] = Field(..., min_length=1, description="URLs of the SGLang servers behind it")
     host: str = Field("127.0.0.1", description="bind address of the router")
-    port: int = Field(30000, ge=0, le=65535, description="router port; 0 picks a free one (another if it is taken before the router binds it)")
+    port: int = Field(
+        30000,
+        ge=0,
+        le=65535,
+        description="router port; 0 picks a free one (another if it is taken before the router binds it)",
+    )
     policy: str = Field("cache_aware", description="cache_aware | round_robin | random | power_of_two")
     api_key: str | None = Field(None, description="API key the router checks and forwards")
     extra_args: dict[str, Any] = Field(default_factory=dict, description="pass-through router flags")
@@ -390,7 +405,9 @@ class _Launcher:
                 taken = self.cfg.port == 0 and "address already in use" in str(err).lower()
                 if not taken or attempt == PORT_ATTEMPTS:
                     raise
-            log.warning("%s: port %d was taken before the server bound it; trying another", self.name, self._port)
+            log.warning(
+                "%s: port %d was taken before the server bound it; trying another", self.name, self._port
+            )
             attempt += 1
 
     def _spawn(self) -> None:

@@ -127,13 +127,18 @@ def pack_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> PackedTenso
 
 # ---------------------------------------------------------------------------------------- receiving
 _ALLOWED = {
-    "torch.multiprocessing.reductions": {"rebuild_cuda_tensor", "rebuild_tensor", "rebuild_typed_storage",
-                                         "rebuild_storage_empty", "rebuild_typed_storage_child"},
+    "torch.multiprocessing.reductions": {
+        "rebuild_cuda_tensor",
+        "rebuild_tensor",
+        "rebuild_typed_storage",
+        "rebuild_storage_empty",
+        "rebuild_typed_storage_child",
+    },
     "torch.storage": {"UntypedStorage", "TypedStorage"},
     "torch": {"Tensor", "Size", "UntypedStorage", "TypedStorage", "device"},
     "torch._utils": {"_rebuild_tensor_v2"},
     "collections": {"OrderedDict"},
-}  # fmt: skip
+}
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

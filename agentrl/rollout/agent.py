@@ -102,9 +102,17 @@ class AgentRunner:
             raise Restart(session.restart)
 
         rows = session.leaves()
-        main = rows[0] if rows else Trajectory(
-            task_id=draw.task_id, group_id=draw.uid, prompt_ids=[], sample_index=i, label=draw.task.get("label")
-        )  # fmt: skip
+        main = (
+            rows[0]
+            if rows
+            else Trajectory(
+                task_id=draw.task_id,
+                group_id=draw.uid,
+                prompt_ids=[],
+                sample_index=i,
+                label=draw.task.get("label"),
+            )
+        )
         rows = rows or [main]
         if session.engine_error is not None:
             main.status, main.error = Status.FAILED, f"engine: {session.engine_error}"

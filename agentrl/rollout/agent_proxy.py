@@ -245,9 +245,15 @@ class AgentSession:
         if parent is not None:
             parent.continued = True
         self.branches.append(branch)
-        return Generation(ids, lps, finish, len(traj.prompt_ids) + len(traj.response_ids) - len(ids),
-                          weight_version=str(vers[-1]) if vers else None, matched_stop=matched,
-                          handle=_Pending(branch, parent))  # fmt: skip
+        return Generation(
+            ids,
+            lps,
+            finish,
+            len(traj.prompt_ids) + len(traj.response_ids) - len(ids),
+            weight_version=str(vers[-1]) if vers else None,
+            matched_stop=matched,
+            handle=_Pending(branch, parent),
+        )
 
     def on_reply(self, gen: Generation, message: dict[str, Any] | None) -> None:
         pending: _Pending = gen.handle

@@ -84,7 +84,13 @@ class Chromium:
         env = {**os.environ, "TMPDIR": self._tmp, "HOME": self._tmp}  # its scratch files stay in our dir
         width, height = self.size
         return subprocess.Popen(
-            [self.executable, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
+            [
+                self.executable,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -139,9 +145,13 @@ class Chromium:
 
     async def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression (awaited when it is a promise); page errors raise."""
-        res = await self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        res = await self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in res:
-            raise RuntimeError(f"page error: {res['exceptionDetails'].get('exception', {}).get('description')}")
+            raise RuntimeError(
+                f"page error: {res['exceptionDetails'].get('exception', {}).get('description')}"
+            )
         return res["result"].get("value")
 
     async def wait_for(self, expression: str, timeout: float = 60) -> Any:

@@ -11,7 +11,21 @@ from pathlib import Path
 from agentrl.episodes import DUMP_DIR, FORMAT, episode_record, step_path
 from agentrl.types import Status, ToolCallRecord, Trajectory
 
-WORDS = ["the", "search", "answer", "river", "city", "born", "year", "capital", "of", "is", "who", "what", "in"]
+WORDS = [
+    "the",
+    "search",
+    "answer",
+    "river",
+    "city",
+    "born",
+    "year",
+    "capital",
+    "of",
+    "is",
+    "who",
+    "what",
+    "in",
+]
 
 
 def synthetic_run(
@@ -38,13 +52,21 @@ def synthetic_run(
         records = []
         for k in range(min(per_step, episodes - done)):
             g, s = divmod(k, group_size)
-            t = Trajectory(task_id=f"task{step}_{g}", group_id=f"{step}:{g}", prompt_ids=[1, 2, 3], sample_index=s)
+            t = Trajectory(
+                task_id=f"task{step}_{g}", group_id=f"{step}:{g}", prompt_ids=[1, 2, 3], sample_index=s
+            )
             ids = [rng.randrange(len(vocab)) for _ in range(tokens_per_turn)]
-            t.append_model_tokens(ids, [-rng.expovariate(2.0) for _ in ids], step - 1, "".join(vocab[i] for i in ids))
+            t.append_model_tokens(
+                ids, [-rng.expovariate(2.0) for _ in ids], step - 1, "".join(vocab[i] for i in ids)
+            )
             obs = [rng.randrange(len(vocab)) for _ in range(tokens_per_turn // 2)]
-            t.append_observation_tokens(obs, "<information>" + "".join(vocab[i] for i in obs) + "</information>")
+            t.append_observation_tokens(
+                obs, "<information>" + "".join(vocab[i] for i in obs) + "</information>"
+            )
             ids = [rng.randrange(len(vocab)) for _ in range(tokens_per_turn)]
-            t.append_model_tokens(ids, [-rng.expovariate(2.0) for _ in ids], step - 1, "".join(vocab[i] for i in ids))
+            t.append_model_tokens(
+                ids, [-rng.expovariate(2.0) for _ in ids], step - 1, "".join(vocab[i] for i in ids)
+            )
             query = t.turns[0].text.strip()
             t.turns[0].text = f"<search>{query}</search>"
             t.turns[0].tool_calls = [

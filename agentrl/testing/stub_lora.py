@@ -34,8 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-         "up_proj": "gate_up_proj"}  # fmt: skip
+FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
 
 

@@ -57,9 +57,13 @@ class SDPACoreAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if packed_seq_params is not None:  # packed sequences: q [t, 1, np, hn], k/v [t, 1, ng, hn]
             out = packed_causal_attention(
-                query.squeeze(1), key.squeeze(1), value.squeeze(1), packed_seq_params.cu_seqlens_q,
-                packed_seq_params.max_seqlen_q, self.softmax_scale,
-            )  # fmt: skip
+                query.squeeze(1),
+                key.squeeze(1),
+                value.squeeze(1),
+                packed_seq_params.cu_seqlens_q,
+                packed_seq_params.max_seqlen_q,
+                self.softmax_scale,
+            )
             return out.reshape(query.shape[0], 1, -1)
         sq, b, nh, hd = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]

@@ -108,9 +108,17 @@ def compile_warmup(trainer: Any, shapes: tuple[tuple[int, ...], ...] = WARMUP_LE
             trajs.append(t)
         mask = response_mask(trajs)
         plan = plan_mini_batches(
-            trajs, batch_advantages(trajs, mask, cfg.loss), mask, 1, cfg.micro_batch_size,
-            cfg.max_tokens_per_micro_batch, tr.dp_rank, tr.dp_size, tr.pad_id, pack=cfg.pack_sequences,
-        )  # fmt: skip
+            trajs,
+            batch_advantages(trajs, mask, cfg.loss),
+            mask,
+            1,
+            cfg.micro_batch_size,
+            cfg.max_tokens_per_micro_batch,
+            tr.dp_rank,
+            tr.dp_size,
+            tr.pad_id,
+            pack=cfg.pack_sequences,
+        )
         tr.model.train()
         for mb in plan[0].micro_batches:
             lp, ent = tr.logprobs.of(tr.model, mb.to(tr.device))

@@ -73,8 +73,13 @@ def trainer_state_tensors(
 class TrainerOffload:
     """The training state of one rank on ``device``, off the device and back (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device,
-                 extra: list[torch.nn.Module] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        device: torch.device,
+        extra: list[torch.nn.Module] | None = None,
+    ) -> None:
         self.device = device
         kept, grads = trainer_state_tensors(model, optimizer, extra or [])
         self.state = StorageOffload([t for t in kept if t.device == device], keep=True)

@@ -68,9 +68,15 @@ class LoRAAdapter(torch.nn.Module):
     """The ``A``/``B`` pair of one linear layer (this rank's shards) and how it adds ``s · B (A x)``."""
 
     def __init__(
-        self, a: torch.Tensor, b: torch.Tensor, scale: float, kind: str, tp: int, dropout: float,
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        kind: str,
+        tp: int,
+        dropout: float,
         mask: torch.Tensor | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.lora_A = torch.nn.Parameter(a)
         self.lora_B = torch.nn.Parameter(b)
@@ -141,9 +147,14 @@ def _init_a(rank: int, fan_in: int, seed: int, layer: int, suffix: str) -> torch
 
 
 def add_lora(
-    model: torch.nn.Module, cfg: LoRAConfig, arch: ModelArch, tp: int, tp_rank: int, first_layer: int = 0,
+    model: torch.nn.Module,
+    cfg: LoRAConfig,
+    arch: ModelArch,
+    tp: int,
+    tp_rank: int,
+    first_layer: int = 0,
     seed: int = 0,
-) -> int:  # fmt: skip
+) -> int:
     """Freeze ``model`` (a GPTModel on this rank, weights loaded) and add the adapters of ``cfg``;
     ``first_layer``: the global index of this pipeline stage's layer 0. Returns the number of this rank's
     trainable parameters."""
@@ -230,9 +241,13 @@ def peft_state_dict(
 
 
 def load_peft_state_dict(
-    module: torch.nn.Module, peft: dict[str, torch.Tensor], arch: ModelArch, tp: int, tp_rank: int,
+    module: torch.nn.Module,
+    peft: dict[str, torch.Tensor],
+    arch: ModelArch,
+    tp: int,
+    tp_rank: int,
     first_layer: int = 0,
-) -> None:  # fmt: skip
+) -> None:
     """Set this rank's adapters of ``module`` from a PEFT state dict (the inverse of
     :func:`peft_state_dict`; a fused layer takes ``A`` from its first target module)."""
     for layer, suffix, m in _fused_linears(module, first_layer, adapted=True):

@@ -298,7 +298,9 @@ def off_policy_weights(
                 same = mask * same_version.to(mask.dtype)
                 ds = d * same
                 metrics.add("mismatch_kl_same_version", ((torch.exp(-ds) - 1 + ds) * same).sum(), same.sum())
-                metrics.max("mismatch_logprob_abs_diff_max_same_version", ds.abs().amax() if ds.numel() else 0.0)
+                metrics.max(
+                    "mismatch_logprob_abs_diff_max_same_version", ds.abs().amax() if ds.numel() else 0.0
+                )
                 metrics.add("same_version_token_frac", same.sum(), n_tok)
             metrics.add("tis_clip_frac", clipped.sum(), n_tok)
             metrics.add("tis_weight_mean", (weights * mask).sum(), n_tok)

@@ -367,8 +367,12 @@ def _adam_steps_set_aside(optimizer: Any) -> Iterator[None]:
     """Hold torch Adam's per-parameter ``step`` out of its state while megatron loads the parameter
     state: megatron copies every tensor of a parameter's state from the file, which has no ``step`` (the
     step comes from the param groups), so a tensor step there fails the load with ``KeyError: 'step'``."""
-    held = [(o.state[p], o.state[p].pop("step")) for o in _torch_adams(optimizer) for p in list(o.state)
-            if "step" in o.state[p]]  # fmt: skip
+    held = [
+        (o.state[p], o.state[p].pop("step"))
+        for o in _torch_adams(optimizer)
+        for p in list(o.state)
+        if "step" in o.state[p]
+    ]
     try:
         yield
     finally:

@@ -157,9 +157,12 @@ class MegatronTrainer:
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
         )
         self.logprobs = ModelLogprobs(
-            self.arch.vocab_size, self.tp_rank, ps.get_tensor_model_parallel_group(), cfg.logprob_chunk_tokens,
+            self.arch.vocab_size,
+            self.tp_rank,
+            ps.get_tensor_model_parallel_group(),
+            cfg.logprob_chunk_tokens,
             self.compile_kernels,
-        )  # fmt: skip
+        )
         gpu_deterministic = deterministic and self.device.type == "cuda"
         if cfg.true_on_policy or gpu_deterministic:  # π_old and the loss's logprobs in the batch-invariant
             from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs  # engine's kernels
@@ -175,9 +178,15 @@ class MegatronTrainer:
             build_rank_model(cfg, self.arch, ps, *how, frozen=True) if cfg.loss.kl_coef > 0 else None
         )
         self.optim = build_optimizer(
-            cfg, model, self.logprobs, ps, self.device, self.use_megatron_optim, self.params_dtype,
+            cfg,
+            model,
+            self.logprobs,
+            ps,
+            self.device,
+            self.use_megatron_optim,
+            self.params_dtype,
             self.arch.qk_norm,
-        )  # fmt: skip
+        )
         self.model = self.optim.model  # inside megatron's DDP wrapper on the megatron path
 
         # one optimizer step per train_step: π_old are the weights of the update's own forward
@@ -517,11 +526,19 @@ class MegatronTrainer:
         if self._engines is not None:
             raise RuntimeError("engines already connected: disconnect_engines() first")
         self._engines = await connect_engine_sync(
-            mode, client, self.rank, self.device, self.cfg.model_path, out_dir=out_dir,
-            num_engine_ranks=num_engine_ranks, master_address=master_address, master_port=master_port,
-            backend=backend, bucket_bytes=bucket_bytes or self.cfg.weight_sync_bucket_mb << 20,
+            mode,
+            client,
+            self.rank,
+            self.device,
+            self.cfg.model_path,
+            out_dir=out_dir,
+            num_engine_ranks=num_engine_ranks,
+            master_address=master_address,
+            master_port=master_port,
+            backend=backend,
+            bucket_bytes=bucket_bytes or self.cfg.weight_sync_bucket_mb << 20,
             lora=self.cfg.lora,
-        )  # fmt: skip
+        )
 
     async def sync_weights(self, new_version: bool = True) -> int:
         """Push the current weights to the connected engines: every rank gathers the HF-named weights

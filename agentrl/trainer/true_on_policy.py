@@ -51,7 +51,9 @@ class _HeadLogprobs(torch.autograd.Function):
     recomputes the logits."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, norm: Tensor, head: Tensor, targets: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # fmt: skip
+    def forward(
+        ctx, hidden: Tensor, norm: Tensor, head: Tensor, targets: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         logits = lm_head(hidden, norm, eps, head, BATCH_INVARIANT_OPS)
         lp = bi.token_logprobs(logits, targets)
         inside = torch.ones_like(targets, dtype=torch.bool)
@@ -146,8 +148,13 @@ class TrueOnPolicyLogprobs:
         if pk is None:
             return self(model, mb.tokens, mb.targets)
         return self._forward(
-            model, pk.tokens.reshape(-1), pk.targets.reshape(-1), pk.positions.reshape(-1), tuple(mb.tokens.shape), pk
-        )  # fmt: skip
+            model,
+            pk.tokens.reshape(-1),
+            pk.targets.reshape(-1),
+            pk.positions.reshape(-1),
+            tuple(mb.tokens.shape),
+            pk,
+        )
 
     def _forward(
         self,
@@ -177,9 +184,13 @@ class TrueOnPolicyLogprobs:
             w = self._layer_weights(layer)
             q, k, v = pre_attention(x, w, cos, sin, eps, heads, kv, d, BATCH_INVARIANT_OPS)
             o = bi.attention(
-                grid(q), grid(k).transpose(1, 2), grid(v).transpose(1, 2), qpos, self.scale,
+                grid(q),
+                grid(k).transpose(1, 2),
+                grid(v).transpose(1, 2),
+                qpos,
+                self.scale,
                 deterministic_backward=self.deterministic_backward,
-            ).view(b * s, -1)  # fmt: skip
+            ).view(b * s, -1)
             x, _ = post_attention(
                 x, o if packed is None else o.index_select(0, packed.index), w, eps, BATCH_INVARIANT_OPS
             )
@@ -192,7 +203,15 @@ class TrueOnPolicyLogprobs:
         # recomputed in backward, so no fp32 [tokens, vocabulary] logits outlive one chunk
         chunks = range(0, n, self.HEAD_CHUNK)
         if not torch.is_grad_enabled():
-            lp = torch.cat([bi.token_logprobs(lm_head(x[i : i + self.HEAD_CHUNK], norm, eps, head, BATCH_INVARIANT_OPS), tgt[i : i + self.HEAD_CHUNK]) for i in chunks])  # fmt: skip
+            lp = torch.cat(
+                [
+                    bi.token_logprobs(
+                        lm_head(x[i : i + self.HEAD_CHUNK], norm, eps, head, BATCH_INVARIANT_OPS),
+                        tgt[i : i + self.HEAD_CHUNK],
+                    )
+                    for i in chunks
+                ]
+            )
             return grid(lp), None
         outs = [
             _head_logprobs(x[i : i + self.HEAD_CHUNK], tgt[i : i + self.HEAD_CHUNK], norm, head, eps)

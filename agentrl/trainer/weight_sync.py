@@ -406,9 +406,12 @@ class LoRATensorSync:
         pack_seconds = time.perf_counter() - t0
         try:
             await self.client.load_lora_adapter_from_tensors(
-                LORA_NAME, adapter_config(self.lora, str(self.model_path)), packed.payload,
-                load_format=packed.load_format, weight_version=str(version),
-            )  # fmt: skip
+                LORA_NAME,
+                adapter_config(self.lora, str(self.model_path)),
+                packed.payload,
+                load_format=packed.load_format,
+                weight_version=str(version),
+            )
         finally:
             packed.close()
         # the same figures as a full tensor push, which a colocated step splits into pack and push
@@ -491,10 +494,17 @@ async def connect_engine_sync(
         return TensorSync(client, device)
     if lora is not None:
         sync = await connect_engine_sync(
-            mode, client, rank, device, model_path, num_engine_ranks=num_engine_ranks,
-            master_address=master_address, master_port=master_port, backend=backend,
+            mode,
+            client,
+            rank,
+            device,
+            model_path,
+            num_engine_ranks=num_engine_ranks,
+            master_address=master_address,
+            master_port=master_port,
+            backend=backend,
             bucket_bytes=bucket_bytes,
-        )  # fmt: skip
+        )
         return LoRABroadcastSync(sync, lora.alpha / lora.rank)  # type: ignore[arg-type]
     if rank != 0:
         return BroadcastSync(None, "cpu")

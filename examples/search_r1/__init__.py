@@ -17,12 +17,30 @@ from typing import Any
 # Lazy exports (PEP 562): ``python -m agentrl.examples.search_r1.world`` must not find its own module
 # already imported by the package (runpy warns about that), and users of the loader need no aiohttp.
 _EXPORTS = {
-    "data": ["SEARCH_R1_TEMPLATE", "Passage", "Task", "extract_question", "format_docs", "iter_corpus",
-             "load_tasks", "make_prompt", "write_corpus", "write_tasks"],
+    "data": [
+        "SEARCH_R1_TEMPLATE",
+        "Passage",
+        "Task",
+        "extract_question",
+        "format_docs",
+        "iter_corpus",
+        "load_tasks",
+        "make_prompt",
+        "write_corpus",
+        "write_tasks",
+    ],
     "recipe": ["SearchR1Config", "SearchR1Recipe"],
     "retrieval_server": ["RetrievalIndex", "RetrievalServer", "ServerLimits", "start_retrieval_server"],
-    "world": ["INFORMATION_TEMPLATE", "WORLD_FORMAT_VERSION", "Demo", "World", "WorldConfig", "generate_world", "gold_demo"],
-}  # fmt: skip
+    "world": [
+        "INFORMATION_TEMPLATE",
+        "WORLD_FORMAT_VERSION",
+        "Demo",
+        "World",
+        "WorldConfig",
+        "generate_world",
+        "gold_demo",
+    ],
+}
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 

@@ -176,8 +176,14 @@ class _Worker:
     def __init__(self, cmd: list[str], pass_fds: tuple[int, ...]) -> None:
         self.cmd = cmd
         self.log = tempfile.TemporaryFile(prefix="agentrl-retrieval-", suffix=".log")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL,
-                                     text=True, pass_fds=pass_fds)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            pass_fds=pass_fds,
+        )
         self.lines: list[str] = []
         out = self.proc.stdout
         threading.Thread(target=lambda: self.lines.extend(iter(out.readline, "")), daemon=True).start()
@@ -287,12 +293,30 @@ def start_retrieval_server(
     limits = limits or ServerLimits()
     board = StatsBoard(workers)
     base = [
-        sys.executable, "-m", "agentrl.examples.search_r1.retrieval_server",
-        "--corpus", str(corpus_path), "--host", host, "--parent-pid", str(os.getpid()),
-        "--max-queries", str(limits.max_queries), "--max-topk", str(limits.max_topk),
-        "--max-query-chars", str(limits.max_query_chars), "--max-body-bytes", str(limits.max_body_bytes),
-        "--default-topk", str(limits.default_topk), "--workers", str(workers), "--board-fd", str(board.fd),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "agentrl.examples.search_r1.retrieval_server",
+        "--corpus",
+        str(corpus_path),
+        "--host",
+        host,
+        "--parent-pid",
+        str(os.getpid()),
+        "--max-queries",
+        str(limits.max_queries),
+        "--max-topk",
+        str(limits.max_topk),
+        "--max-query-chars",
+        str(limits.max_query_chars),
+        "--max-body-bytes",
+        str(limits.max_body_bytes),
+        "--default-topk",
+        str(limits.default_topk),
+        "--workers",
+        str(workers),
+        "--board-fd",
+        str(board.fd),
+    ]
     started: list[_Worker] = []
     deadline = time.monotonic() + timeout
 

@@ -63,11 +63,16 @@ _RELATIONS: dict[str, dict[str, str]] = {
         ("founded", "In which year was {s} founded?", "{s} was founded in {o}.", "when {s} was founded"),
         ("based_in", "In which city is {s} based?", "{s} is based in {o}.", "where {s} is based"),
         ("country", "In which country is {s}?", "{s} is in {o}.", "which country {s} is in"),
-        ("river", "Which river flows through {s}?", "The {o} river flows through {s}.", "which river flows through {s}"),
+        (
+            "river",
+            "Which river flows through {s}?",
+            "The {o} river flows through {s}.",
+            "which river flows through {s}",
+        ),
         ("capital", "What is the capital of {s}?", "The capital of {s} is {o}.", "the capital of {s}"),
         ("company", "Which company did {s} found?", "{s} founded {o}.", "which company {s} founded"),
     ]
-}  # fmt: skip
+}
 # Two-hop chains: (subject kind, first relation, second relation, question template).
 _CHAINS: list[tuple[str, str, str, str]] = [
     ("person", "born_in", "country", "In which country was {s} born?"),
@@ -345,15 +350,19 @@ def _passages(ents: dict[str, Entity], cfg: WorldConfig, rng: random.Random) -> 
             through = [c.name for c in local_cities if c.attrs["river"] == e.id] or [name[a["country"]]]
             text = f"The {e.name} is a river in {name[a['country']]}. It flows through {', '.join(through)}."
         elif e.kind == "city":
-            text = (f"{e.name} is a city in {name[a['country']]}, founded in {a['founded']}. "
-                    f"The {name[a['river']]} river flows through {e.name}.")  # fmt: skip
+            text = (
+                f"{e.name} is a city in {name[a['country']]}, founded in {a['founded']}. "
+                f"The {name[a['river']]} river flows through {e.name}."
+            )
         elif e.kind == "person":
             text = f"{e.name} was a {a['occupation']} born in {name[a['born_in']]} in {a['born']}."
             if "company" in a:
                 text += f" {e.name} founded {name[a['company']]}."
         else:  # company
-            text = (f"{e.name} is a company based in {name[a['based_in']]}. "
-                    f"It was founded in {a['founded']} by {name[a['founder']]}.")  # fmt: skip
+            text = (
+                f"{e.name} is a company based in {name[a['based_in']]}. "
+                f"It was founded in {a['founded']} by {name[a['founder']]}."
+            )
         out.append((e.name, text))
         if rng.random() < cfg.distractor_rate:
             out.append(_distractor(e, rng, local_cities, name))
@@ -388,8 +397,14 @@ def _value(ents: dict[str, Entity], e: Entity, rel: str) -> tuple[str, str | Non
     return str(v), None
 
 
-def _qa(qid: str, question: str, subject: Entity, chain: list[tuple[str, str, str]], answer_id: str | None,
-        bridge_id: str | None = None) -> dict[str, Any]:  # fmt: skip
+def _qa(
+    qid: str,
+    question: str,
+    subject: Entity,
+    chain: list[tuple[str, str, str]],
+    answer_id: str | None,
+    bridge_id: str | None = None,
+) -> dict[str, Any]:
     """A question record; ``chain`` holds per hop (entity searched, relation, value read)."""
     return {
         "qid": qid,
