@@ -9,6 +9,9 @@
   end-of-turn token is present exactly once: kept from the sampled ids when the model emitted it,
   added (loss_mask 0) when the turn ended otherwise (stop string, length). A raw observation
   (Search-R1 style, continuing the assistant text) is tokenized alone, no special tokens.
+- :meth:`ChatTokenizer.observation_messages_ids`: several observation messages of one step (one per tool
+  call), rendered together by the template, so a template that groups them renders them as it would in a
+  whole conversation.
 - :meth:`ChatTokenizer.action_text`: the decoded action passed to ``env.step``.
 
 History is never decoded and re-tokenized: ids only ever get appended.
@@ -59,6 +62,7 @@ class ChatTokenizer:
         self._delta_cache: dict[str, tuple[str, str] | None] = {}
         self._prompt_cache: dict[str, list[int]] = {}
         self._split_cache: dict[str, tuple[list[int], str, str, list[int]] | None] = {}
+        self._bare_cache: dict[str, bool] = {}
         self._added = (
             sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True)
             if hasattr(tokenizer, "get_added_vocab")
@@ -167,14 +171,57 @@ class ChatTokenizer:
             ids = head + self.encode(a + text + b) + tail
         else:
             ids = self.encode(delta)
-        # The delta starts with the end-of-turn token; the model already sampled it when it stopped on it.
+        return self._after_turn(ids, last_token_id)
+
+    def observation_messages_ids(
+        self, messages: list[dict[str, Any]], last_token_id: int | None
+    ) -> list[int]:
+        """Token ids of several observation messages at once (e.g. one ``tool`` message per call), rendered
+        together by the chat template, so that a template which groups consecutive tool messages (Qwen's
+        one ``user`` turn of ``<tool_response>`` blocks) renders them as it would in a whole conversation.
+
+        One message that the template renders like a bare ``{role, content}`` message takes the cached
+        path of :meth:`observation_ids`; anything else is rendered in full after a fixed dummy turn."""
+        if not messages:
+            raise ValueError("observation messages: the list is empty")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise ValueError(f"observation message {i} needs a 'role' string: {msg!r}")
+            if not isinstance(msg.get("content"), str):
+                raise ValueError(f"observation message {i} needs 'content' as a string: {msg!r}")
+        if len(messages) == 1 and self._renders_bare(messages[0]):
+            return self.observation_ids(messages[0]["content"], last_token_id, "message", messages[0]["role"])
+        full = self._render([*_BASE, *messages], add_generation_prompt=True)
+        if not full.startswith(self._prefix):
+            raise ChatTemplateError(
+                "adding observation messages changes how earlier messages render; they cannot be appended"
+            )
+        return self._after_turn(self.encode(full[len(self._prefix) :]), last_token_id)
+
+    def _renders_bare(self, msg: dict[str, Any]) -> bool:
+        """Whether the template renders ``msg`` exactly as ``{role, content}`` alone: its other keys (a tool
+        message's ``name`` or ``tool_call_id``) are not shown. Probed once per role and set of keys."""
+        extra = tuple(sorted(k for k in msg if k not in ("role", "content")))
+        if not extra:
+            return True
+        key = f"{msg['role']}|{','.join(extra)}"
+        bare = self._bare_cache.get(key)
+        if bare is None:
+            probe = {"role": msg["role"], "content": "probe", **{k: f"probe_{k}" for k in extra}}
+            full = self._render([*_BASE, probe], add_generation_prompt=True)
+            bare = full[len(self._prefix) :] == self._slow_delta(msg["role"], "probe")
+            self._bare_cache[key] = bare
+        return bare
+
+    def _after_turn(self, ids: list[int], last_token_id: int | None) -> list[int]:
+        """The delta starts with the end-of-turn token; drop it when the model already sampled it."""
         if (
             last_token_id is not None
             and last_token_id in self.eot_ids
             and ids
             and ids[0] == self._eot_in_tail
         ):
-            ids = ids[1:]
+            return ids[1:]
         return ids
 
     # ---- actions -----------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ How the orchestrator appends an observation (it tokenizes the observation on its
   message (Search-R1 appends ``\n\n<information>...</information>\n\n`` right after ``</search>``).
 
 ``messages`` (optional) carries several observation messages at once, e.g. one tool message per call of
-a multi-call turn; ``observation`` then holds the same content joined, for consumers that want one text.
+a multi-call turn. When it is set, the model sees exactly these messages, rendered together by the chat
+template (``observation_format`` must be ``"message"``), and ``observation`` is optional: when given it
+should hold the same content joined, for consumers that want one text.
 
 ``tool_calls`` (optional) says which tool calls the step executed, each a
 :class:`~agentrl.types.ToolCallRecord` (name, arguments, result or error, latency). The episode runner
@@ -48,7 +50,7 @@ class StepResult:
     # "message": render as a chat message of observation_role; "raw": append the text verbatim, continuing
     # the assistant message (no chat template), as Search-R1 does. See the module docstring.
     observation_format: str = "message"
-    # several observation messages (e.g. one per tool call); None: the single `observation` message
+    # several observation messages (e.g. one per tool call), shown to the model instead of `observation`
     messages: list[Message] | None = None
     # the tool calls this step executed, in order (see the module docstring)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)

@@ -80,6 +80,11 @@ def _check_step(res: Any, i: int) -> list[str]:
         )
     if res.messages is not None:
         p += _check_messages(res.messages, f"{w} messages")
+        if res.observation_format != "message":
+            p.append(
+                f"{w}: messages are chat messages, so observation_format must be 'message', not "
+                f"{res.observation_format!r}; raw text continuing the assistant goes in observation"
+            )
     calls = res.tool_calls
     if not isinstance(calls, list) or not all(isinstance(c, ToolCallRecord) for c in calls):
         p.append(f"{w}: tool_calls must be a list of agentrl.types.ToolCallRecord, got {calls!r:.80}")

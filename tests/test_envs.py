@@ -124,6 +124,15 @@ class Silent(Env):
         return StepResult()
 
 
+class RawMessages(Env):
+    async def reset(self, task):
+        return [{"role": "user", "content": "q"}]
+
+    async def step(self, action_text):
+        msgs = [{"role": "tool", "content": "r"}]
+        return StepResult(messages=msgs, observation_format="raw", terminated=True)
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [
@@ -148,6 +157,7 @@ class Silent(Env):
         (Raises, ["reset()/step() raised KeyError", "close() raised RuntimeError: close failed"]),
         (NeedsArgs, ["NeedsArgs() raised TypeError", "make every constructor argument optional"]),
         (Silent, ["there is no observation"]),
+        (RawMessages, ["observation_format must be 'message', not 'raw'"]),
         (BadCalls, ["tool_calls must be a list of agentrl.types.ToolCallRecord"]),
         (object(), ["does not subclass agentrl.envs.Env", "reset() is missing"]),
     ],

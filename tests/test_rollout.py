@@ -249,6 +249,98 @@ async def test_env_tool_call_records_land_on_their_model_turn(tok: Any) -> None:
     assert got["none"].status == Status.COMPLETED and all(turn.tool_calls == [] for turn in got["none"].turns)
 
 
+class MessagesOnlyEnv(Env):
+    """Two tool results a step, given only as ``StepResult.messages`` (no joined ``observation``)."""
+
+    scores_itself = True
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.n = 0
+        return [{"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.n += 1
+        if self.n >= 3:
+            return StepResult(reward=1.0, terminated=True)
+        msgs = [
+            {"role": "tool", "content": f"first result {self.n}", "name": "a", "tool_call_id": f"a{self.n}"},
+            {"role": "tool", "content": f"second result {self.n}", "name": "b"},
+        ]
+        return StepResult(messages=msgs)
+
+
+async def test_observation_messages_reach_the_model(tok: Any) -> None:
+    async with stub_engine_in_process(min_tokens=2, max_tokens=6, seed=3) as (_, url):
+        client = RecordingClient(url, timeout=10)
+        orch = Orchestrator(cfg(group_size=1, batch_size=1), client, tok, MessagesOnlyEnv, tasks(1))
+        await orch.start()
+        [t] = await orch.buffer.get_batch(timeout=30)
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    chat = ChatTokenizer(tok)
+    obs = [turn for turn in t.turns if turn.role == "observation"]
+    assert t.status == Status.COMPLETED and len(obs) == 2
+    for i, turn in enumerate(obs, 1):
+        text = tok.decode(t.response_ids[turn.start : turn.end], skip_special_tokens=False)
+        assert f"first result {i}" in text and f"second result {i}" in text
+        assert turn.text == f"first result {i}\nsecond result {i}"
+        assert all(m == 0 for m in t.loss_mask[turn.start : turn.end])
+    # the model's next request held exactly those tokens: what the template renders for the two messages
+    last = t.response_ids[obs[0].start - 1]
+    msgs = [{"role": "tool", "content": "first result 1"}, {"role": "tool", "content": "second result 1"}]
+    assert t.response_ids[obs[0].start : obs[0].end] == chat.observation_messages_ids(msgs, last)
+    assert t.prompt_ids + t.response_ids[: obs[0].end] in [ids for ids, _, _ in client.calls]
+    assert stats["rollout/observation_tokens"] >= sum(turn.end - turn.start for turn in obs)  # more may run
+
+
+def test_observation_messages_render_as_in_a_conversation(tok: Any) -> None:
+    chat = ChatTokenizer(tok)
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "calls"}]
+    msgs = [{"role": "tool", "content": "one"}, {"role": "tool", "content": "two"}]
+    whole = tok.apply_chat_template([*base, *msgs], tokenize=False, add_generation_prompt=True)
+    head = tok.apply_chat_template(base, tokenize=False)
+    eot = chat._eot_in_tail
+    assert whole.startswith(head[: head.rfind("calls") + len("calls")])
+    delta = whole[head.rfind("calls") + len("calls") :]
+    assert chat.observation_messages_ids(msgs, None) == chat.encode(delta)
+    assert chat.observation_messages_ids(msgs, eot) == chat.encode(delta)[1:]
+    # one message takes the cached path and gives the same ids as the single observation
+    assert chat.observation_messages_ids(msgs[:1], eot) == chat.observation_ids("one", eot)
+    with pytest.raises(ValueError, match="content"):
+        chat.observation_messages_ids([{"role": "tool"}], eot)
+
+
+class SilentEnv(Env):
+    """Goes on without showing the model anything: counted, not silently accepted."""
+
+    scores_itself = True
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.n = 0
+        return [{"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.n += 1
+        return StepResult(reward=1.0, terminated=True) if self.n >= 3 else StepResult()
+
+
+async def test_steps_without_observation_are_counted(tok: Any, caplog: pytest.LogCaptureFixture) -> None:
+    async with stub_engine_in_process(min_tokens=2, max_tokens=6) as (_, url):
+        client = EngineClient(url, timeout=10)
+        orch = Orchestrator(cfg(group_size=2, batch_size=1), client, tok, SilentEnv, tasks(1))
+        await orch.start()
+        await orch.buffer.get_batch(timeout=30)
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    # two silent steps an episode, for the batch's two episodes and any others admission let start
+    n = stats["rollout/steps_without_observation"]
+    assert n >= 4 and n % 2 == 0
+    warned = [r for r in caplog.records if "neither observation nor messages" in r.getMessage()]
+    assert len(warned) == 1 and "SilentEnv" in warned[0].getMessage()
+
+
 # ---------------------------------------------------------------- limits
 async def test_limits_truncate(tok: Any) -> None:
     async with stub_engine_in_process(min_tokens=8, max_tokens=8) as (_, url):

@@ -6,8 +6,9 @@ admission, groups or the buffer):
 
     prompt_ids = chat template of ``await env.reset(task)`` (rendered once, with ``env.tools``)
     loop: ``/generate`` with the exact ids so far -> sampled ids + logprobs + ``weight_version``
-          (loss_mask 1) -> ``await env.step(decoded action)`` -> observation tokenized once, alone
-          (loss_mask 0) -> until terminated / truncated / max_turns / max_total_tokens / context length.
+          (loss_mask 1) -> ``await env.step(decoded action)`` -> its observation (``messages`` when
+          given, rendered together, else ``observation``) tokenized once, alone (loss_mask 0) -> until
+          terminated / truncated / max_turns / max_total_tokens / context length.
     reward: the env's, else ``run_verifier(name)`` with ``rollout.verifier`` or, when that is unset, the
     env's own ``verifier`` (a raising verifier marks it FAILED).
 
@@ -31,7 +32,7 @@ from agentrl.buffer import StalenessController, within_bound
 from agentrl.chat import ChatTokenizer
 from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
 from agentrl.engine.types import SamplingParams
-from agentrl.envs.base import Env
+from agentrl.envs.base import Env, StepResult
 from agentrl.rewards.base import run_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import Draw
@@ -41,6 +42,12 @@ from agentrl.types import Status, Trajectory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+WARNINGS = {
+    "steps_without_observation": "%s.step returned neither observation nor messages and did not end the "
+    "episode: the model's next turn sees nothing new (counted in rollout/steps_without_observation)",
+}
 
 
 class Restart(Exception):  # control flow, not an error
@@ -82,6 +89,7 @@ class EpisodeRunner:
         self.controller = controller
         self.engine_open = engine_open
         self._rid = itertools.count()
+        self._warned: set[str] = set()
 
     def _doomed(self, min_version: int | None) -> bool:
         """Tokens this old can never be trained within the bound: re-run instead of finishing."""
@@ -145,13 +153,15 @@ class EpisodeRunner:
                 phase = "env"
                 ts = time.monotonic()
                 res = await self._env_call(env.step(text))
-                dt = time.monotonic() - ts
-                tool_time += dt
-                m.tool(dt)
+                tool_time += time.monotonic() - ts
                 if res.info:
                     traj.info.update(res.info)
                 # the calls the env ran for this action, on its turn (what episode dumps show)
-                traj.turns[-1].tool_calls = list(getattr(res, "tool_calls", None) or [])
+                calls = list(getattr(res, "tool_calls", None) or [])
+                traj.turns[-1].tool_calls = calls
+                for call in calls:  # tool latency is the calls' own time, not the whole env step's
+                    if call.latency_s is not None:
+                        m.tool(call.latency_s)
                 if res.reward is not None:
                     traj.reward = float(res.reward)
                 if res.terminated:
@@ -159,16 +169,19 @@ class EpisodeRunner:
                     break
                 if res.truncated:
                     break
-                if res.observation:
-                    phase = "tokenizer"
-                    fmt = getattr(res, "observation_format", "message")
-                    obs = self.chat.observation_ids(
-                        res.observation, ids[-1] if ids else None, fmt, res.observation_role
-                    )
-                    if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
-                        break  # the observation does not fit the context: truncated
-                    traj.append_observation_tokens(obs, res.observation)
-                    m.observation(len(obs))
+                phase = "tokenizer"
+                obs, obs_text = self._observation(res, ids[-1] if ids else None)
+                if not obs:
+                    # the episode goes on, but the model is shown nothing new: almost always an env bug
+                    m.count("steps_without_observation")
+                    self._warn_once("steps_without_observation", env)
+                    continue
+                if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
+                    break  # the observation does not fit the context: truncated
+                traj.append_observation_tokens(obs, obs_text)
+                m.observation(len(obs))
+            if getattr(env, "tools", None) and not any(t.tool_calls for t in traj.turns):
+                m.count("episodes_without_tool_calls")
             traj.status = status
             traj.timings["tool_s"] = tool_time
             if traj.reward is None:
@@ -195,6 +208,31 @@ class EpisodeRunner:
         traj.timings["episode_s"] = time.monotonic() - t0
         m.episode(traj.status.value, len(traj.response_ids), traj.num_turns)
         return traj
+
+    def _observation(self, res: StepResult, last_token_id: int | None) -> tuple[list[int], str]:
+        """The observation ids of one step (loss_mask 0) and their text: ``res.messages`` when the env gave
+        several messages (rendered together by the chat template), else ``res.observation``."""
+        fmt = getattr(res, "observation_format", "message")
+        messages = getattr(res, "messages", None)
+        if messages:
+            if fmt != "message":
+                raise ValueError(
+                    f"StepResult.messages needs observation_format 'message', not {fmt!r}: raw text "
+                    "continues the assistant's own message, so give it as StepResult.observation"
+                )
+            text = "\n".join(str(msg.get("content", "")) for msg in messages)
+            return self.chat.observation_messages_ids(messages, last_token_id), text
+        if res.observation:
+            return self.chat.observation_ids(res.observation, last_token_id, fmt, res.observation_role), (
+                res.observation
+            )
+        return [], ""
+
+    def _warn_once(self, what: str, env: Env) -> None:
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        log.warning(WARNINGS[what], type(env).__name__)
 
     async def _generate_turn(
         self,
