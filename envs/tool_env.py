@@ -6,6 +6,12 @@ call. Malformed calls, unknown tools, bad arguments, tool exceptions and timeout
 text for the model; nothing escapes the episode. A turn without any call is the final answer. The env
 passes the tools' OpenAI schemas as ``env.tools`` so the chat template can render them, and reports each
 call it ran (and each malformed one, with no name) in ``StepResult.tool_calls``.
+
+Tools can be named in a run config, with their arguments (:mod:`agentrl.tools.registry`)::
+
+    env:
+      name: tool
+      kwargs: {tools: [python, {search: {url: "http://127.0.0.1:8000"}}, my_tools:convert]}
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from agentrl.sandboxes.base import Sandbox
 from agentrl.sandboxes.shared import shared_sandbox
 from agentrl.tools.base import Tool, ToolResult, ToolSet, call_record, truncate
 from agentrl.tools.parsers import HermesParser
+from agentrl.tools.registry import resolve_tools
 from agentrl.types import ToolCallRecord
 
 from .base import Env, Message, StepResult
@@ -39,18 +46,19 @@ def task_messages(task: dict[str, Any], system_prompt: str | None = None) -> lis
 
 @register_env("tool")
 class ToolEnv(Env):
-    """Multi-turn tool use over ``tools`` (Tool objects or typed functions)."""
+    """Multi-turn tool use over ``tools``: Tool objects, typed functions, or registered tool names (with
+    their arguments as ``{name: {arg: value}}``; see :func:`agentrl.tools.registry.resolve_tools`)."""
 
     def __init__(
         self,
-        tools: Iterable[Tool | Callable[..., Any]] = (),
+        tools: Iterable[Tool | Callable[..., Any] | str | dict[str, Any]] = (),
         system_prompt: str | None = None,
         max_turns: int = 8,
         max_calls_per_turn: int = 8,
         max_output_chars: int = 8000,
         verifier: str | None = None,
     ) -> None:
-        self.toolset = ToolSet(tools)
+        self.toolset = ToolSet(resolve_tools(tools))
         self.tools = self.toolset.schemas or None
         self.system_prompt = system_prompt
         self.max_turns = max_turns
@@ -121,7 +129,7 @@ class PythonToolEnv(ToolEnv):
         system_prompt: str | None = PYTHON_SYSTEM_PROMPT,
         max_turns: int = 6,
         max_output_chars: int = 4000,
-        extra_tools: Iterable[Tool | Callable[..., Any]] = (),
+        extra_tools: Iterable[Tool | Callable[..., Any] | str | dict[str, Any]] = (),
         verifier: str | None = None,
     ) -> None:
         self._sandbox = sandbox
@@ -135,9 +143,9 @@ class PythonToolEnv(ToolEnv):
                 code: the Python source to run
             """
             sb = self._sandbox or shared_sandbox(self._backend)
-            return (await sb.run(code, timeout=self._timeout)).as_text()
+            return (await sb.run(code, timeout=self._timeout)).text_or_raise()
 
         tool = Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)
-        super().__init__([tool, *extra_tools], system_prompt, max_turns, max_output_chars=max_output_chars)
+        super().__init__([tool, *resolve_tools(extra_tools)], system_prompt, max_turns, max_output_chars=max_output_chars)
         if verifier is not None:
             self.verifier = verifier

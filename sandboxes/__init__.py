@@ -1,7 +1,7 @@
 """Sandboxes: run untrusted code isolated and bounded. ``DockerSandbox`` (warm container pool) and
 ``ProcessSandbox`` (bubblewrap/unshare + rlimits) share one contract, :class:`Sandbox`."""
 
-from .base import ExecResult, Sandbox, SandboxConfig, SandboxError, make_sandbox
+from .base import ExecResult, Sandbox, SandboxConfig, SandboxError, SandboxRunKilled, make_sandbox
 from .docker import DockerSandbox, DockerSandboxConfig, docker_available, reap_containers
 from .process import ProcessSandbox, ProcessSandboxConfig
 from .shared import shared_sandbox
@@ -15,6 +15,7 @@ __all__ = [
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
+    "SandboxRunKilled",
     "docker_available",
     "make_sandbox",
     "reap_containers",

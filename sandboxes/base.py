@@ -31,6 +31,11 @@ class SandboxError(RuntimeError):
     """The sandbox backend itself failed (not the code it ran)."""
 
 
+class SandboxRunKilled(RuntimeError):
+    """Raised by a tool whose sandboxed run was stopped (timeout, memory, CPU, a signal): the call is then an
+    error result, which the env's records and the rollout's metrics count; its text is what the model sees."""
+
+
 @dataclass
 class ExecResult:
     """What one sandboxed run produced.
@@ -51,6 +56,13 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out and self.killed_reason is None
+
+    def text_or_raise(self) -> str:
+        """:meth:`as_text` for a run that ended on its own; :class:`SandboxRunKilled` (with that text) for
+        one the sandbox stopped, so that a tool reports it as a failed call rather than a normal result."""
+        if self.timed_out or self.killed_reason:
+            raise SandboxRunKilled(self.as_text())
+        return self.as_text()
 
     def as_text(self) -> str:
         """A compact text rendering for a model observation."""

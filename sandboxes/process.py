@@ -11,17 +11,22 @@ Each run is a fresh child process tree inside:
 
 Both add rlimits (``RLIMIT_AS`` memory, ``RLIMIT_NPROC`` processes, ``RLIMIT_CPU``, ``RLIMIT_FSIZE``,
 no core files). When the host process is root, the code additionally runs as an unprivileged uid with
-``no_new_privs`` and an empty capability bounding set (``setpriv``); each concurrent run gets its own uid
-(``uid_base + slot``) so the per-user process limit is per run and runs cannot signal each other. At the
-end of a run its process group is killed, the pid namespace dies with it, and as root every process of the
-run's uid is killed too -- a detached process does not outlive its run.
+``no_new_privs`` and an empty capability bounding set (``setpriv``). Each run leases a uid of its own from
+``[uid_base, uid_base + uid_count)`` (:class:`UidLease`: an exclusive ``flock`` on one lock file per uid,
+so no two live runs share a uid, whether they belong to one sandbox, to two sandboxes of one process or to
+two processes of the host); the per-user process limit is per run and runs cannot signal each other. At
+the end of a run its process group is killed, the pid namespace dies with it, and as root every process of
+the run's uid is killed too, while the lease is still held -- a detached process does not outlive its run,
+and no other run's process is ever touched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import os
+import random
 import resource
 import shutil
 import signal
@@ -55,7 +60,12 @@ class ProcessSandboxConfig(SandboxConfig):
     )
     max_concurrency: int = Field(16, ge=1, description="most runs at once")
     uid_base: int = Field(
-        61000, ge=1000, description="as root: run i uses uid uid_base + its slot (never root)"
+        61000, ge=1000, description="as root: each run leases a uid of its own from uid_base on (never root)"
+    )
+    uid_count: int = Field(
+        4096,
+        ge=1,
+        description="as root: how many uids from uid_base runs lease from, across every sandbox of the host",
     )
     ro_binds: list[str] = Field(default_factory=list, description="extra host paths bound read-only (bwrap)")
 
@@ -198,15 +208,19 @@ class ProcessSandbox(Sandbox):
             for i in range(self.config.max_concurrency):
                 self._free_slots.put_nowait(i)
         slot = await self._free_slots.get()
+        lease: UidLease | None = None
         try:
-            return await self._run_slot(slot, command, files, timeout)
+            if self.as_root:
+                lease = await UidLease.acquire(self.config.uid_base, self.config.uid_count)
+            return await self._run_as(lease.uid if lease else None, command, files, timeout)
         finally:
+            if lease is not None:
+                lease.release()
             self._free_slots.put_nowait(slot)
 
-    async def _run_slot(
-        self, slot: int, command: list[str], files: dict[str, bytes], timeout: float
+    async def _run_as(
+        self, uid: int | None, command: list[str], files: dict[str, bytes], timeout: float
     ) -> ExecResult:
-        uid = self.config.uid_base + slot if self.as_root else None
         # Created synchronously so that a cancellation can never leave a work dir nobody removes.
         workdir = tempfile.mkdtemp(prefix="agentrl-sbx-")
         proc: asyncio.subprocess.Process | None = None
@@ -295,6 +309,61 @@ class ProcessSandbox(Sandbox):
         self._closed = True
         for proc in list(self._running):
             _killpg(proc.pid)
+
+
+class UidLease:
+    """One uid of ``[base, base + count)`` held for one run: an exclusive ``flock`` on that uid's lock file.
+
+    ``flock`` locks belong to an open file, so two leases conflict within one process as well as across
+    processes, and the kernel drops a lease whose holder died. A uid found free may still have processes
+    left by a holder that died: :meth:`acquire` kills them before handing the uid out.
+    """
+
+    POLL_S = 0.02
+
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid = uid
+        self._fd: int | None = fd
+
+    @staticmethod
+    def lock_dir() -> str:
+        """Where the lock files live: ``AGENTRL_SANDBOX_UID_DIR``, else ``/run`` (root's), else the temp dir."""
+        path = os.environ.get("AGENTRL_SANDBOX_UID_DIR")
+        if not path:
+            base = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
+            path = os.path.join(base, "agentrl-sandbox-uids")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+
+    @classmethod
+    def try_acquire(cls, base: int, count: int) -> UidLease | None:
+        """A free uid of the range, or None when every one is leased (never blocks)."""
+        folder = cls.lock_dir()
+        start = random.randrange(count)  # spread concurrent callers over the range
+        for k in range(count):
+            uid = base + (start + k) % count
+            fd = os.open(os.path.join(folder, f"{uid}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _kill_uid(uid)  # leftovers of a holder that died; nobody else may use this uid now
+            return cls(uid, fd)
+        return None
+
+    @classmethod
+    async def acquire(cls, base: int, count: int) -> UidLease:
+        """A free uid of the range, waiting while every one is leased."""
+        while (lease := cls.try_acquire(base, count)) is None:
+            await asyncio.sleep(cls.POLL_S)
+        return lease
+
+    def release(self) -> None:
+        """Give the uid back (idempotent). Call it only after every process of the uid is killed."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 async def _pump(stream: asyncio.StreamReader | None, cap: OutputCap) -> None:

@@ -12,8 +12,9 @@ def python_tool(
 ) -> Tool:
     """A ``python(code)`` tool that runs in ``sandbox`` (a :class:`DockerSandbox` or :class:`ProcessSandbox`).
 
-    The code's own failures (exceptions, timeouts, memory) are part of the returned text, as the model
-    should see them; only a broken sandbox makes the call an error result.
+    The code's own failures are part of the text the model sees. A run that exits on its own (an exception,
+    a nonzero exit) is a normal result; a run the sandbox stopped (timeout, memory, CPU time, a signal) is
+    an error result with the same text, so the env's call records and the rollout's metrics count it.
     """
 
     async def python(code: str) -> str:
@@ -23,7 +24,7 @@ def python_tool(
             code: the Python source to run
         """
         result = await sandbox.run(code, timeout=timeout)
-        return result.as_text()
+        return result.text_or_raise()
 
     # The tool's own timeout is a backstop above the sandbox's, which kills the code itself.
     return Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)
