@@ -24,8 +24,6 @@ import argparse
 import asyncio
 import functools
 import json
-import pickle
-import signal
 import sys
 import time
 from pathlib import Path
@@ -38,7 +36,8 @@ from agentrl.episodes import EpisodeDump, episode_table
 from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_metrics, step_time_summary
 from agentrl.placement import Fleet, check_cluster
 from agentrl.recipe import describe_for_help, load_run_config, make_recipe, metric_label
-from agentrl.run_config import RunConfig, check_model_shape
+from agentrl.run_config import RunConfig, check_model_shape, check_names
+from agentrl.trainer.checkpoint import latest_checkpoint, load_rollout_state, save_rollout_state
 from agentrl.types import Trajectory
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "examples" / "search_r1" / "config.yaml"
@@ -83,7 +82,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
         # 3. resume: trainer state, engine weights, rollout state (dataset cursor, tasks in flight)
         start_step, version = 0, 0
-        if resume and (ckpt_dir / "latest").is_file():
+        if resume and latest_checkpoint(ckpt_dir) is not None:
             start_step, version = await load_checkpoint(fleet, ckpt_dir)
         await handover.start()  # colocated turns: the engines generate first, the trainer's state waits
         before = await evaluate(start_step) if cfg.eval.before else {}
@@ -196,9 +195,7 @@ async def evaluation(
 async def save_checkpoint(fleet: Fleet, handover: Handover, ckpt_dir: Path, step: int) -> None:
     """Rollout state first, then the trainer's (which moves ``latest`` last, atomically), with the
     trainer's state on its device for the save."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    state = await fleet.rollout.state_dict()
-    (ckpt_dir / f"rollout_{step:08d}.pkl").write_bytes(pickle.dumps(state))
+    save_rollout_state(ckpt_dir, step, await fleet.rollout.state_dict())
     async with handover.trainer_resident():
         await fleet.trainer.save_checkpoint(str(ckpt_dir))
 
@@ -208,8 +205,7 @@ async def load_checkpoint(fleet: Fleet, ckpt_dir: Path) -> tuple[int, int]:
     in flight); returns the step and the policy version the run goes on from."""
     step = await fleet.trainer.load_checkpoint(str(ckpt_dir))
     version = await fleet.trainer.sync_weights(new_version=False)  # the version they were saved at
-    state = pickle.loads((ckpt_dir / f"rollout_{step:08d}.pkl").read_bytes())
-    await fleet.rollout.load_state_dict(state, version)
+    await fleet.rollout.load_state_dict(load_rollout_state(ckpt_dir, step), version)
     print(f"resumed at step {step}, policy version {version}", flush=True)
     return step, version
 

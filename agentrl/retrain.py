@@ -42,7 +42,9 @@ def checkpoint_before(run_dir: Path, step: int) -> Path | None:
     """The checkpoint written after step ``step - 1`` (None for step 1: the initial weights)."""
     if step == 1:
         return None
-    path = run_dir / "checkpoints" / f"step_{step - 1:08d}"
+    from agentrl.trainer.checkpoint import step_dir
+
+    path = step_dir(run_dir / "checkpoints", step - 1)
     if not path.is_dir():
         raise SystemExit(
             f"{path} does not exist: retraining step {step} needs the checkpoint of step {step - 1} "
@@ -164,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         import shutil
 
-        mine = Path(save) / (Path(save) / "latest").read_text().strip()
-        theirs = run_dir / "checkpoints" / f"step_{steps[-1]:08d}"
+        from agentrl.trainer.checkpoint import latest_checkpoint, step_dir
+
+        mine = latest_checkpoint(save)
+        theirs = step_dir(run_dir / "checkpoints", steps[-1])
         try:
             if not theirs.is_dir():
                 print(f"error: {theirs} does not exist: nothing to compare with", file=sys.stderr)

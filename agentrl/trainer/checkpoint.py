@@ -1,15 +1,22 @@
-"""Trainer checkpoints: one directory per step with one file per rank, and a ``latest`` pointer.
+"""A run's checkpoints: the one module that writes and reads their layout.
 
-Layout: ``ckpt_dir/step_{N:08d}/rank_{R:05d}.pt`` holds this rank's model shard, optimizer and LR
-schedule state, RNG state, progress counters and config; the megatron optimizer path adds its
-parameter state beside it, rank 0 a ``meta.json``. ``ckpt_dir/latest`` names the newest complete step
-dir; it is written last, atomically, so a kill never leaves a torn "latest". Loading needs the same
-world and parallel layout.
+Layout under ``ckpt_dir`` (``<output_dir>/checkpoints``):
+
+- ``step_{N:08d}/rank_{R:05d}.pt``: trainer rank R's model shard, optimizer and LR schedule state, RNG
+  state, progress counters and config; the megatron optimizer path adds its parameter state beside it,
+  rank 0 a ``meta.json`` (:func:`save_checkpoint`, :func:`load_checkpoint`; collective).
+- ``rollout_{N:08d}.pkl``: the rollout's state at step N (dataset cursor, tasks in flight), written by
+  the driver before the trainer's files (:func:`save_rollout_state`, :func:`load_rollout_state`).
+- ``latest``: names the newest complete step dir; written last, atomically, so a kill never leaves a
+  torn "latest" (:func:`latest_checkpoint`).
+
+Loading needs the same world and parallel layout.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -42,7 +49,7 @@ def save_checkpoint(
     """Write this rank's file of step ``progress.step`` (collective: every rank calls it), then rank 0
     points ``latest`` at it. Returns the step dir."""
     root = Path(ckpt_dir)
-    d = root / f"step_{progress.step:08d}"
+    d = step_dir(root, progress.step)
     d.mkdir(parents=True, exist_ok=True)
     state = {
         "model": module.state_dict(),
@@ -69,6 +76,24 @@ def save_checkpoint(
         tmp_latest.replace(root / "latest")
     dist.barrier()
     return d
+
+
+def step_dir(ckpt_dir: str | Path, step: int) -> Path:
+    """The trainer's directory of step ``step``."""
+    return Path(ckpt_dir) / f"step_{step:08d}"
+
+
+def save_rollout_state(ckpt_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
+    """Write the rollout's state of step ``step`` (before the trainer's files, which move ``latest``)."""
+    path = Path(ckpt_dir) / f"rollout_{step:08d}.pkl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(state))
+    return path
+
+
+def load_rollout_state(ckpt_dir: str | Path, step: int) -> dict[str, Any]:
+    """The rollout's state that :func:`save_rollout_state` wrote for step ``step``."""
+    return pickle.loads((Path(ckpt_dir) / f"rollout_{step:08d}.pkl").read_bytes())
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
