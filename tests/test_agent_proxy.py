@@ -158,6 +158,9 @@ async def test_agent_trajectory_equals_engine_tokens(engine, tiny_model_dir):
         assert t.status == Status.COMPLETED and t.info["agent_rows"] == 1 and t.num_turns == 3
         assert t.reward in (0.0, 1.0)
         assert_token_exact(t, orch.engine.calls)
+        # dumps and the viewer show what each observation said: the agent's messages in between
+        shown = [turn.text for turn in t.turns if turn.role == "observation"]
+        assert shown == ["feedback 0", "feedback 1"]
     stats = orch.stats()
     assert stats["rollout/turns"] >= 6 and stats.get("rollout/agent_drift_splits", 0) == 0
     assert orch.accounting()["balanced"] == 1

@@ -315,10 +315,21 @@ class AgentSession:
                 label=src.label,
             )
             if delta:
-                traj.append_observation_tokens(list(delta))
+                traj.append_observation_tokens(list(delta), self._observation_text(prompt, parent, delta))
                 self.m.observation(len(delta))
             record_tool_results(traj, prompt.messages or [])
         return parent, traj, canon
+
+    def _observation_text(self, prompt: Prompt, parent: Branch, delta: list[int]) -> str:
+        """What the observation turn shows in dumps and the viewer: the contents of the messages this call
+        added after the branch's last reply, else (text completions) the delta's text."""
+        if prompt.messages is not None and parent.messages is not None:
+            added = prompt.messages[len(parent.messages) :]
+            parts = [m.get("content") for m in added if m.get("role") != "assistant"]
+            return "\n".join(
+                p if isinstance(p, str) else json.dumps(p, ensure_ascii=False) for p in parts if p
+            )
+        return self.chat.tok.decode(delta, skip_special_tokens=False)
 
     def _delta(self, prompt: Prompt, k: int, b: Branch) -> list[int] | None:
         """Token ids of messages[k:] after the assistant reply messages[k-1] (the template's text from
