@@ -27,9 +27,15 @@ import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.run_config import RunConfig
+from agentrl.weight_sync import sync_phases
+
+if TYPE_CHECKING:
+    from agentrl.engine.client import EngineClient
+    from agentrl.rollout.shards import RolloutGroup
+    from agentrl.trainer.ray_actor import TrainerGroup
 
 # the tags the loop resumes again (weights, then the KV cache); never None, which SGLang reads as its
 # cuda_graph tag too, that nothing would resume
@@ -43,24 +49,19 @@ async def _seconds(call: Awaitable[Any]) -> float:
 
 
 class Handover:
-    """Where the GPU goes at the step's two hand-overs (see the module docstring). ``trainer`` is a
-    :class:`agentrl.trainer.ray_actor.TrainerGroup`, ``rollout`` the rollout (a
-    :class:`agentrl.rollout.shards.RolloutGroup`), ``control`` an
-    EngineClient of every engine (release and resume). ``phases`` holds the last step's ``time/*``
-    figures of what happened at the hand-overs."""
+    """Where the GPU goes at the step's two hand-overs (see the module docstring). ``control`` talks to
+    every engine (release and resume). ``phases`` holds the last step's ``time/*`` figures of what
+    happened at the hand-overs."""
 
-    def __init__(self, cfg: RunConfig, trainer: Any, rollout: Any, control: Any) -> None:
+    def __init__(
+        self, cfg: RunConfig, trainer: TrainerGroup, rollout: RolloutGroup, control: EngineClient
+    ) -> None:
         colocation = cfg.colocation
         self.turns = cfg.placement == "colocated" and colocation.mode == "turns"
         self.release = colocation.engine_release if self.turns else "none"
         self.offload = self.turns and colocation.trainer_offload != "none"
         self.ahead = OnloadAhead(self.turns and colocation.trainer_offload == "ahead")
-        self.trainer, self.rollout, self.control, self.weight_sync = (
-            trainer,
-            rollout,
-            control,
-            cfg.weight_sync,
-        )
+        self.trainer, self.rollout, self.control = trainer, rollout, control
         self.phases: dict[str, float] = {}
         self._offloading: asyncio.Future[float] | None = None  # the trainer's offload, under way
         self._onloading: asyncio.Future[float] | None = None  # its onload, started ahead of the batch
@@ -160,19 +161,11 @@ class Handover:
         self.phases["time/trainer_onload_wait_s"] = time.monotonic() - t0
 
     async def _sync_parts(self) -> dict[str, float]:
-        """With weight_sync: tensor, where the sync's seconds went: assembling the HF-named weights
-        (``gather``), laying them into one buffer (``pack``) and the engines' call (``push``: mapping the
-        handle, copying every parameter in place, answering)."""
-        if self.weight_sync != "tensor":
-            return {}
-        stats = await self.trainer.last_sync_stats()
-        if not stats:
-            return {}
-        return {
-            "time/weight_sync_gather_s": stats["gather_seconds"],
-            "time/weight_sync_pack_s": stats["pack_seconds"],
-            "time/weight_sync_push_s": stats["seconds"] - stats["pack_seconds"],
-        }
+        """Where the sync's seconds went, whatever its transport: assembling the HF-named weights
+        (``gather``), laying them out for the transport (``pack``: one buffer, a dir, a pickle) and the
+        engines taking them in (``push``); see :func:`agentrl.weight_sync.sync_phases`."""
+        phases = sync_phases(await self.trainer.last_sync_stats())
+        return {f"time/weight_sync_{phase}_s": seconds for phase, seconds in phases.items()}
 
 
 class OnloadAhead:
@@ -202,7 +195,9 @@ class OnloadAhead:
             return None
         return max(0.0, min(self.waits) - max(self.onloads) - self.MARGIN_S)
 
-    def start(self, trainer: Any, offloading: asyncio.Future[float] | None) -> asyncio.Future[float] | None:
+    def start(
+        self, trainer: TrainerGroup, offloading: asyncio.Future[float] | None
+    ) -> asyncio.Future[float] | None:
         """At the start of the wait: the onload, under way (it returns its seconds), or None without a lead."""
         lead = self.lead
         if lead is None:
@@ -225,7 +220,7 @@ class OnloadAhead:
 
     @staticmethod
     async def _onload(
-        trainer: Any, offloading: asyncio.Future[float] | None, lead: float, go: asyncio.Event
+        trainer: TrainerGroup, offloading: asyncio.Future[float] | None, lead: float, go: asyncio.Event
     ) -> float:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(go.wait(), lead)

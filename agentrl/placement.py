@@ -28,12 +28,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.actor_group import on_bundle
 from agentrl.cluster import location, start_service, stop_all
 from agentrl.config import ConfigError
 from agentrl.run_config import RunConfig
+from agentrl.weight_sync import WeightUpdate, trainer_env
 
 if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+    from agentrl.engine.client import EngineClient
     from agentrl.rollout.shards import RolloutGroup
+    from agentrl.trainer.ray_actor import TrainerGroup
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -105,15 +111,6 @@ def _added(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
-def trainer_env(cfg: RunConfig) -> dict[str, str]:
-    """What the trainer ranks' environment needs for the run's engines: with SGLang, the NCCL setting its
-    servers run with (:data:`agentrl.engine.launcher.SGLANG_PEER_ENV`), so that a weight-update group
-    between the two opens."""
-    from agentrl.engine.launcher import SGLANG_PEER_ENV
-
-    return dict(SGLANG_PEER_ENV) if cfg.engine.backend == "sglang" else {}
-
-
 def colocated_bundles(cfg: RunConfig) -> int:
     """GPUs a colocated run pairs engines and trainer ranks on (one bundle each); 0 when not colocated
     on GPUs."""
@@ -124,7 +121,7 @@ def colocated_bundles(cfg: RunConfig) -> int:
 
 def placement_group(
     num_gpus: int, cpus_per_bundle: float = 1.0, resources: dict[str, float] | None = None
-) -> Any:
+) -> PlacementGroup:
     """A Ray placement group of ``num_gpus`` bundles of one GPU each (packed on as few nodes as can hold
     them), ready; a ConfigError when Ray cannot place it in time. ``resources``: the custom resources
     each bundle holds too (what the engine and the trainer rank placed on it ask for)."""
@@ -142,15 +139,6 @@ def placement_group(
             f"{extra} in {PLACEMENT_TIMEOUT_S:g} s (trainer_world_size = {num_gpus}); lower it or add GPUs"
         )
     return group
-
-
-def on_bundle(group: Any, index: int) -> Any:
-    """The Ray scheduling strategy of bundle ``index`` of ``group`` (None without a group)."""
-    if group is None:
-        return None
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 
 def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], Any]:
@@ -180,7 +168,7 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
     from agentrl.engine.launcher import SGLangConfig, SGLangLoRAConfig
 
     releases = cfg.placement == "colocated" and cfg.colocation.engine_release != "none"
-    lora = cfg.trainer.lora  # served by name beside the resident base (agentrl.trainer.adapter_sync)
+    lora = cfg.trainer.lora  # served by name beside the resident base (agentrl.weight_sync.named_adapters)
     sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(
         update={
             "model_path": model_dir,
@@ -225,12 +213,12 @@ class Fleet:
         self.cfg = cfg
         self.services: list[Any] = []
         self.engines: list[Any] = []  # the engines' actors (also in services, which stops them)
-        self.group: Any = None  # colocated: the placement group, a bundle per GPU
+        self.group: PlacementGroup | None = None  # colocated: the placement group, a bundle per GPU
         self.engine_urls: list[str] = []
-        self.trainer: Any = None
+        self.trainer: TrainerGroup | None = None
         self.rollout: RolloutGroup | None = None
-        self.monitor: Any = None
-        self.control: Any = None
+        self.monitor: EngineClient | None = None
+        self.control: EngineClient | None = None
 
     def trainer_config(self, model_dir: str) -> Any:
         """The trainer's config as the run gives it: the resolved model, the run's seed added to its own."""
@@ -243,7 +231,7 @@ class Fleet:
         """Engines, then the trainer ranks beside them, the rollout's shards (each an actor with its engines
         and tasks: agentrl.rollout.shards), and the weight-sync connection."""
         from agentrl.engine.client import EngineClient
-        from agentrl.rollout.ray_actor import OrchestratorSpec, make_rollout_actor
+        from agentrl.rollout.ray_actor import OrchestratorSpec
         from agentrl.rollout.shards import RolloutGroup, shard_specs
         from agentrl.trainer.ray_actor import TrainerGroup
 
@@ -263,7 +251,7 @@ class Fleet:
             deterministic=cfg.deterministic,
             placement_group=self.group,  # rank i on bundle i: the GPU of engine i
             resources=cfg.ray.trainer_resources,
-            env=trainer_env(cfg),
+            env=trainer_env(e.backend),  # what the weight-update group with the engines needs
         )
         # the run's seed added: task order, and request seeds when deterministic
         rollout_cfg = cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed})
@@ -277,12 +265,10 @@ class Fleet:
             router=e.router,
             deterministic=cfg.deterministic,
         )
-        self.rollout = RolloutGroup(  # each orchestrator is built inside its actor
-            [make_rollout_actor(s, num_cpus=ROLLOUT_CPUS) for s in shard_specs(spec, cfg.rollout.shards)]
-        )
-        await self.trainer.connect_engines(
-            cfg.weight_sync, sync_urls, out_dir=str(Path(cfg.output_dir) / "weights")
-        )
+        # each orchestrator is built inside its actor
+        self.rollout = RolloutGroup.spawn(shard_specs(spec, cfg.rollout.shards), num_cpus=ROLLOUT_CPUS)
+        weights = str(Path(cfg.output_dir) / "weights")
+        await self.trainer.connect_engines(WeightUpdate(cfg.weight_sync, tuple(sync_urls), out_dir=weights))
         print(describe_placement(await self.where(Path(cfg.output_dir) / "placement.json")), flush=True)
 
     def start_engines(self, model_dir: str) -> list[str]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from agentrl.actor_group import on_bundle
 from agentrl.config import ConfigError
-from agentrl.placement import on_bundle, placement_group
+from agentrl.placement import placement_group
 
 
 @pytest.fixture
@@ -73,12 +74,13 @@ def test_trainer_ranks_start_with_the_nccl_setting_of_sglang_servers() -> None:
     """A weight-update group between trainer ranks and SGLang servers opens only when both ends run NCCL
     with the same NCCL_CUMEM_ENABLE, which SGLang's schedulers set to 0: with SGLang engines the ranks start
     with it; with the embedded engine nothing is set."""
-    from agentrl.placement import trainer_env
     from agentrl.recipe import load_run_config
+    from agentrl.weight_sync import trainer_env
 
     run = ["model_path=/m", "data.path=/d", "env.name=math"]
-    assert trainer_env(load_run_config(None, [*run, "engine.backend=sglang"])) == {"NCCL_CUMEM_ENABLE": "0"}
-    assert trainer_env(load_run_config(None, run)) == {}
+    sglang = load_run_config(None, [*run, "engine.backend=sglang"]).engine.backend
+    assert trainer_env(sglang) == {"NCCL_CUMEM_ENABLE": "0"}
+    assert trainer_env(load_run_config(None, run).engine.backend) == {}
 
 
 def test_a_child_process_is_given_the_machine_gpu_behind_this_process_gpu(

@@ -1,6 +1,6 @@
 """The orchestrator as an async Ray actor (local Ray, one module-scoped cluster), against the stub engine
 (a labelled SGLang stand-in) in its own process: batches, a weight update, checkpoint state and stats
-all go through the actor handle.
+all go through the actor handle (its generic ``call``).
 """
 
 from __future__ import annotations
@@ -46,20 +46,20 @@ async def test_orchestrator_as_ray_actor(ray_local: None, tiny_model_dir: Path) 
             engine_timeout=30,
         )
         actor = make_rollout_actor(spec)
-        await actor.start.remote()
-        batch = await actor.get_batch.remote(timeout=60)
+        await actor.call.remote("start")
+        batch = await actor.call.remote("buffer.get_batch", timeout=60)
         assert len(batch) == 4 and len({t.group_id for t in batch}) == 2
-        await actor.pause_for_update.remote()
+        await actor.call.remote("pause_for_update")
         client = EngineClient(srv.url, timeout=10)
         await client.update_weight_version("1")
         await client.close()
-        await actor.resume_after_update.remote(1)
-        batch2 = await actor.get_batch.remote(timeout=60)
+        await actor.call.remote("resume_after_update", 1)
+        batch2 = await actor.call.remote("buffer.get_batch", timeout=60)
         assert not {t.group_id for t in batch} & {t.group_id for t in batch2}
-        stats = await actor.stats.remote()
+        stats = await actor.call.remote("stats")
         assert stats["staleness/version"] == 1 and stats["rollout/turns"] > 0
-        state = await actor.state_dict.remote()
-        acc = await actor.accounting.remote()
+        state = await actor.call.remote("state_dict")
+        acc = await actor.call.remote("accounting")
         assert len(state["pending"]) == acc["in_flight"] and acc["balanced"] == 1
         await actor.stop.remote()
     finally:

@@ -91,7 +91,7 @@ async def test_group_over_two_shards_with_engines_of_their_own(tiny_model_dir: P
 
             await group.pause_for_update()  # nothing generates while the figures are read
             workers = group.shards
-            one = [await w.stats(reset_window=False) for w in workers]
+            one = [await w.call("stats", reset_window=False) for w in workers]
             merged = await group.stats()
             assert set(merged) == set(one[0]) | set(one[1]) | {
                 f"rollout/shard{i}/{k}"
@@ -106,7 +106,7 @@ async def test_group_over_two_shards_with_engines_of_their_own(tiny_model_dir: P
             shard_busy = [merged[f"rollout/shard{i}/loop_busy_frac"] for i in range(2)]
             assert merged["rollout/loop_busy_frac"] == max(shard_busy)
 
-            acc, parts = await group.accounting(), [await w.accounting() for w in workers]
+            acc, parts = await group.accounting(), [await w.call("accounting") for w in workers]
             assert acc["balanced"] == 1 and acc["trained"] == 8
             assert acc == {**{k: parts[0][k] + parts[1][k] for k in acc}, "balanced": 1}
 

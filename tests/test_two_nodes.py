@@ -113,7 +113,8 @@ def test_colocated_bundles_hold_the_custom_resources() -> None:
     too (an actor on a bundle gets only what the bundle holds)."""
     import ray
 
-    from agentrl.placement import on_bundle, placement_group
+    from agentrl.actor_group import on_bundle
+    from agentrl.placement import placement_group
 
     ray.init(num_cpus=2, num_gpus=2, resources={"gpu_box": 2}, include_dashboard=False, log_to_driver=False)
     try:

@@ -2,28 +2,33 @@
 
 The actor builds its :class:`Orchestrator` inside its own process from a picklable ``builder``
 (a zero-argument callable returning the orchestrator: engine client, tokenizer, env factory, dataset
-and config are all created there, on the actor's event loop). Every method is ``async``, so Ray runs
-them concurrently on that loop: a ``get_batch`` waiting for data never blocks ``pause_for_update``.
+and config are all created there, on the actor's event loop). Its one generic verb, ``call``, reaches
+the orchestrator's own methods; it is ``async``, so Ray runs the calls concurrently on that loop: a
+``get_batch`` waiting for data never blocks ``pause_for_update``.
 
     actor = make_rollout_actor(OrchestratorSpec(cfg, urls, model_dir, MyEnv, tasks))
-    await actor.start.remote()
-    batch = await actor.get_batch.remote()                     # list[Trajectory] (pickled)
-    await actor.pause_for_update.remote(); ...; await actor.resume_after_update.remote(v)
+    await actor.call.remote("start")
+    batch = await actor.call.remote("buffer.get_batch")                # list[Trajectory] (pickled)
+    await actor.call.remote("pause_for_update"); ...; await actor.call.remote("resume_after_update", v)
+    await actor.stop.remote()
+
+Several orchestrators, each an actor, are one :class:`~agentrl.rollout.shards.RolloutGroup`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.actor_group import ActorGroup
 from agentrl.engine.client import EngineClient
-from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor
 from agentrl.rollout.orchestrator import Orchestrator
-from agentrl.types import Trajectory
 
 
 @dataclass
@@ -56,7 +61,8 @@ class OrchestratorSpec:
 
 
 class RolloutWorker:
-    """The actor's body (a plain class, so it can also be used and tested without Ray)."""
+    """The actor's body (a plain class, so it can also be used and tested without Ray): the orchestrator,
+    built lazily from ``builder`` on the actor's event loop, and reached by :meth:`call`."""
 
     def __init__(self, builder: Callable[[], Orchestrator]) -> None:
         self._builder = builder
@@ -68,46 +74,23 @@ class RolloutWorker:
             self._orch = self._builder()
         return self._orch
 
-    async def start(self) -> None:
-        await self.orch.start()
+    async def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``orchestrator.<verb>(*args, **kwargs)``, awaited when it is a coroutine; ``verb`` may be a dotted
+        path (``buffer.get_batch``: the batches come from the orchestrator's buffer)."""
+        if any(part.startswith("_") for part in verb.split(".")):
+            raise AttributeError(f"{verb!r} is not an orchestrator verb")
+        out = functools.reduce(getattr, verb.split("."), self.orch)(*args, **kwargs)
+        return await out if inspect.isawaitable(out) else out
 
     async def stop(self) -> None:
+        """Stop the orchestrator, then close its engine client."""
         await self.orch.stop()
         await self.orch.engine.close()
 
-    async def get_batch(
-        self, num_groups: int | None = None, timeout: float | None = None
-    ) -> list[Trajectory]:
-        return await self.orch.buffer.get_batch(num_groups, timeout)
 
-    async def pause_for_update(self) -> None:
-        await self.orch.pause_for_update()
-
-    async def resume_after_update(self, version: int) -> None:
-        await self.orch.resume_after_update(version)
-
-    async def evaluate(
-        self, tasks: Sequence[dict[str, Any]], sampling: SamplingParams | None = None
-    ) -> list[Trajectory]:
-        return await self.orch.evaluate(tasks, sampling)
-
-    async def stats(self, reset_window: bool = True) -> dict[str, float]:
-        return self.orch.stats(reset_window)
-
-    async def accounting(self) -> dict[str, int]:
-        return self.orch.accounting()
-
-    async def state_dict(self) -> dict[str, Any]:
-        return self.orch.state_dict()
-
-    async def load_state_dict(self, state: dict[str, Any], version: int | None = None) -> None:
-        self.orch.load_state_dict(state, version)
+ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1000}  # async: its calls run at once
 
 
 def make_rollout_actor(builder: Callable[[], Orchestrator], **ray_options: Any) -> Any:
     """Create the Ray actor (``ray.init`` must have run). ``ray_options`` go to ``.options()``."""
-    import ray
-
-    cls = ray.remote(RolloutWorker)
-    opts = {"num_cpus": 1, "max_concurrency": 1000, **ray_options}
-    return cls.options(**opts).remote(builder)
+    return ActorGroup.spawn(RolloutWorker, [(builder,)], **{**ACTOR_OPTIONS, **ray_options})[0]

@@ -24,16 +24,16 @@ figures and checkpoint state unchanged.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.actor_group import ActorGroup
 from agentrl.config import ConfigError
 from agentrl.engine.types import SamplingParams
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
-from agentrl.rollout.ray_actor import OrchestratorSpec
+from agentrl.rollout.ray_actor import ACTOR_OPTIONS, OrchestratorSpec, RolloutWorker
 from agentrl.types import Trajectory
 
 
@@ -172,53 +172,43 @@ def merge_stats(
     return out
 
 
-async def _call(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-    """``handle.method(*args, **kwargs)``, awaited: through ``.remote()`` for a Ray actor, directly for an
-    in-process :class:`~agentrl.rollout.ray_actor.RolloutWorker`."""
-    fn = getattr(handle, method)
-    if hasattr(fn, "remote"):
-        return await fn.remote(*args, **kwargs)
-    return await fn(*args, **kwargs)
-
-
 class RolloutGroup:
     """The rollout the driver awaits: N shards (Ray actors of
-    :class:`~agentrl.rollout.ray_actor.RolloutWorker`, or the workers themselves in process) as one; see
-    the module docstring. The methods are the worker's."""
+    :class:`~agentrl.rollout.ray_actor.RolloutWorker`, or the workers themselves in process; ``shards``, their
+    :class:`~agentrl.actor_group.ActorGroup`) as one; see the module docstring. The verbs are the
+    orchestrator's, through the worker's ``call``; a shard's error is raised named by its rank."""
 
-    def __init__(self, shards: Sequence[Any]) -> None:
+    def __init__(self, shards: Sequence[Any] | ActorGroup) -> None:
         if not shards:
             raise ValueError("a RolloutGroup needs at least one shard")
-        self.shards = list(shards)
+        self.shards = shards if isinstance(shards, ActorGroup) else ActorGroup(shards)
         self._window_base = [{"episodes": 0.0, "requests": 0.0} for _ in self.shards]
+
+    @classmethod
+    def spawn(cls, specs: Sequence[OrchestratorSpec], **ray_options: Any) -> RolloutGroup:
+        """One Ray actor per orchestrator of ``specs`` (each built inside its actor); ``ray_options`` go to
+        ``.options()``."""
+        return cls(ActorGroup.spawn(RolloutWorker, [(s,) for s in specs], **{**ACTOR_OPTIONS, **ray_options}))
 
     @property
     def num_shards(self) -> int:
         return len(self.shards)
 
-    async def _each(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every shard at once, results in shard order."""
-        return await self._each_with(method, [args] * self.num_shards)
+    async def _all(self, verb: str, *args: Any) -> list[Any]:
+        """``verb(*args)`` on every shard at once, results in shard order."""
+        return await self.shards.all("call", verb, *args)
 
-    async def _each_with(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Shard i's ``method(*args[i])``, all at once, results in shard order. The first error is raised,
+    async def _each(self, verb: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Shard i's ``verb(*args[i])``, all at once, results in shard order. The first error is raised,
         and the calls still running in this process are cancelled."""
-        calls = [asyncio.ensure_future(_call(s, method, *a)) for s, a in zip(self.shards, args, strict=True)]
-        try:
-            return list(await asyncio.gather(*calls))
-        finally:
-            for call in calls:
-                call.cancel()
+        return await self.shards.each("call", [(verb, *a) for a in args])
 
     async def start(self) -> None:
-        await self._each("start")
+        await self._all("start")
 
     async def stop(self) -> None:
         """Stop every shard, each even when another fails; then the first error is raised."""
-        results = await asyncio.gather(*(_call(s, "stop") for s in self.shards), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        await self.shards.all_settled("stop")
 
     async def get_batch(
         self, num_groups: int | None = None, timeout: float | None = None
@@ -229,14 +219,14 @@ class RolloutGroup:
         if num_groups is not None and num_groups % n:
             raise ValueError(f"num_groups: {num_groups} groups cannot be split over {n} rollout shards")
         per_shard = None if num_groups is None else num_groups // n
-        parts = await self._each("get_batch", per_shard, timeout)
+        parts = await self._all("buffer.get_batch", per_shard, timeout)
         return [t for part in parts for t in part]
 
     async def pause_for_update(self) -> None:
-        await self._each("pause_for_update")
+        await self._all("pause_for_update")
 
     async def resume_after_update(self, version: int) -> None:
-        await self._each("resume_after_update", version)
+        await self._all("resume_after_update", version)
 
     async def evaluate(
         self, tasks: Sequence[dict[str, Any]], sampling: SamplingParams | None = None
@@ -244,9 +234,9 @@ class RolloutGroup:
         """One episode per task, the tasks split over the shards (``tasks[i::N]``); returned in task order."""
         n = self.num_shards
         if n == 1:
-            return await _call(self.shards[0], "evaluate", tasks, sampling)
+            return await self.shards.rank0("call", "evaluate", tasks, sampling)
         tasks = list(tasks)
-        parts = await self._each_with("evaluate", [(tasks[i::n], sampling) for i in range(n)])
+        parts = await self._each("evaluate", [(tasks[i::n], sampling) for i in range(n)])
         order = [i for shard in range(n) for i in range(shard, len(tasks), n)]  # task index of each result
         by_index = dict(zip(order, (t for part in parts for t in part), strict=True))
         return [by_index[i] for i in range(len(tasks))]
@@ -254,7 +244,7 @@ class RolloutGroup:
     async def stats(self, reset_window: bool = True) -> dict[str, float]:
         """Every shard's figures as one dict (:func:`merge_stats`: the rule per key); ``reset_window``
         starts a new window of rates and distributions on every shard."""
-        stats = await self._each("stats", reset_window)
+        stats = await self._all("stats", reset_window)
         counted = [self._counted(s) for s in stats]
         window = [
             {k: max(0.0, c[k] - base[k]) for k in c}
@@ -271,7 +261,7 @@ class RolloutGroup:
 
     async def accounting(self) -> dict[str, int]:
         """The shards' accounting summed (``balanced`` 1 only when every shard balances)."""
-        parts = await self._each("accounting")
+        parts = await self._all("accounting")
         if len(parts) == 1:
             return parts[0]
         out = {k: sum(p.get(k, 0) for p in parts) for k in dict.fromkeys(k for p in parts for k in p)}
@@ -280,7 +270,7 @@ class RolloutGroup:
 
     async def state_dict(self) -> dict[str, Any]:
         """One shard: its state as it is; more: ``{"shards": [state of shard 0, ...]}``."""
-        states = await self._each("state_dict")
+        states = await self._all("state_dict")
         return states[0] if len(states) == 1 else {"shards": states}
 
     async def load_state_dict(self, state: dict[str, Any], version: int | None = None) -> None:
@@ -292,6 +282,6 @@ class RolloutGroup:
                 f"rollout.shards: the checkpoint's rollout state is of {len(saved)} shard(s), this run has "
                 f"{self.num_shards}; resume with rollout.shards={len(saved)}"
             )
-        await self._each_with("load_state_dict", [(s, version) for s in saved])
+        await self._each("load_state_dict", [(s, version) for s in saved])
         if self.num_shards > 1:  # the windows' counts go on from the loaded ones
-            self._window_base = [self._counted(s) for s in await self._each("stats", False)]
+            self._window_base = [self._counted(s) for s in await self._all("stats", False)]

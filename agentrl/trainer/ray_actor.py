@@ -1,16 +1,18 @@
 """The trainer as Ray actors: :class:`TrainerGroup`, the typed async surface the driver awaits, over one
 actor per rank, each a :class:`MegatronTrainer` in its own process.
 
-``ray`` is imported lazily (GPU images may lack it). Usage (TP=1 on CPU)::
+``ray`` is imported lazily (GPU images may lack it). Usage (TP=1 on CPU; the update is an
+:class:`agentrl.weight_sync.WeightUpdate`)::
 
     group = TrainerGroup(TrainerConfig(model_path=...), world_size=1)
-    await group.connect_engines("disk", engine_urls, out_dir="run/weights")  # or "tensor", "distributed"
+    await group.connect_engines(WeightUpdate("disk", engine_urls, out_dir="run/weights"))
     metrics = await group.train_step(trajectories)  # every rank gets the same list; rank 0's metrics
     version = await group.sync_weights()
     await group.save_checkpoint(dir); await group.shutdown()
 
-Every collective call fans out to all ranks and returns rank 0's answer. A rank's actor
-(:class:`TrainerWorker`) only forwards: the verbs and their meaning are the trainer's own.
+Every collective call fans out to all ranks (an :class:`~agentrl.actor_group.ActorGroup`) and returns rank
+0's answer; a rank's error is raised named by its rank. A rank's actor (:class:`TrainerWorker`) only
+forwards: the verbs and their meaning are the trainer's own.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import asyncio
 import inspect
 import os
 import sys
-from typing import Any, Literal
+from typing import Any
 
+from agentrl.actor_group import ActorGroup
 from agentrl.cluster import location
 from agentrl.trainer.config import TrainerConfig
 from agentrl.types import Trajectory
@@ -48,12 +51,11 @@ class TrainerWorker:
         self._cfg, self._world_size, self._deterministic = cfg, world_size, deterministic
         self._store: Any = None
         self.trainer: Any = None
-        # The trainer's async verbs (the engines' calls) run on one event loop with one EngineClient per
-        # engine list, kept for the actor's life: a new loop and connection per sync cost time on every
-        # step. Plain methods that run the loop, not async methods: an async method would turn the actor
-        # into an async actor whose methods run in Ray's own loop.
+        # The trainer's async verbs (the engines' calls) run on one event loop, kept for the actor's life
+        # (the engines' client lives on it from connect to disconnect: a new loop and connection per sync
+        # cost time on every step). Plain methods that run the loop, not async methods: an async method
+        # would turn the actor into an async actor whose methods run in Ray's own loop.
         self._loop = asyncio.new_event_loop()
-        self._clients: dict[tuple[str, ...], Any] = {}
 
     def host_rendezvous(self) -> int:
         """Rank 0: bind the store the ranks meet at, on a port the OS picks; that port."""
@@ -84,44 +86,22 @@ class TrainerWorker:
         out = attr(*args, **kwargs)
         return self._loop.run_until_complete(out) if inspect.iscoroutine(out) else out
 
-    def connect_engines(self, mode: str, engine_urls: list[str], **kwargs: Any) -> None:
-        """``trainer.connect_engines`` with an EngineClient for the engines this rank pushes to (None when
-        none): rank 0 pushes to all of them from disk or over a broadcast; in memory (``tensor``) engine j
-        takes its weights from rank ``j % world_size``, so colocated on GPUs, where engine i shares GPU i
-        with rank i, every CUDA IPC handle opens on its own GPU. A broadcast group's rendezvous without
-        ``master_address`` is this rank's node address (what the engines, on other nodes too, reach it
-        by)."""
-        if kwargs.get("master_address") is None:
-            kwargs["master_address"] = location()["node_ip"] or "127.0.0.1"
-        rank, world = self.trainer.rank, self.trainer.world_size
-        mine = engine_urls[rank::world] if mode == "tensor" else engine_urls if rank == 0 else []
-        client = None
-        if mine:
-            from agentrl.engine.client import EngineClient
-
-            client = self._clients.get(tuple(mine))
-            if client is None:
-                client = self._clients[tuple(mine)] = EngineClient(mine)
-        self.call("connect_engines", mode, client, **kwargs)
-
     def location(self) -> dict[str, Any]:
         """The rank's Ray node (id, IP) and pid (:func:`agentrl.cluster.location`)."""
         return location()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Let go of the engines (bounded by about ``2 * timeout``), close the clients, stop the rank."""
+        """Let go of the engines and their client (bounded by about ``2 * timeout``), stop the rank."""
         try:
             self.call("disconnect_engines", timeout)
         finally:
-            for client in self._clients.values():
-                self._loop.run_until_complete(client.close())
-            self._clients.clear()
             self._loop.close()
             self.trainer.shutdown()
 
 
 class TrainerGroup:
-    """``world_size`` Ray actors (``num_gpus_per_rank`` each; 0 on CPU) forming one trainer.
+    """``world_size`` Ray actors (``num_gpus_per_rank`` each; 0 on CPU) forming one trainer; ``actors``,
+    their :class:`~agentrl.actor_group.ActorGroup`.
 
     ``deterministic``: the run's deterministic switch, passed to every rank (see :class:`MegatronTrainer`).
     ``placement_group``: schedule rank i on that Ray placement group's bundle ``bundle_indices[i]``
@@ -144,36 +124,29 @@ class TrainerGroup:
         env: dict[str, str] | None = None,
     ) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if bundle_indices is not None and placement_group is None:
-            raise ValueError("bundle_indices needs a placement_group")
-        bundles = list(range(world_size)) if bundle_indices is None else list(bundle_indices)
-        if len(bundles) != world_size:
-            raise ValueError(f"bundle_indices names {len(bundles)} bundles for {world_size} ranks")
         self._ray = ray
-        actor_cls = ray.remote(
-            num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, resources=resources or {}
-        )(TrainerWorker)
         spec = cfg.model_dump(mode="json")
-        self.actors = []
-        for r in range(world_size):
-            where: dict[str, Any] = {"runtime_env": {"env_vars": dict(env)}} if env else {}
-            if placement_group is not None:
-                where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=bundles[r]
-                )
-            self.actors.append(actor_cls.options(**where).remote(spec, r, world_size, deterministic))
-        port = ray.get(self.actors[0].host_rendezvous.remote())
-        ray.get([a.start.remote(master_addr, port) for a in self.actors])  # construction errors surface here
+        self.actors = ActorGroup.spawn(
+            TrainerWorker,
+            [(spec, r, world_size, deterministic) for r in range(world_size)],
+            placement_group=placement_group,
+            bundle_indices=bundle_indices,
+            env=env,
+            num_gpus=num_gpus_per_rank,
+            num_cpus=num_cpus_per_rank,
+            resources=resources or {},
+        )
+        port = self.actors.wait_rank0("host_rendezvous")
+        self.actors.wait_all("start", master_addr, port)  # construction errors surface here, rank named
 
     async def _all(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``verb`` on every rank (collectives need them all); rank 0's answer."""
-        return (await asyncio.gather(*[a.call.remote(verb, *args, **kwargs) for a in self.actors]))[0]
+        return (await self.actors.all("call", verb, *args, **kwargs))[0]
 
     async def _rank0(self, verb: str, *args: Any) -> Any:
         """``verb`` on rank 0 alone (what it holds by itself: counters, figures)."""
-        return await self.actors[0].call.remote(verb, *args)
+        return await self.actors.rank0("call", verb, *args)
 
     async def _shared(self, trajectories: list[Trajectory]) -> Any:
         """The batch in Ray's object store once, for every rank (pickled off the event loop)."""
@@ -199,33 +172,14 @@ class TrainerGroup:
 
     async def locations(self) -> list[dict[str, Any]]:
         """Where each rank runs: its Ray node's id and IP, and its pid (rank order)."""
-        return list(await asyncio.gather(*[a.location.remote() for a in self.actors]))
+        return await self.actors.all("location")
 
-    async def connect_engines(
-        self,
-        mode: Literal["disk", "tensor", "distributed"],
-        engine_urls: list[str],
-        *,
-        out_dir: str | None = None,
-        num_engine_ranks: int | None = None,
-        master_address: str | None = None,
-        master_port: int | None = None,
-        backend: str | None = None,
-        bucket_bytes: int | None = None,
-    ) -> None:
-        """How :meth:`sync_weights` reaches the engines at ``engine_urls`` (``MegatronTrainer.connect_engines``;
-        ``num_engine_ranks`` default: one per URL). ``distributed`` opens the broadcast group now, its
-        rendezvous at ``master_address`` (default: rank 0's node address) and ``master_port`` (default: a
-        port free there)."""
-        kwargs = dict(
-            out_dir=out_dir,
-            num_engine_ranks=len(engine_urls) if num_engine_ranks is None else num_engine_ranks,
-            master_address=master_address,
-            master_port=master_port,
-            backend=backend,
-            bucket_bytes=bucket_bytes,
-        )
-        await asyncio.gather(*[a.connect_engines.remote(mode, engine_urls, **kwargs) for a in self.actors])
+    async def connect_engines(self, update: Any) -> None:
+        """How :meth:`sync_weights` reaches the engines: ``update`` (an :class:`agentrl.weight_sync.WeightUpdate`
+        with every engine's URL) goes to every rank, which connects to its own engines
+        (``MegatronTrainer.connect_engines``). ``distributed`` opens the broadcast group now, its rendezvous
+        at rank 0's node address unless the update names one."""
+        await self._all("connect_engines", update)
 
     async def sync_weights(self, new_version: bool = True) -> int:
         """Push the weights to the connected engines; the policy version pushed (a new one, unless
@@ -270,7 +224,6 @@ class TrainerGroup:
         """Let go of the engines (every rank, bounded), then stop every rank; all of it bounded by
         ``timeout``, and the actors are killed whatever happened."""
         try:
-            await asyncio.wait_for(asyncio.gather(*[a.shutdown.remote() for a in self.actors]), timeout)
+            await asyncio.wait_for(self.actors.all("shutdown"), timeout)
         finally:
-            for a in self.actors:
-                self._ray.kill(a)
+            self.actors.kill()
