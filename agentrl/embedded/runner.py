@@ -27,21 +27,19 @@ import itertools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
 from agentrl.embedded import fp8
+from agentrl.embedded.modes import RunnerModes, resolve_modes
 from agentrl.embedded.slot_copy import copy_slots
 from agentrl.models.decoder import (
-    BATCH_INVARIANT_OPS,
-    TORCH_OPS,
     DecoderOps,
     Experts,
     LayerWeights,
-    experts_sorted,
     lm_head,
     post_attention,
     pre_attention,
@@ -82,6 +80,16 @@ def length_buckets(context_len: int, smallest: int = 128) -> list[int]:
     return [*out, context_len]
 
 
+def prefill_buckets() -> list[int]:
+    """Token counts of the packed prefill steps with a captured graph: powers of two from 64 to
+    :data:`PREFILL_GRAPH_TOKENS`."""
+    out, b = [], 64
+    while b <= PREFILL_GRAPH_TOKENS:
+        out.append(b)
+        b *= 2
+    return out
+
+
 def plan_kv_cache(
     budget: int, per_token: int, max_batch: int, cache_slots: int, model_context: int, context_len: int | None
 ) -> tuple[int, int]:
@@ -116,6 +124,21 @@ def decode_attention(
     s = torch.matmul(qg, kk.transpose(-1, -2)).float() * scale  # [b, kv, group, length]
     p = torch.softmax(s.masked_fill(masked, float("-inf")), dim=-1).to(q.dtype)
     return torch.matmul(p, vv).reshape(b, heads * d)
+
+
+def refuse_unservable(cfg) -> None:
+    """Raise ValueError for a model the runner cannot serve: another family, sliding-window attention, an
+    MLP other than SwiGLU, or a mixture-of-experts layout it does not know."""
+    refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"the embedded engine serves {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
+            f"{cfg.model_type!r}; serve it with SGLang (engine.backend: sglang)"
+        )
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("the embedded engine has no sliding-window attention; serve this model with SGLang")
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"the embedded engine's MLP is SwiGLU; {cfg.hidden_act!r} is not served")
 
 
 def _layer_weights(layer: torch.nn.Module, moe: MoESpec | None) -> LayerWeights:
@@ -179,16 +202,7 @@ class ModelRunner:
         weights_region: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         cfg = model.config
-        refuse_unsupported_moe(cfg.model_type, cfg.to_dict())
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"the embedded engine serves {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
-                f"{cfg.model_type!r}; serve it with SGLang (engine.backend: sglang)"
-            )
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError(
-                "the embedded engine has no sliding-window attention; serve this model with SGLang"
-            )
+        refuse_unservable(cfg)
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers)
@@ -197,100 +211,47 @@ class ModelRunner:
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
-        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"the embedded engine's MLP is SwiGLU; {cfg.hidden_act!r} is not served")
         self.moe = MoESpec.from_hf_config(cfg.to_dict())
         self.weights = [_layer_weights(layer, self.moe) for layer in self.layers]
         self.device = next(model.parameters()).device
-        # quantization fp8: the projections served from fp8 copies of the parameters (agentrl.embedded.fp8)
-        self.quantization = quantization
-        if quantization is not None:  # weights_region: where the copies live (released with the weights)
+        if quantization is not None:  # weights_region: where the fp8 copies live (released with the weights)
             with weights_region() if weights_region is not None else contextlib.nullcontext():
                 self.weights = fp8.quantized_layers(quantization, self.weights, batch_invariant, self.device)
         self.served = self.weights  # what the forward runs: these, or LoRA records over them (.serve)
         self.norm_eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.final_norm = self.inner.norm.weight
         self.lm_head_weight = model.get_output_embeddings().weight
+        self.vocab_size = int(self.lm_head_weight.shape[0])
         self.dtype = next(model.parameters()).dtype
         self.context_len = context_len
         self.max_batch = max_batch
         self.num_slots = num_slots
-        shape = (len(self.layers), num_slots, self.n_kv, context_len + 1, self.head_dim)
-        # Zeros, not empty: masked keys still enter SDPA's sums, and garbage bits could be NaN.
-        # kv_region: where the cache is allocated (a releasable memory region: agentrl.embedded.memory)
-        with kv_region() if kv_region is not None else contextlib.nullcontext():
-            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        pos = torch.arange(context_len + 1, device=self.device)[None]
-        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
-        cos, sin = self.inner.rotary_emb(dummy, pos)  # the model's own RoPE (scaling variants included)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [context_len + 1, head_dim]
-        # batch_invariant: every op of agentrl.batch_invariant, so a row's bits depend on nothing but its own
-        # tokens (not the batch, its position in it, the prefill chunking or a prefix hit); RoPE tables by
-        # element-wise products, as the trainer's true on-policy forward builds them
-        self.batch_invariant = batch_invariant
-        if batch_invariant:
-            rope_type = getattr(self.inner.rotary_emb, "rope_type", "default")
-            if rope_type != "default":
-                raise ValueError(f"batch-invariant mode serves plain RoPE only, not {rope_type!r}")
-            self.cos, self.sin = bi.rope_tables(
-                self.inner.rotary_emb.inv_freq, context_len + 1, self.device, self.dtype
-            )
-        self.vocab_size = int(self.lm_head_weight.shape[0])
-        if self.moe is not None and batch_invariant:
-            raise ValueError("batch-invariant mode serves dense models only, not mixture-of-experts models")
-        # MoE: the experts of every (layer, slot, position), written where the KV goes; -1 = not computed
-        # (part of the KV cache: released and resumed with it)
-        self.routed = None
-        if self.moe is not None:
-            shape = (len(self.layers), num_slots, context_len + 1, self.moe.topk)
-            with kv_region() if kv_region is not None else contextlib.nullcontext():
-                self.routed = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        modes = resolve_modes(
+            self.device,
+            self.head_dim,
+            self.moe,
+            getattr(self.inner.rotary_emb, "rope_type", "default"),
+            cuda_graphs=cuda_graphs,
+            compile=compile,
+            batch_invariant=batch_invariant,
+            quantization=quantization,
+        )
+        # the runner's state starts from its modes; its ops change with unmerged LoRA (.serve)
+        self.batch_invariant, self.quantization = modes.batch_invariant, modes.quantization
+        self.cuda_graphs, self.compiled, self.ops = modes.cuda_graphs, modes.compiled, modes.ops
+        self.packed_prefill, self.decode_attention = modes.packed_prefill, modes.decode_attention
+
+        self.k, self.v, self.routed = self._slot_cache(kv_region)
+        self.cos, self.sin = self._rope_tables()  # [context_len + 1, head_dim]
         self._route_at: tuple = ()  # (slot index, position index) of the tokens in the running forward
 
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        # Prefill on a GPU: the step's tokens packed end to end and attention read straight from the slot
-        # cache (agentrl.embedded.attention); otherwise (CPU, batch-invariant mode, head sizes the kernel
-        # does not take) a padded rectangle through torch SDPA.
-        from agentrl.embedded import attention as packed_attention
-
-        self.packed_prefill = (
-            self.device.type == "cuda" and not batch_invariant and packed_attention.available(self.head_dim)
-        )
-        # Decode attention: torch SDPA on CPU (fused there), two batched matmuls over the cached keys and
-        # values on a GPU (graph-captured and compiled with the rest of the step).
-        self.decode_attention = "sdpa" if self.device.type == "cpu" else "matmul"
         self.batch_buckets = batch_buckets(max_batch)
         self.length_buckets = length_buckets(context_len)
         self._ids = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._pos = torch.full((max_batch,), context_len, dtype=torch.long, device=self.device)
         self._rows = torch.arange(max_batch, device=self.device)
         self._logits = torch.zeros(max_batch, self.vocab_size, dtype=torch.float32, device=self.device)
-        # torch.compile fuses each layer's element-wise work (norms, RoPE, softmax, SiLU); a decode step is
-        # otherwise ~45 small kernels per layer, which even a CUDA graph replays at a few microseconds each.
-        # The pieces are functions of tensors (not modules), so one compilation serves every layer. The
-        # layer's ops (agentrl.models.decoder): plain torch, or agentrl.batch_invariant's.
-        self.ops = BATCH_INVARIANT_OPS if batch_invariant else TORCH_OPS
-        if quantization == "fp8":
-            self.ops = fp8.FP8_OPS
-        self._pre, self._post = pre_attention, post_attention
-        self._attn, self._head = decode_attention, lm_head
-        self.compiled = compile and self.device.type == "cuda" and not batch_invariant
-        if self.compiled:
-            self._pre, self._attn, self._head = (
-                torch.compile(f, dynamic=True) for f in (pre_attention, decode_attention, lm_head)
-            )
-            if self.moe is None:  # the mixture-of-experts MLP runs eagerly
-                self._post = torch.compile(post_attention, dynamic=True)
-        if self.moe is not None:
-            # CUDA graphs need the experts without host syncs: grouped GEMMs over expert-sorted rows (fp8:
-            # torch._scaled_grouped_mm where torch has it for the GPU; else eager experts, no graphs)
-            sorted_experts = experts_sorted if hasattr(torch, "_grouped_mm") else None
-            if quantization is not None:
-                sorted_experts = fp8.sorted_experts(self.device)
-            self.cuda_graphs = self.cuda_graphs and sorted_experts is not None
-            if self.cuda_graphs:
-                self.ops = replace(self.ops, experts=sorted_experts)
+        self._pre, self._post, self._attn, self._head = self._layer_pieces(modes)
         self._pinned = (
             torch.empty(2 * max_batch, dtype=torch.long).pin_memory() if self.device.type == "cuda" else None
         )
@@ -300,14 +261,53 @@ class ModelRunner:
         # one static buffer laid out per bucket as _extend_forward reads it
         self.prefill_buckets: list[int] = []
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.packed_prefill and self.cuda_graphs and self.moe is None:  # MoE: grouped GEMMs sync on sizes
-            b = 64
-            while b <= PREFILL_GRAPH_TOKENS:
-                self.prefill_buckets.append(b)
-                b *= 2
+        if modes.prefill_graphs:
+            self.prefill_buckets = prefill_buckets()
             top = self.prefill_buckets[-1]
             size = 3 * top + max_batch + 4 * self._prefill_blocks(top)
             self._p_flat = torch.zeros(size, dtype=torch.long, device=self.device)
+
+    def _slot_cache(
+        self, kv_region: Callable[[], AbstractContextManager] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The KV cache, keys and values ``[layers, slots, kv_heads, context_len + 1, head_dim]``, and for a
+        mixture-of-experts model the experts of every (layer, slot, position), written where the KV goes
+        (-1: not computed; part of the KV cache, released and resumed with it). Allocated in ``kv_region``
+        (a releasable memory region: agentrl.embedded.memory) where given."""
+        region = kv_region if kv_region is not None else contextlib.nullcontext
+        shape = (len(self.layers), self.num_slots, self.n_kv, self.context_len + 1, self.head_dim)
+        routed = None
+        with region():
+            # Zeros, not empty: masked keys still enter SDPA's sums, and garbage bits could be NaN.
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.moe is not None:
+                experts = (len(self.layers), self.num_slots, self.context_len + 1, self.moe.topk)
+                routed = torch.full(experts, -1, dtype=torch.int32, device=self.device)
+        return k, v, routed
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [context_len + 1, head_dim]: the model's own RoPE (scaling variants included); in
+        batch-invariant mode by element-wise products, as the trainer's true on-policy forward builds them."""
+        if self.batch_invariant:
+            return bi.rope_tables(
+                self.inner.rotary_emb.inv_freq, self.context_len + 1, self.device, self.dtype
+            )
+        pos = torch.arange(self.context_len + 1, device=self.device)[None]
+        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        cos, sin = self.inner.rotary_emb(dummy, pos)
+        return cos[0].to(self.dtype), sin[0].to(self.dtype)
+
+    @staticmethod
+    def _layer_pieces(modes: RunnerModes) -> tuple[Callable, Callable, Callable, Callable]:
+        """The layer's pieces (agentrl.models.decoder), compiled where the modes say. They are functions of
+        tensors (not modules), so one compilation serves every layer."""
+        pre, post, attn, head = pre_attention, post_attention, decode_attention, lm_head
+        if modes.compiled:
+            pre, attn, head = (torch.compile(f, dynamic=True) for f in (pre, attn, head))
+        if modes.compiled_mlp:
+            post = torch.compile(post, dynamic=True)
+        return pre, post, attn, head
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module) -> int:
