@@ -4,8 +4,10 @@ come back in rank order; a rank's error names the rank and keeps its type."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -119,3 +121,15 @@ async def test_workers_in_process_and_errors_named_by_rank() -> None:
     assert slow.cancelled
     with pytest.raises(ValueError, match="bundle_indices needs a placement_group"):
         ActorGroup.spawn(echo, [(0,)], bundle_indices=[0])
+
+
+def test_the_helper_sits_below_trainer_and_rollout() -> None:
+    """The trainer and the rollout both build on it: it imports nothing of agentrl's."""
+    source = Path(__file__).resolve().parents[1] / "agentrl" / "actor_group.py"
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not {name for name in imported if name.startswith("agentrl")}, imported
