@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.cluster import start_ray
+from agentrl.cli import config_module_names
+from agentrl.cluster import start_ray, user_code_env
 from agentrl.colocation import Handover
-from agentrl.config import ConfigError, dump_config
+from agentrl.config import dump_config
 from agentrl.episodes import EpisodeDump, episode_table
 from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_metrics, step_time_summary
 from agentrl.placement import Fleet, check_cluster
@@ -48,6 +49,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     from agentrl.envs import make_env
 
     t_start = time.monotonic()
+    check_names(cfg)  # env, verifier and tool names resolve (user code imports) before anything starts
     recipe, out = make_recipe(cfg), Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
@@ -59,7 +61,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     check_model_shape(cfg, model_dir)  # tp against the model's heads, before anything starts
     print(f"model {model_dir}; {len(train_tasks)} train / {len(eval_tasks)} held-out tasks", flush=True)
 
-    start_ray(cfg.ray.address, cfg.ray.num_cpus)  # workers at the driver's priority, not Ray's nice 15
+    # workers at the driver's priority, importing the user's modules from the working directory
+    user_code = user_code_env(config_module_names(cfg), upload=cfg.ray.address is not None)
+    start_ray(cfg.ray.address, cfg.ray.num_cpus, user_code)
     fleet, handover = Fleet(cfg), None
     try:
         check_cluster(cfg)
@@ -262,18 +266,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Names
 
 
 if __name__ == "__main__":
-    # Ctrl-C and a kill both give the clean shutdown, also when the job was started with SIGINT ignored
-    # (a background job of a non-interactive shell inherits that, and then ran on to its last step)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.default_int_handler)
-    try:
-        config, cli = parse_args()
-    except ConfigError as err:
-        sys.exit(str(err))
-    try:
-        asyncio.run(main(config, resume=cli.resume))
-    except ConfigError as err:  # found once Ray is up (e.g. too few GPUs); everything was shut down
-        # raised in an actor (a rollout that cannot progress), Ray wraps it: its text is a traceback
-        sys.exit(str(getattr(err, "cause", None) or err))
-    except KeyboardInterrupt:
-        sys.exit("interrupted: everything was shut down")
+    # what `agentrl train` runs too: the working directory on sys.path, the config parsed, main, exit codes
+    from agentrl.cli import train
+
+    train(sys.modules[__name__])

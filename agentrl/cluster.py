@@ -6,8 +6,9 @@ The driver keeps every actor it started and stops them all in a ``finally`` (:fu
 Ctrl-C or an error leaves no server behind; the embedded engine and the retrieval server also exit on
 their own when their parent dies. :func:`location` tells where a process runs (its Ray node).
 
-:func:`start_ray` starts (or joins) Ray with its workers at normal priority; :func:`free_port` is the
-one way agentrl picks a port for something it starts (servers, process-group rendezvous).
+:func:`start_ray` starts (or joins) Ray with its workers at normal priority and the user's code importable
+in every one of them (:func:`user_code_env`, Ray's runtime environment); :func:`free_port` is the one way
+agentrl picks a port for something it starts (servers, process-group rendezvous).
 
 What a service runs is a picklable zero-argument ``start`` callable returning a handle with ``.url`` and
 ``.stop()`` (``start_embedded_server``, ``SGLangLauncher``, ``start_retrieval_server``...).
@@ -18,14 +19,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]"}
 
 
-def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """``ray.init`` for a run (a local instance, or ``address`` of an existing cluster).
+def start_ray(
+    address: str | None = None, num_cpus: int | None = None, runtime_env: dict[str, Any] | None = None
+) -> None:
+    """``ray.init`` for a run (a local instance, or ``address`` of an existing cluster), with
+    ``runtime_env`` as the job's runtime environment (:func:`user_code_env`: the user's modules in every
+    worker).
 
     Workers run at the driver's priority. Ray starts them at niceness 15 by default, and every process
     they start inherits it: the engine, the trainer, the rollout and the env's servers then got about 3%
@@ -41,7 +47,45 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
+        runtime_env=runtime_env or None,
     )
+
+
+def user_code_env(
+    names: Iterable[str] = (), cwd: str | Path | None = None, upload: bool = False
+) -> dict[str, Any]:
+    """The Ray runtime environment that lets every worker import the user's modules (envs, tools,
+    verifiers, recipes) as the driver does, from its working directory ``cwd`` (default: the current one).
+
+    * ``PYTHONPATH`` starts with ``cwd`` in every worker (then the node's own ``PYTHONPATH``): enough on the
+      driver's host and on hosts that see the same path (a shared file system).
+    * ``upload``: also the top-level modules of ``cwd`` that ``names`` point at (``"module:attr"`` names,
+      e.g. ``my_env:UnitEnv`` -> ``./my_env.py`` or the package ``./my_env/``) go to every host as Ray
+      ``py_modules``, so they import on hosts that do not share the driver's files. agentrl itself is
+      installed on every node and is never uploaded.
+
+    ``working_dir`` is not used: it would move the workers' working directory into a copy, and a run's
+    relative paths (``output_dir``, checkpoints) must mean the same in the driver and in its workers.
+    """
+    root = Path(cwd or os.getcwd()).resolve()
+    env: dict[str, Any] = {"env_vars": {"PYTHONPATH": f"{root}{os.pathsep}${{PYTHONPATH}}"}}
+    if upload:
+        modules = sorted({p for n in names if (p := _local_module(n, root)) is not None})
+        if modules:
+            env["py_modules"] = [str(p) for p in modules]
+    return env
+
+
+def _local_module(name: str, root: Path) -> Path | None:
+    """``root/<top>.py`` or the package ``root/<top>/`` of a ``module:attr`` name's top-level module."""
+    if ":" not in name:
+        return None
+    top = name.partition(":")[0].split(".")[0]
+    if top == "agentrl" or not top.isidentifier():
+        return None
+    if (root / top / "__init__.py").is_file():
+        return root / top
+    return root / f"{top}.py" if (root / f"{top}.py").is_file() else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

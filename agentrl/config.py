@@ -2,11 +2,14 @@
 
 Every component defines its own ``XxxConfig(ConfigModel)``; a run config composes them. Unknown fields
 are rejected, and any validation error is re-raised as :class:`ConfigError` whose message names the
-dotted path of each bad field (``trainer.lr: Input should be a valid number``).
+dotted path of each bad field (``trainer.lr: Input should be a valid number``); an unknown field is named
+with the nearest fields of its section (``trainer.lrr: unknown field; did you mean 'lr'?``).
 """
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -38,7 +41,33 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names every bad field."""
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _section_model(cls: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model of the section at ``loc`` below ``cls`` (None when it is not one model: a dict,
+    a list, a union of models)."""
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        annotation = field.annotation
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
+            options = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation = options[0] if len(options) == 1 else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        cls = annotation
+    return cls
+
+
+def _did_you_mean_field(cls: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
+    """``"; did you mean 'lr'?"`` for an unknown field at ``loc`` close to a field of its section, else ``""``."""
+    from agentrl.registry import did_you_mean
+
+    section = _section_model(cls, loc[:-1]) if cls is not None and loc else None
+    hint = did_you_mean(str(loc[-1]), section.model_fields) if section is not None else ""
+    return f"; {hint.rstrip()}" if hint else ""
+
+
+def _format_validation_error(err: ValidationError, source: str, cls: type[BaseModel] | None = None) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -47,7 +76,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             msg = "unknown field"
         # a check of several fields names them in its message; the section it was given is no help
         plain = e["type"] in ("missing", "value_error")
-        lines.append(f"  {path}: {msg}" if plain else f"  {path}: {msg} (got {e.get('input')!r})")
+        line = f"  {path}: {msg}" if plain else f"  {path}: {msg} (got {e.get('input')!r})"
+        if e["type"] == "extra_forbidden":
+            line += _did_you_mean_field(cls, tuple(e["loc"]))
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -87,7 +119,7 @@ def build_config(cls: type[T], data: dict[str, Any] | None = None, source: str =
     try:
         return cls.model_validate(data or {})
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, cls)) from None
 
 
 def read_config(

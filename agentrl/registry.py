@@ -5,17 +5,27 @@ registering a different object under a taken name is an error unless ``overwrite
 the same object is harmless, e.g. a module imported twice). ``reg.get(name)`` returns the entry, or, for
 a ``"module:attr"`` name, imports it, so a config can point at user code without registering it.
 Unknown names fail with the known ones listed. Built-ins register on first lookup through ``builtins``,
-a callable that imports the modules that hold them.
+a callable that imports the modules that hold them. :func:`did_you_mean` gives the nearest known names of a
+misspelled one (the registries' errors and the config's unknown fields use it).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 F = TypeVar("F")
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"did you mean 'search'? "`` for the known names closest to ``name`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=2, cutoff=0.6)
+    if not close:
+        return ""
+    return "did you mean " + " or ".join(repr(c) for c in close) + "? "
 
 
 class Registry(Generic[T]):
@@ -66,9 +76,14 @@ class Registry(Generic[T]):
                 return getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as err:
                 raise KeyError(f"cannot load {self.kind} {name!r}: {err}") from None
-        raise KeyError(
-            f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(self.names()) or '(none)'} "
-            "(or use 'module:attr')"
+        raise KeyError(self.unknown(name))
+
+    def unknown(self, name: str) -> str:
+        """The one line that says ``name`` is not registered: the nearest known names, then all of them."""
+        known = self.names()
+        return (
+            f"unknown {self.kind} {name!r}; {did_you_mean(name, known)}known {self.kind}s: "
+            f"{', '.join(known) or '(none)'} (or use 'module:attr')"
         )
 
     def __contains__(self, name: object) -> bool:

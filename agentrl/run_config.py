@@ -498,3 +498,35 @@ def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
                 f"{field}: {tp} does not divide the model's {heads} attention heads and {kv_heads} KV heads "
                 f"({model_dir}); pick a tp that divides both"
             )
+
+
+def check_names(cfg: RunConfig) -> None:
+    """The names the config gives registered parts resolve: ``env.name``, ``rollout.verifier`` (else the
+    verifier the env names: its ``verifier`` argument or class attribute) and the tools of ``env.kwargs``
+    (``tools``, ``extra_tools``). A ``module:attr`` name imports its module here, so user code that fails to
+    import fails now. Raises a one-line ConfigError naming the field and the nearest known names, before
+    any bootstrap, dataset, Ray or engine starts."""
+    from agentrl.envs.registry import ENVS
+    from agentrl.rewards.base import VERIFIERS
+    from agentrl.tools.registry import check_tool_specs
+
+    def lookup(registry: Any, name: str, field: str) -> Any:
+        try:
+            return registry.get(name)
+        except KeyError as err:
+            hint = " (is its module in the working directory or on PYTHONPATH?)" if ":" in name else ""
+            raise ConfigError(f"{field}: {err.args[0]}{hint}") from None
+
+    factory = lookup(ENVS, cfg.env.name, "env.name")
+    kwargs = cfg.env.kwargs
+    if cfg.rollout.verifier:
+        lookup(VERIFIERS, cfg.rollout.verifier, "rollout.verifier")
+    elif isinstance(kwargs.get("verifier"), str):
+        lookup(VERIFIERS, kwargs["verifier"], "env.kwargs.verifier")
+    elif isinstance(getattr(factory, "verifier", None), str):
+        lookup(VERIFIERS, factory.verifier, f"env {cfg.env.name!r}'s verifier attribute")
+    for key in ("tools", "extra_tools"):
+        try:
+            check_tool_specs(kwargs.get(key), f"env.kwargs.{key}")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None

@@ -1,0 +1,147 @@
+"""The ``agentrl`` command: ``agentrl train`` is ``python train_async.py``; the working directory's modules
+import in the driver and in every Ray worker; bad names and misspelled fields fail at load, in one line,
+with the nearest known name, before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.cli import config_module_names, list_names, main, put_cwd_on_path
+from agentrl.cluster import user_code_env
+from agentrl.config import ConfigError
+from agentrl.recipe import load_run_config
+from agentrl.registry import did_you_mean
+from agentrl.run_config import check_names
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "search_r1" / "config.yaml"
+
+USER_ENV = textwrap.dedent(
+    '''
+    """A user's env module, next to the config, imported by name."""
+    from agentrl.envs import Env, StepResult
+
+
+    class UnitEnv(Env):
+        verifier = "exact_match"
+
+        async def reset(self, task):
+            return [{"role": "user", "content": task["prompt"]}]
+
+        async def step(self, action_text):
+            return StepResult(None, terminated=True)
+    '''
+)
+
+
+def _job(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [["-m", "agentrl.cli", "train"], [str(ROOT / "train_async.py")]])
+def test_unknown_env_fails_in_one_line_before_anything_starts(tmp_path: Path, command: list[str]) -> None:
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = _job(
+        [sys.executable, *command, "--config", str(DEMO), "env.name=serch", f"output_dir={out}"], tmp_path
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        "env.name: unknown env 'serch'; did you mean 'search'? known envs: math, python, search, tool "
+        "(or use 'module:attr')"
+    ], proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert not out.exists() and not (tmp_path / ".cache").exists()  # no output, no bootstrap
+
+
+def test_misspelled_field_and_verifier_name_the_nearest_known(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.lrr: unknown field \(got 3\); did you mean 'lr'\?"):
+        load_run_config(DEMO, ["trainer.lrr=3"])
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.temprature: .*did you mean 'temperature'\?"):
+        load_run_config(DEMO, ["rollout.sampling.temprature=1"])
+    cfg = load_run_config(DEMO, ["rollout.verifier=exact_mtch"])
+    with pytest.raises(
+        ConfigError, match=r"^rollout\.verifier: unknown verifier 'exact_mtch'; did you mean "
+    ):
+        check_names(cfg)
+    cfg = load_run_config(DEMO, ["env.name=tool", "env.kwargs={tools: [python, {serch: {url: x}}]}"])
+    with pytest.raises(
+        ConfigError, match=r"^env\.kwargs\.tools\[1\]: unknown tool 'serch'; did you mean 'search'"
+    ):
+        check_names(cfg)
+    cfg = load_run_config(DEMO, ["env.name=no_such_module_here:UnitEnv"])
+    with pytest.raises(ConfigError, match=r"env\.name: cannot load env .*working directory or on PYTHONPATH"):
+        check_names(cfg)
+    check_names(load_run_config(DEMO))  # the demo's names resolve
+    assert did_you_mean("nope", ["search", "math"]) == ""
+
+
+def test_the_working_directory_names_user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "unit_env.py").write_text(USER_ENV)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    put_cwd_on_path()
+    assert sys.path[0] == str(tmp_path)
+    cfg = load_run_config(DEMO, ["env.name=unit_env:UnitEnv", "rollout.verifier=null"])
+    check_names(cfg)  # imports ./unit_env.py; its verifier attribute resolves
+    assert config_module_names(cfg) == [
+        "agentrl.examples.search_r1.recipe:SearchR1Recipe",
+        "unit_env:UnitEnv",
+    ]
+    local = user_code_env(config_module_names(cfg))
+    assert local == {"env_vars": {"PYTHONPATH": f"{tmp_path}{os.pathsep}${{PYTHONPATH}}"}}
+    cluster = user_code_env(config_module_names(cfg), upload=True)  # agentrl itself is never uploaded
+    assert cluster["py_modules"] == [str(tmp_path / "unit_env.py")]
+
+
+def test_a_ray_worker_on_another_host_imports_the_user_module(tmp_path: Path) -> None:
+    """What the run hands Ray on a cluster: a worker imports ./unit_env.py even where the driver's files are
+    not (here: the file is moved away once Ray has started, as on a host that does not share them)."""
+    (tmp_path / "unit_env.py").write_text(USER_ENV)
+    code = textwrap.dedent(
+        """
+        import os
+        import ray
+        from agentrl.cluster import start_ray, user_code_env
+
+        @ray.remote
+        def where():
+            import unit_env
+            return unit_env.__file__
+
+        start_ray(num_cpus=1, runtime_env=user_code_env(["unit_env:UnitEnv"], upload=True))
+        os.rename("unit_env.py", "elsewhere.txt")
+        try:
+            print("IMPORTED", ray.get(where.remote(), timeout=120))
+        finally:
+            ray.shutdown()
+        """
+    )
+    proc = _job([sys.executable, "-c", code], tmp_path, timeout=300)
+    assert "IMPORTED" in proc.stdout, proc.stderr[-3000:]
+    assert "py_modules" in proc.stdout and str(tmp_path) not in proc.stdout  # Ray's copy, not the file
+
+
+def test_help_of_both_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    via_cli = _job([sys.executable, "-m", "agentrl.cli", "train", "--help"], ROOT)
+    via_script = _job([sys.executable, "train_async.py", "--help"], ROOT)
+    assert via_cli.returncode == via_script.returncode == 0
+    assert via_cli.stdout.startswith("usage: agentrl train [-h] [--config CONFIG]")
+    # the same job: after the usage lines (aligned under the program's name), the same text
+    assert via_cli.stdout.split("\n\n", 1)[1] == via_script.stdout.split("\n\n", 1)[1]
+    with pytest.raises(SystemExit):
+        main([])  # the command's own help
+    top = capsys.readouterr().out
+    assert "agentrl train --help" in top and "working" in top and "Ray worker" in top
+    with pytest.raises(SystemExit):
+        main(["trian"])
+    assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
+    assert "tools (env.kwargs.tools): python, search" in list_names()
