@@ -11,8 +11,8 @@ An episode, turn by turn, token-in/token-out, is :class:`~agentrl.rollout.episod
 recording proxy) is :class:`~agentrl.rollout.agent.AgentRunner`'s (``agent.py``) and may give several
 rows (trajectories) of one episode. This module decides which episodes run and when, and what becomes of
 their groups.
-The reward is the env's, else ``rollout.verifier``'s or, when that is unset, the env's own ``verifier``
-(with neither, start-up fails).
+The reward is the env's, else ``rollout.verifier``'s or, when that is unset, the env's own ``verifier``,
+resolved once at start-up (:meth:`Orchestrator.check_verifier`; with neither, start-up fails).
 
 Weight updates (the trainer's loop)::
 
@@ -68,13 +68,14 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env
+from agentrl.exactness import Exactness
 from agentrl.metrics import MetricsSink
 from agentrl.rewards.base import resolve_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.heap import freeze_setup_heap
-from agentrl.rollout.lockstep import LockstepSchedule
+from agentrl.rollout.lockstep import LockstepSchedule, RolloutSchedule
 from agentrl.rollout.loop_monitor import LoopMonitor
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.progress import ProgressWatch, failure_kind
@@ -98,7 +99,12 @@ class _GroupRun:
 
 
 class Orchestrator:
-    """See the module docstring."""
+    """See the module docstring.
+
+    ``deterministic``: the run's switch, read through :class:`~agentrl.exactness.Exactness`: seeded
+    requests and the lockstep schedule. ``schedule``: the schedule to run instead of the one it picks
+    (:mod:`agentrl.rollout.lockstep`; free running by default).
+    """
 
     def __init__(
         self,
@@ -110,7 +116,9 @@ class Orchestrator:
         buffer: TrajectoryBuffer | None = None,
         metrics: MetricsSink | None = None,
         deterministic: bool = False,
+        schedule: RolloutSchedule | None = None,
     ) -> None:
+        exactness = Exactness.resolve(deterministic)
         self.cfg = config
         self.engine = engine_client
         self.chat = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
@@ -148,12 +156,20 @@ class Orchestrator:
         self._groups: dict[str, _GroupRun] = {}  # running
         self._buffered: dict[str, Draw] = {}  # accepted into the buffer, not yet handed to the trainer
         self._episode_slots = 0  # episodes reserved by running groups (concurrency cap)
-        # deterministic mode: batch membership and versions by the step (agentrl.rollout.lockstep)
-        self.lockstep = LockstepSchedule(c.batch_size, c.max_staleness) if deterministic else None
+        # which batch a draw joins, when it starts and reaches the buffer (agentrl.rollout.lockstep)
+        self.schedule = (
+            schedule if schedule is not None else exactness.make_schedule(c.batch_size, c.max_staleness)
+        )
         self._engine_open = asyncio.Event()  # cleared while a weight update pauses the engines
         self._engine_open.set()
         self.episodes = EpisodeRunner(
-            config, engine_client, self.chat, env_factory, self.controller, self._engine_open, deterministic
+            config,
+            engine_client,
+            self.chat,
+            env_factory,
+            self.controller,
+            self._engine_open,
+            exactness.seeded_requests,
         )
         self.agents: AgentRunner | None = None  # set by check_verifier when the env is an agent
         self._paused = False
@@ -181,9 +197,14 @@ class Orchestrator:
     def version(self) -> int:
         return self.controller.version
 
+    @property
+    def lockstep(self) -> LockstepSchedule | None:
+        """The schedule when it is the lockstep one (deterministic mode), else None."""
+        return self.schedule if isinstance(self.schedule, LockstepSchedule) else None
+
     async def check_verifier(self) -> str | None:
-        """The verifier that scores episodes the env gives no reward: ``rollout.verifier``, else the env's
-        ``verifier`` (read from one env built and closed here). Raises
+        """The verifier that scores episodes the env gives no reward, resolved once and handed to the
+        episodes: ``rollout.verifier`` (in a run, the name ``train_async.py`` resolved at load), else the env's ``verifier`` (read from one env built and closed here). Raises
         :class:`~agentrl.rewards.base.VerifierConfigError` when there is none, so a run fails at start-up
         instead of failing every episode; None for an env that ``scores_itself``. ``start`` and ``evaluate``
         call it."""
@@ -198,6 +219,7 @@ class Orchestrator:
             )
         finally:
             await env.close()
+        self.episodes.verifier = name  # what scores the episodes from now on
         self._verifier_checked = True
         return name
 
@@ -254,7 +276,7 @@ class Orchestrator:
                 or self.no_progress is not None
                 or self._episode_slots + n > self.cfg.max_concurrency
                 or ctl.capacity() <= 0
-                or (self.lockstep is not None and not self.lockstep.may_start(ctl.version))
+                or not self.schedule.may_start(ctl.version)
             )
             draw = None if blocked else self._next_draw()
             if draw is None:
@@ -266,8 +288,7 @@ class Orchestrator:
                 self._pending.appendleft(draw)
                 continue
             self._episode_slots += n
-            if self.lockstep is not None:
-                self.lockstep.start(draw.uid)
+            self.schedule.start(draw.uid)
             g = _GroupRun(draw, ctl.version)
             self._groups[draw.uid] = g
             g.task = asyncio.create_task(self._run_group(g), name=f"group-{draw.uid}")
@@ -284,11 +305,8 @@ class Orchestrator:
                 return
             self.watch.kept()
             self._buffered[uid] = g.draw
-            if self.lockstep is not None:  # held until its batch is complete, then in draw order
-                await self._release(self.lockstep.completed(Group(uid, kept, g.start_version)))
-                return
-            if await self.buffer.put_group(Group(uid, kept, g.start_version)):
-                return  # accepted (the buffer told the controller)
+            if await self.schedule.deliver(Group(uid, kept, g.start_version), self.buffer):
+                return  # accepted (the buffer told the controller), or held for its batch
             # Rule 2 of agentrl.buffer: it would be trained too stale (a straggler, or an over-sampled
             # surplus). Hand the task back to be re-run from scratch once admission allows.
             del self._buffered[uid]
@@ -335,19 +353,8 @@ class Orchestrator:
                 return None, "zero_variance"
         return kept, ""
 
-    async def _release(self, groups: list[Group]) -> None:
-        """Deterministic mode: a complete batch goes to the buffer, whole and in draw order."""
-        if not groups:
-            return
-        assert self.lockstep is not None
-        async with self.lockstep.release_lock:
-            for grp in groups:
-                if not await self.buffer.put_group(grp):  # the schedule keeps every batch within η
-                    raise RuntimeError(f"deterministic schedule: group {grp.uid} would be trained too stale")
-
     async def _drop(self, draw: Draw, reason: str, trajs: Sequence[Trajectory] = ()) -> None:
-        if self.lockstep is not None:
-            self.lockstep.dropped(draw.uid)  # the batch takes the next draw in its place
+        self.schedule.dropped(draw.uid)  # lockstep: the batch takes the next draw in its place
         self.m.drop(reason)
         self.controller.finish(accepted=False)  # frees its capacity: dropping never deadlocks
         if self.cfg.record_outcomes:
@@ -440,17 +447,15 @@ class Orchestrator:
     # ================================================================ weight updates
     async def pause_for_update(self) -> None:
         """Stop admitting, pause the engines (abort mode) and wait for in-flight requests to come back.
-        Deterministic mode first waits, without interrupting anything, until every batch generated under
-        the live version is complete."""
-        if self.lockstep is not None:
-            lockstep = self.lockstep
-            await self.controller.wait_until(
-                lambda: (
-                    self._stopping
-                    or lockstep.caught_up(self.version)
-                    or (not self._groups and not self._has_work())
-                )
+        The lockstep schedule first waits, without interrupting anything, until every batch generated
+        under the live version is complete (the free-running one goes ahead at once)."""
+        await self.controller.wait_until(
+            lambda: (
+                self._stopping
+                or self.schedule.caught_up(self.version)
+                or (not self._groups and not self._has_work())
             )
+        )
         self._paused = True
         self._engine_open.clear()
         deadline = time.monotonic() + self.cfg.pause_timeout
@@ -548,13 +553,13 @@ class Orchestrator:
 
     def _in_flight(self) -> list[Draw]:
         """Every draw in flight, in the order its group would have reached the trainer: taken by a batch
-        being formed or waiting to enter the buffer, queued in the buffer, the open batch of the deterministic
+        being formed or waiting to enter the buffer, queued in the buffer, the open batch of the lockstep
         schedule in draw order, running, pending. A resumed run re-draws them in this order, so a
         deterministic run forms the same batches, in the same order, again."""
         draws = {**{d.uid: d for d in self._pending}, **{u: g.draw for u, g in self._groups.items()}}
         draws.update(self._buffered)
         queued = self.buffer.queued_uids()
-        open_batch = self.lockstep.open_uids() if self.lockstep is not None else []
+        open_batch = self.schedule.open_uids()
         ahead = [u for u in self._buffered if u not in set(queued) | set(open_batch)]
         order = [*ahead, *queued, *open_batch, *self._groups, *(d.uid for d in self._pending)]
         return [draws[u] for u in dict.fromkeys(order) if u in draws]
@@ -587,7 +592,4 @@ class Orchestrator:
         self.trained = int(state.get("trained", 0))
         self.m.load_state_dict(state.get("metrics", {}))
         self.controller.on_resume(int(state["version"] if version is None else version))
-        if self.lockstep is not None:  # batches restart at the resumed version (re-drawn tasks first)
-            self.lockstep = LockstepSchedule(
-                self.controller.batch_size, self.controller.max_staleness, self.controller.version
-            )
+        self.schedule.resume(self.controller.version)  # lockstep: batches restart at the resumed version
