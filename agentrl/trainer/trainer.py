@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.buffer import check_staleness
+from agentrl.exactness import Exactness
 from agentrl.trainer.batch import (
     MicroBatch,
     batch_advantages,
@@ -102,9 +103,10 @@ __all__ = [
 class MegatronTrainer:
     """One rank of the trainer. Construct it on every rank of the torch.distributed world.
 
-    ``deterministic``: the run's deterministic switch. On a GPU the logprobs then come from the true
-    on-policy forward (batch-invariant kernels) and its attention backward runs torch's math kernel, since
-    the flash backward accumulates dq in a varying order; on CPU nothing changes.
+    ``deterministic``: the run's deterministic switch. The kernels it and ``cfg.true_on_policy`` choose come
+    from :class:`~agentrl.exactness.Exactness`: on a GPU the logprobs then come from the true on-policy
+    forward (batch-invariant kernels) and its attention backward runs torch's math kernel, since the flash
+    backward accumulates dq in a varying order; on CPU nothing changes.
     ``store``: where the ranks meet (see :func:`~agentrl.trainer.distributed.init_distributed`)."""
 
     def __init__(self, cfg: TrainerConfig, deterministic: bool = False, store: Any = None) -> None:
@@ -163,14 +165,15 @@ class MegatronTrainer:
             cfg.logprob_chunk_tokens,
             self.compile_kernels,
         )
-        gpu_deterministic = deterministic and self.device.type == "cuda"
-        if cfg.true_on_policy or gpu_deterministic:  # π_old and the loss's logprobs in the batch-invariant
-            from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs  # engine's kernels
+        exactness = Exactness.resolve(deterministic, cfg.true_on_policy)
+        kernels = exactness.trainer_kernels(on_gpu=self.device.type == "cuda")
+        if kernels.exact_logprobs:  # π_old and the loss's logprobs in the batch-invariant engine's kernels
+            from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
 
             self.logprobs = TrueOnPolicyLogprobs(  # type: ignore[assignment]
-                self.arch, cfg.tp, cfg.pp, deterministic_backward=gpu_deterministic
+                self.arch, cfg.tp, cfg.pp, deterministic_backward=kernels.deterministic_backward
             )
-        if gpu_deterministic:  # cuBLAS picks one workspace layout per stream: same sums every run
+        if kernels.deterministic_backward:  # cuBLAS picks one workspace layout per stream: same sums
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         how = (self.params_dtype, self.compile_kernels, self.grouped_experts, self.device)
         model = build_rank_model(cfg, self.arch, ps, *how)
