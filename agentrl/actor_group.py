@@ -18,7 +18,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -59,6 +59,14 @@ def rank_error(rank: int, err: Exception) -> Exception:
     return named
 
 
+def _raise_named(rank: int, err: Exception) -> NoReturn:
+    """Raise ``err`` named by its rank (in an ``except`` block of it)."""
+    named = rank_error(rank, err)
+    if named is err:
+        raise err
+    raise named from err
+
+
 def on_bundle(group: PlacementGroup | None, index: int) -> Any:
     """The Ray scheduling strategy of bundle ``index`` of placement group ``group`` (None without a group)."""
     if group is None:
@@ -82,7 +90,7 @@ async def _ranked(rank: int, call: Awaitable[Any]) -> Any:
     try:
         return await call
     except Exception as err:
-        raise rank_error(rank, err) from err
+        _raise_named(rank, err)
 
 
 class ActorGroup:
@@ -186,7 +194,7 @@ class ActorGroup:
             try:
                 ray.get(ready)
             except Exception as err:
-                raise rank_error(rank_of[ready[0]], err) from err
+                _raise_named(rank_of[ready[0]], err)
         return ray.get(refs)
 
     def wait_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -196,7 +204,7 @@ class ActorGroup:
         try:
             return ray.get(getattr(self.actors[0], method).remote(*args, **kwargs))
         except Exception as err:
-            raise rank_error(0, err) from err
+            _raise_named(0, err)
 
     def kill(self) -> None:
         """Kill every rank's actor at once, whatever it is doing."""
