@@ -18,6 +18,7 @@ from agentrl.engine.launcher import SGLangConfig
 from agentrl.metrics import MetricsConfig
 from agentrl.rollout.config import RolloutConfig
 from agentrl.trainer.config import LORA_NOT_EXACT, TrainerConfig
+from agentrl.weight_sync import Transport, check_transport
 
 
 class DataConfig(ConfigModel):
@@ -233,7 +234,7 @@ class RunConfig(ConfigModel):
         description="colocated: engine i and trainer rank i share GPU i, as colocation says (taking turns, or "
         "overlapped); disaggregated: engines and trainer on devices of their own, generating beside the step",
     )
-    weight_sync: Literal["disk", "distributed", "tensor"] = Field(
+    weight_sync: Transport = Field(
         "distributed",
         description="disk: HF safetensors + update_weights_from_disk (any engine that sees the disk); "
         "distributed: broadcast (NCCL / gloo; engines on other devices); tensor: in memory, "
@@ -351,21 +352,13 @@ class RunConfig(ConfigModel):
                 f"(num_engines x tp = {e.num_engines * engine_tp}) must equal trainer_world_size "
                 f"({self.trainer_world_size})"
             )
-        if colocated and on_gpus and self.weight_sync == "distributed":
-            raise ValueError(
-                "weight_sync: NCCL cannot broadcast between two processes on one GPU; "
-                "use weight_sync: tensor (or disk) when colocated"
-            )
-        if self.weight_sync == "tensor" and trainer_on_gpu and not colocated:
-            raise ValueError(
-                "weight_sync: tensor passes CUDA IPC handles, which open only on the trainer's own GPU; "
-                "with placement disaggregated use distributed"
-            )
-        if self.weight_sync == "tensor" and e.backend == "external":
-            raise ValueError(
-                "weight_sync: tensor hands weights over in memory to engines this run starts on its own "
-                "machine; engine.backend external may be elsewhere: use disk or distributed"
-            )
+        check_transport(
+            self.weight_sync,
+            colocated=colocated,
+            on_gpus=on_gpus,
+            trainer_on_gpu=trainer_on_gpu,
+            engine_backend=e.backend,
+        )
         if self.rollout.shards > 1:
             _check_shards(self)
         return self
@@ -381,7 +374,7 @@ class RunConfig(ConfigModel):
 def _check_lora(cfg: RunConfig) -> None:
     """``trainer.lora``: engines the run starts, which take adapters at run time. The embedded engine applies
     its adapter to every request; SGLang (0.5.16) keeps the base weights resident and serves each synced
-    adapter to the requests that name it (agentrl.trainer.adapter_sync), which needs its weights kept
+    adapter to the requests that name it (agentrl.weight_sync.named_adapters), which needs its weights kept
     through a colocated release and a single data-parallel replica per server."""
     e = cfg.engine
     if e.backend == "external":

@@ -138,6 +138,7 @@ async def memory(phase: str, client: Any, engine_pid: int) -> dict[str, Any]:
 async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from agentrl.embedded.server import start_embedded_server
     from agentrl.engine.client import EngineClient
+    from agentrl.weight_sync import WeightUpdate
 
     server = start_embedded_server(
         model_dir,
@@ -170,7 +171,7 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
         await asyncio.to_thread(train)  # the first step compiles; not timed
 
         async def sync(mode: str, **where: Any) -> float:  # the sync alone is timed, not the connect
-            await trainer.connect_engines(mode, client, **where)
+            await trainer.connect_engines(WeightUpdate(mode, **where), client)
             t0 = time.perf_counter()
             await trainer.sync_weights()
             seconds = time.perf_counter() - t0
@@ -197,7 +198,7 @@ async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Pat
             return out
 
         await asyncio.to_thread(trainer.offload)
-        await trainer.connect_engines("tensor", client)
+        await trainer.connect_engines(WeightUpdate("tensor"), client)
         for i in range(a.repeats):
             if i == a.repeats - 1:
                 mem.append(await memory("generate: engine awake, trainer offloaded", client, server.pid))

@@ -183,6 +183,7 @@ async def _engine_syncs(
 
     from agentrl.embedded.server import start_embedded_server
     from agentrl.engine.client import EngineClient
+    from agentrl.weight_sync import WeightUpdate
 
     cuda = a.device == "cuda"
     if cuda:
@@ -199,7 +200,7 @@ async def _engine_syncs(
     client = EngineClient(server.url, timeout=3600)
     try:
         before = await _generation_speed(a, client, min(trainer.arch.vocab_size, 150000))
-        await trainer.connect_engines("tensor", client)
+        await trainer.connect_engines(WeightUpdate("tensor"), client)
         times, gather, push = [], [], []
         for _ in range(3):
             t0 = time.perf_counter()

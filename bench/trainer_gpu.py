@@ -123,6 +123,7 @@ async def weight_sync(
     from agentrl.engine.client import EngineClient
     from agentrl.engine.types import SamplingParams
     from agentrl.types import Trajectory
+    from agentrl.weight_sync import BroadcastGroup, WeightUpdate
 
     out: dict = {}
     server = start_embedded_server(
@@ -136,7 +137,7 @@ async def weight_sync(
     )
     client = EngineClient(server.url, timeout=3600)
     try:
-        await trainer.connect_engines("disk", client, out_dir=work / "hf_sync")
+        await trainer.connect_engines(WeightUpdate("disk", out_dir=work / "hf_sync"), client)
         t0 = time.perf_counter()
         await trainer.sync_weights()
         out["sync_disk_s"] = time.perf_counter() - t0
@@ -149,7 +150,9 @@ async def weight_sync(
         )
         backend = "gloo" if same_gpu else "nccl"
         t0 = time.perf_counter()
-        await trainer.connect_engines("distributed", client, backend=backend)
+        await trainer.connect_engines(
+            WeightUpdate("distributed", group=BroadcastGroup(backend=backend)), client
+        )
         out["sync_group_init_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         version = await trainer.sync_weights()

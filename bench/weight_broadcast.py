@@ -3,7 +3,7 @@ NCCL all-reduce bus bandwidth measured in the same run.
 
 The sender is this process on ``--trainer-device`` (default cuda:0): a model's HF-named weights, random,
 in bf16 on that GPU (what trainer rank 0 holds once it gathered them; no model, no optimizer), pushed by
-agentrl's own sender (:func:`agentrl.trainer.weight_sync.connect_engine_sync`: BroadcastSync over a
+agentrl's own sender (:func:`agentrl.weight_sync.connect`: BroadcastSync over a
 WeightBroadcaster, buckets of ``--bucket-mb``). The receiver is a process of its own on
 ``--engine-device`` (default cuda:1) serving the engine's side of the protocol over HTTP: the embedded
 engine's endpoints (:class:`agentrl.embedded.native_api.NativeAPI`) over its broadcast groups
@@ -291,16 +291,16 @@ async def push_shape(
     backend: str,
 ) -> dict[str, Any]:
     """One checked push of shape ``name``, then ``a.repeats`` timed ones, as trainer rank 0 pushes."""
-    from agentrl.trainer.weight_sync import connect_engine_sync
+    from agentrl.weight_sync import BroadcastGroup, WeightUpdate, connect
 
     hf = random_weights(name, dtype, device)
     nbytes = sum(t.numel() * t.element_size() for t in hf.values())
     sent_sum = checksum(hf.values())
     sync(device)
     t0 = time.perf_counter()
-    engine_sync = await connect_engine_sync(
-        "distributed", client, 0, device, "", backend=backend, bucket_bytes=int(a.bucket_mb * 2**20)
-    )
+    group = BroadcastGroup(backend=backend, bucket_bytes=int(a.bucket_mb * 2**20))
+    update = WeightUpdate("distributed", group=group)
+    engine_sync = await connect(update, rank=0, world_size=1, device=device, model_path="", client=client)
     group_init_s = time.perf_counter() - t0
     try:
         await receiver.call("POST", "/bench/verify", {"on": True})

@@ -8,6 +8,7 @@ from typing import Any
 
 from agentrl.cluster import free_port
 from agentrl.types import Trajectory
+from agentrl.weight_sync import WeightUpdate
 
 
 def make_trajectories(
@@ -143,7 +144,7 @@ def dist_env(rank: int, world_size: int, port: int) -> None:
 async def sync_to_disk(tr: Any, out_dir: str) -> int:
     """A weight sync of trainer ``tr`` in disk mode with no engine: the HF dir is written, the version
     goes up by one (collective). Returns the new version."""
-    await tr.connect_engines("disk", None, out_dir=out_dir)
+    await tr.connect_engines(WeightUpdate("disk", out_dir=out_dir))
     try:
         return await tr.sync_weights()
     finally:

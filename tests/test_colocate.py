@@ -24,6 +24,7 @@ from agentrl.embedded.native_api import build_app
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
 from agentrl.offload import HostCopy, StorageOffload
+from agentrl.weight_sync import WeightUpdate
 
 TESTS = str(Path(__file__).parent)
 
@@ -253,10 +254,10 @@ def _trainer_job(model_dir: str, out: str, offload: bool) -> None:
         a = EmbeddedEngine(model_dir, max_batch_size=2)
         b = EmbeddedEngine(model_dir, max_batch_size=2)
         async with served(a) as ca, served(b) as cb:
-            await tr.connect_engines("tensor", ca)
+            await tr.connect_engines(WeightUpdate("tensor"), ca)
             await tr.sync_weights()
             await tr.disconnect_engines()
-            await tr.connect_engines("disk", cb, out_dir=f"{out}.hf")
+            await tr.connect_engines(WeightUpdate("disk", out_dir=f"{out}.hf"), cb)
             await tr.sync_weights()
             await tr.disconnect_engines()
             result["tensor"] = {n: p.detach().clone() for n, p in a.model.state_dict().items()}

@@ -28,6 +28,7 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.testing.gpus import child_gpu_env
 from agentrl.types import Trajectory
+from agentrl.weight_sync import BroadcastGroup, WeightUpdate
 
 pytestmark = pytest.mark.gpu
 
@@ -100,7 +101,9 @@ async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> No
             server = start_embedded_server(tiny_model_dir, device="cuda", dtype="bfloat16", env=env)
             client = EngineClient(server.url, timeout=120)
             try:
-                await trainer.connect_engines("distributed", client, backend="nccl")
+                await trainer.connect_engines(
+                    WeightUpdate("distributed", group=BroadcastGroup(backend="nccl")), client
+                )
                 version = await trainer.sync_weights()
                 fresh = await _sample(client, 4, version)
                 assert {t.info["weight_version"] for t in fresh} == {str(version)}

@@ -23,6 +23,7 @@ import torch
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
+from agentrl.weight_sync import WeightUpdate
 
 pytestmark = pytest.mark.gpu
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,10 +104,10 @@ async def test_ipc_weight_update_equals_disk_update_bit_for_bit(tiny_model_dir: 
     ca, cb = EngineClient(a.url, timeout=300), EngineClient(b.url, timeout=300)
     try:
         trainer.train_step(_batch(trainer.arch.vocab_size, 0, 0))  # weights other than the engines' own
-        await trainer.connect_engines("tensor", ca)
+        await trainer.connect_engines(WeightUpdate("tensor"), ca)
         await trainer.sync_weights()
         await trainer.disconnect_engines()
-        await trainer.connect_engines("disk", cb, out_dir=tmp_path / "hf")
+        await trainer.connect_engines(WeightUpdate("disk", out_dir=tmp_path / "hf"), cb)
         await trainer.sync_weights()
         await trainer.disconnect_engines()
         from transformers import AutoModelForCausalLM

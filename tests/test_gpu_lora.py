@@ -41,6 +41,7 @@ from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.models.tiny import SMOLLM2_135M
+from agentrl.weight_sync import WeightUpdate
 
 pytestmark = pytest.mark.gpu
 
@@ -249,7 +250,7 @@ def _scored_by_trainer(tr, answers: list[tuple[list[int], list[float]]]) -> list
 async def test_adapter_sync_to_gpu_engines_merged_and_unmerged(smol_dir: Path, tmp_path: Path) -> None:
     from agentrl.embedded.lora import is_adapter_tensor
     from agentrl.trainer.model import save_hf_dir
-    from agentrl.trainer.weight_sync import LORA_NAME
+    from agentrl.weight_sync import LORA_NAME
 
     tr = _trainer(smol_dir, lr=5e-2, micro_batch_size=4, lora=LORA)
 
@@ -276,7 +277,7 @@ async def test_adapter_sync_to_gpu_engines_merged_and_unmerged(smol_dir: Path, t
             base = await _greedy(synced)
             assert await _greedy(merged) == base  # two engines of the same weights: the same bits
             assert await _greedy(unmerged) == base  # B zero in its buffers: exact zeros added
-            await tr.connect_engines("tensor", both)
+            await tr.connect_engines(WeightUpdate("tensor"), both)
             for version in (1, 2):
                 trajs = _batch(tr.arch.vocab_size, seed=version)
                 offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))

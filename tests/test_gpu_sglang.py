@@ -42,7 +42,8 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.launcher import SGLangConfig, SGLangLauncher, SGLangLoRAConfig
 from agentrl.engine.types import SamplingParams
 from agentrl.testing.gpus import child_gpu_env
-from agentrl.trainer.colocate import push_tensors
+from agentrl.weight_sync import WeightUpdate
+from agentrl.weight_sync.tensor import push_tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.usefixtures("sglang_required")]
 
@@ -223,7 +224,7 @@ async def test_distributed_weight_update(
     same requests and broadcasts). Afterwards the server answers as the broadcast weights do."""
     from agentrl.cluster import free_port
     from agentrl.engine.dist import init_custom_process_group, leave_process_group
-    from agentrl.engine.launcher import SGLANG_PEER_ENV
+    from agentrl.weight_sync import SGLANG_PEER_ENV
 
     two = torch.cuda.device_count() >= 2
     backend = "nccl" if two else "gloo"
@@ -403,7 +404,7 @@ async def test_lora_adapters_served_by_name(
         ):
             base_only.use_adapter(None)
             base_before = await base_only.generate(prompt, greedy)
-            await tr.connect_engines("tensor", trainer_side)  # asks the server: LoRA by name
+            await tr.connect_engines(WeightUpdate("tensor"), trainer_side)  # asks the server: LoRA by name
             previous = None  # the adapters of the version before (None: the base model)
             for version in (1, 2):
                 _set_adapters(tr, seed=version)

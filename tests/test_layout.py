@@ -1,6 +1,6 @@
 """The tree's layering, checked from the imports: what talks to any engine does not reach into the embedded
-stand-in, the rollout or the trainer; the models' shared parts sit below engines and trainer; the chat
-tokenizer sits below both rollout and engines."""
+stand-in, the rollout or the trainer; the models' shared parts sit below engines and trainer; weight sync
+sits above the trainer, which never imports it; the chat tokenizer sits below both rollout and engines."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def _imports(path: Path) -> set[str]:
     [
         ("engine", ("agentrl.embedded", "agentrl.rollout", "agentrl.trainer")),
         ("embedded", ("agentrl.rollout", "agentrl.trainer")),
-        ("trainer", ("agentrl.rollout", "agentrl.embedded", "agentrl.convert")),
+        ("trainer", ("agentrl.rollout", "agentrl.embedded", "agentrl.convert", "agentrl.weight_sync")),
+        # weight sync sits above the trainer (its tensor helpers) and the engine client, below the driver
+        ("weight_sync", ("agentrl.rollout", "agentrl.embedded", "agentrl.convert", "agentrl.placement")),
         # the model facts and the decoder layer that engine and trainer share sit below both
         ("models", ("agentrl.embedded", "agentrl.engine", "agentrl.rollout", "agentrl.trainer")),
     ],

@@ -24,6 +24,7 @@ from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
+from agentrl.weight_sync import BroadcastGroup, WeightUpdate
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [64, 65, 66, 67, 68, 69, 70]]
 # fp32 on a CPU: an unmerged engine's logprobs against a merging one's (measured: a few 1e-7)
@@ -114,7 +115,7 @@ async def test_adapter_sync_merged_and_unmerged(trainer, tiny_model_dir: Path, t
                 assert res.weight_version == str(version)
 
         _step(trainer, seed=1)
-        await trainer.connect_engines("tensor", both)
+        await trainer.connect_engines(WeightUpdate("tensor"), both)
         assert await trainer.sync_weights() == 1
         stats = trainer.last_sync_stats
         # the figures a colocated step reads off a tensor push (agentrl.colocation)
@@ -128,7 +129,7 @@ async def test_adapter_sync_merged_and_unmerged(trainer, tiny_model_dir: Path, t
 
         # a second adapter, from disk: merged from the base weights, not on top of the first
         _step(trainer, seed=2)
-        await trainer.connect_engines("disk", both, out_dir=tmp_path / "adapter")
+        await trainer.connect_engines(WeightUpdate("disk", out_dir=tmp_path / "adapter"), both)
         assert await trainer.sync_weights() == 2
         assert {p.name for p in (tmp_path / "adapter").iterdir()} == {
             "adapter_config.json",
@@ -139,7 +140,9 @@ async def test_adapter_sync_merged_and_unmerged(trainer, tiny_model_dir: Path, t
 
         # a third, broadcast (gloo): one bucket of adapters, B scaled, the same bits again
         _step(trainer, seed=3)
-        await trainer.connect_engines("distributed", both, num_engine_ranks=2)
+        await trainer.connect_engines(
+            WeightUpdate("distributed", group=BroadcastGroup(num_engine_ranks=2)), both
+        )
         assert await trainer.sync_weights() == 3
         assert trainer.last_sync_stats["num_buckets"] == 1
         assert trainer.last_sync_stats["num_bytes"] == stats["num_bytes"]

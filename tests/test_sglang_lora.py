@@ -28,9 +28,10 @@ from agentrl.engine.types import SamplingParams
 from agentrl.recipe import load_run_config
 from agentrl.testing.stub_engine import stub_engine_in_process
 from agentrl.testing.stub_lora import _TensorUnpickler
-from agentrl.trainer.adapter_sync import NamedAdapterSync, adapter_payload, complete_fused_groups
 from agentrl.trainer.config import LoRAConfig
 from agentrl.trainer.lora import PEFT_PREFIX, merge_into_hf, save_peft_dir
+from agentrl.weight_sync import WeightUpdate
+from agentrl.weight_sync.named_adapters import NamedAdapterSync, adapter_payload, complete_fused_groups
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -325,11 +326,11 @@ async def test_trainer_syncs_adapters_by_name(trainer: Any, tiny_model_dir: Path
 
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     async with stub_engine_in_process(**LORA_STUB) as (engine, url), EngineClient(url) as client:
-        await trainer.connect_engines("tensor", client)
+        await trainer.connect_engines(WeightUpdate("tensor"), client)
         for version, mode in ((1, "tensor"), (2, "tensor"), (3, "disk")):
             if mode == "disk":
                 assert await trainer.disconnect_engines()
-                await trainer.connect_engines("disk", client, out_dir=tmp_path / "adapters")
+                await trainer.connect_engines(WeightUpdate("disk", out_dir=tmp_path / "adapters"), client)
             trajs = make_trajectories(trainer.arch.vocab_size, seed=version)
             offset_rollout_logprobs(trajs, trainer.compute_logprobs(trajs))
             trainer.train_step(trajs)

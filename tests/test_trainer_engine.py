@@ -17,6 +17,7 @@ from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory
+from agentrl.weight_sync import BroadcastGroup, WeightUpdate
 
 
 @pytest.fixture(params=["qwen2", "qwen3_moe"])
@@ -90,7 +91,9 @@ async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Pa
         assert metrics["mismatch_kl"] <= 1e-8
 
         # distributed broadcast (gloo); small buckets -> several update_weights_from_distributed calls
-        await trainer.connect_engines("distributed", client, bucket_bytes=64 << 10)
+        await trainer.connect_engines(
+            WeightUpdate("distributed", group=BroadcastGroup(bucket_bytes=64 << 10)), client
+        )
         assert await trainer.sync_weights() == 1
         assert trainer.last_sync_stats["num_buckets"] > 1
         fresh = await _rollouts(client, 4, version=1, seed=7)
@@ -108,12 +111,12 @@ async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Pa
 
         # one way to the engines at a time; both ends leave the group together (cleanly, no abort)
         with pytest.raises(RuntimeError, match="already connected"):
-            await trainer.connect_engines("disk", client, out_dir=tmp_path / "hf_v2")
+            await trainer.connect_engines(WeightUpdate("disk", out_dir=tmp_path / "hf_v2"), client)
         assert await trainer.disconnect_engines(timeout=30) is True
 
         # from disk
         trainer.train_step(fresh)
-        await trainer.connect_engines("disk", client, out_dir=tmp_path / "hf_v2")
+        await trainer.connect_engines(WeightUpdate("disk", out_dir=tmp_path / "hf_v2"), client)
         assert await trainer.sync_weights() == 2
         assert (tmp_path / "hf_v2" / "model.safetensors").is_file()
         again = await _rollouts(client, 4, version=2, seed=11)
@@ -123,7 +126,7 @@ async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Pa
         assert await trainer.disconnect_engines() is True
 
         # the engine can join a new broadcast group after leaving the first
-        await trainer.connect_engines("distributed", client)
+        await trainer.connect_engines(WeightUpdate("distributed"), client)
         assert await trainer.sync_weights() == 3
     finally:
         await trainer.disconnect_engines()

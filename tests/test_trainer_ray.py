@@ -12,6 +12,7 @@ from _trainer_helpers import make_trajectories
 
 from agentrl.embedded.server import start_embedded_server
 from agentrl.trainer.config import TrainerConfig
+from agentrl.weight_sync import WeightUpdate
 
 
 def _bundle_cpus_free(ray, pg, index: int) -> float:
@@ -46,7 +47,7 @@ async def test_trainer_group_on_ray(tiny_model_dir: Path, tmp_path: Path) -> Non
         recorded = (await group.last_logprobs())["logprobs"]
         assert [len(lp) for lp in recorded] == [len(t.response_ids) for t in batch]
 
-        await group.connect_engines("disk", [server.url], out_dir=str(tmp_path / "hf"))
+        await group.connect_engines(WeightUpdate("disk", [server.url], out_dir=str(tmp_path / "hf")))
         assert await group.sync_weights() == 1
         assert await group.policy_version() == 1
         assert (await group.last_sync_stats())["gather_seconds"] > 0
@@ -73,7 +74,7 @@ async def test_every_rank_hands_weights_in_memory_to_its_own_engine(tiny_model_d
     try:
         group = TrainerGroup(TrainerConfig(model_path=str(tiny_model_dir), lr=1e-3), world_size=2)
         await group.train_step(make_trajectories(600, seed=5), max_staleness=0)
-        await group.connect_engines("tensor", [s.url for s in servers])
+        await group.connect_engines(WeightUpdate("tensor", [s.url for s in servers]))
         assert await group.sync_weights() == 1
         assert [await _engine_version(s.url) for s in servers] == ["1", "1"]
         pushed = ray.get([a.call.remote("last_sync_stats") for a in group.actors])

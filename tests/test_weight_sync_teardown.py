@@ -10,7 +10,7 @@ import threading
 import time
 
 from agentrl.engine import dist as agent_dist
-from agentrl.trainer.weight_sync import WeightBroadcaster
+from agentrl.weight_sync.broadcast import WeightBroadcaster
 
 
 async def test_leave_aborts_a_destroy_that_hangs(monkeypatch) -> None:

@@ -6,7 +6,7 @@ only to a ``/generate`` that names it, in ``lora_path`` (the adapter's *name*, d
 ``lora_id`` is filled in by SGLang's tokenizer manager). The trainer's weight sync loads each version of
 its adapters under a name of its own, :func:`adapter_name` (``agentrl-v{version}``: SGLang refuses to
 load a name that is loaded already), and unloads the previous one
-(:class:`agentrl.trainer.adapter_sync.NamedAdapterSync`).
+(:class:`agentrl.weight_sync.named_adapters.NamedAdapterSync`).
 
 The engine client (:class:`~agentrl.engine.client.EngineClient`, which mixes :class:`AdapterNaming` in)
 holds per endpoint the adapter its ``/generate`` names and adds ``lora_path`` to each of them. The

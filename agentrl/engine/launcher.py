@@ -68,7 +68,6 @@ PORT_ATTEMPTS = 3
 
 __all__ = [
     "SGLANG_LORA_MODULES",
-    "SGLANG_PEER_ENV",
     "SGLangConfig",
     "SGLangLauncher",
     "SGLangLoRAConfig",
@@ -82,13 +81,6 @@ __all__ = [
 ]
 
 SITE_ENV = "AGENTRL_SGLANG_SITE"
-
-# SGLang's scheduler processes set NCCL_CUMEM_ENABLE=0 (unless symmetric memory is on); NCCL's peer
-# transport then shares buffers by legacy CUDA IPC, and a process at the other end of a weight-update
-# group that runs with NCCL's default (cuMem) fails to open them: "Cuda failure 'invalid argument'" in
-# /update_weights_from_distributed. The trainer's processes run with the same setting (NCCL reads it once,
-# so it must be in their environment from the start).
-SGLANG_PEER_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
 
 def _default_site() -> Path:

@@ -1,7 +1,7 @@
 """The TEST STAND-IN's LoRA adapters (:mod:`agentrl.testing.stub_engine` with ``enable_lora``): SGLang
 0.5.16's adapter endpoints and their bookkeeping, with no model behind them.
 
-What it keeps of SGLang (read in its source; see :mod:`agentrl.trainer.adapter_sync` for the files):
+What it keeps of SGLang (read in its source; see :mod:`agentrl.weight_sync.named_adapters` for the files):
 
 * ``/load_lora_adapter {lora_name, lora_path}`` reads a PEFT dir (``adapter_config.json``,
   ``adapter_model.safetensors``); ``/load_lora_adapter_from_tensors {lora_name, config_dict,

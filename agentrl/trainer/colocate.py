@@ -1,28 +1,22 @@
-"""What a trainer rank does to share its GPU with an inference engine (``placement: colocated``).
-
-* :class:`TrainerOffload` moves the rank's weights, optimizer state (fp32 main weights, Adam moments)
-  and a KL reference model's weights to pinned host memory while the engine generates, and back before
-  the next step (:mod:`agentrl.offload`, content kept bit for bit); the gradients (megatron's contiguous
-  buffers included) are freed and come back as zeros, since every update zeroes them first. Storages
-  shared by several tensors (megatron's parameters are views of one buffer) move once.
-* :func:`push_tensors` hands the full HF-named weights to engines on the same machine in memory
-  (SGLang's ``/update_weights_from_tensor``; CUDA IPC handles on a GPU, shared memory on the CPU; see
-  :mod:`agentrl.engine.named_tensors`), instead of writing them to disk for
-  ``/update_weights_from_disk``.
+"""What a trainer rank does to share its GPU with an inference engine (``placement: colocated``):
+:class:`TrainerOffload` moves the rank's weights, optimizer state (fp32 main weights, Adam moments) and a
+KL reference model's weights to pinned host memory while the engine generates, and back before the next
+step (:mod:`agentrl.offload`, content kept bit for bit); the gradients (megatron's contiguous buffers
+included) are freed and come back as zeros, since every update zeroes them first. Storages shared by
+several tensors (megatron's parameters are views of one buffer) move once. The new weights reach the
+engine in memory (:mod:`agentrl.weight_sync.tensor`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from agentrl.offload import StorageOffload
 
-__all__ = ["TensorPushStats", "TrainerOffload", "push_tensors", "trainer_state_tensors"]
+__all__ = ["TrainerOffload", "trainer_state_tensors"]
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
@@ -111,34 +105,3 @@ class TrainerOffload:
             out["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
             out["gpu_mem_reserved_gb"] = torch.cuda.memory_reserved(self.device) / 2**30
         return out
-
-
-@dataclass
-class TensorPushStats:
-    """One in-memory weight push: tensors, bytes, and seconds to pack and for the engines to copy
-    (``seconds``: packing included); ``gather_seconds``: assembling the HF-named weights before it."""
-
-    num_tensors: int = 0
-    num_bytes: int = 0
-    pack_seconds: float = 0.0
-    seconds: float = 0.0
-    gather_seconds: float = 0.0
-
-
-async def push_tensors(client: Any, hf: dict[str, torch.Tensor], weight_version: int) -> TensorPushStats:
-    """Every engine of ``client`` copies in ``hf`` (one buffer on the tensors' device) as
-    ``weight_version``; the buffer is freed once they all answered."""
-    from agentrl.engine.named_tensors import pack_named_tensors
-
-    t0 = time.perf_counter()
-    packed = pack_named_tensors(list(hf.items()))
-    t1 = time.perf_counter()
-    try:
-        await client.update_weights_from_tensor(
-            [packed.payload], load_format=packed.load_format, weight_version=str(weight_version)
-        )
-    finally:
-        packed.close()
-        if any(t.is_cuda for t in hf.values()):
-            torch.cuda.ipc_collect()  # blocks the engines mapped are freed now, not at the next collect
-    return TensorPushStats(len(hf), packed.num_bytes, t1 - t0, time.perf_counter() - t0)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from agentrl.trainer.arch import ModelArch
@@ -37,6 +38,7 @@ from agentrl.trainer.moe import (
     expert_layout,
     hf_moe_shapes,
     install_router_replay,
+    is_expert_param,
     moe_layer_to_hf,
     moe_layer_to_mcore,
     unstack_experts,
@@ -408,6 +410,49 @@ def mcore_to_hf(
             hf[h + "mlp.up_proj.weight"] = torch.cat(ups, dim=0).contiguous()
             hf[h + "mlp.down_proj.weight"] = cat_cols(p, m + "mlp.linear_fc2.weight")
     return hf
+
+
+def gather_hf_state_dict(
+    module: torch.nn.Module, arch: ModelArch, ps: Any, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The full HF-named state dict of a GPTModel sharded over TP and PP, assembled on every rank
+    (collective over both; ``ps``: megatron's parallel_state), its tensors on ``device``."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    local = {
+        k: v.detach()
+        for k, v in module.state_dict().items()
+        if not k.endswith("_extra_state") and v is not None
+    }
+    shards: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+    tp_group = ps.get_tensor_model_parallel_group()
+    ep = ps.get_expert_model_parallel_world_size() if arch.moe is not None else 1
+    for name in sorted(local):
+        t = local[name].contiguous()
+        if tp > 1:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t, group=tp_group)
+        else:
+            parts = [t]
+        if ep > 1 and is_expert_param(name):  # each expert-parallel rank holds other experts
+            for r, part in enumerate(parts):
+                held = [torch.empty_like(part) for _ in range(ep)]
+                dist.all_gather(held, part.contiguous(), group=ps.get_expert_model_parallel_group())
+                for e, x in enumerate(held):
+                    shards.setdefault((pp_rank, r, e), {})[name] = x.to(device)
+            continue
+        for r, part in enumerate(parts):
+            shards.setdefault((pp_rank, r) if ep == 1 else (pp_rank, r, 0), {})[name] = part.to(device)
+    if pp > 1:
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(
+            gathered,
+            {k: {n: v.cpu() for n, v in d.items()} for k, d in shards.items()},
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+        shards = {k: {n: v.to(device) for n, v in d.items()} for part in gathered for k, d in part.items()}
+    return mcore_to_hf(shards, arch)
 
 
 def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:

@@ -18,17 +18,17 @@ its slice):
    micro-batches with losses scaled by the mini-batch's global token / sequence counts, TP-aware
    gradient-norm clipping, AdamW, LR schedule) and returns averaged metrics.
 
-Weights reach the engines in three verbs: ``connect_engines(mode, client, ...)`` once (``disk``,
-``tensor`` or ``distributed``), ``sync_weights()`` after each step (version += 1), ``disconnect_engines()``
-at the end.
+Weights reach the engines in three verbs: ``connect_engines(update)`` once (an
+:class:`agentrl.weight_sync.WeightUpdate`: ``disk``, ``tensor`` or ``distributed``), ``sync_weights()``
+after each step (version += 1), ``disconnect_engines()`` at the end. The trainer produces the tensors;
+:mod:`agentrl.weight_sync` moves them (the trainer does not import it: the update builds this rank's side).
 
 Its parts live beside it: process world and RNGs in :mod:`~agentrl.trainer.distributed`, the model and
 its compile warm-up in :mod:`~agentrl.trainer.build`, steps 1-3 in :mod:`~agentrl.trainer.batch`, the
 optimizer paths (plain torch AdamW on CPU; megatron-core DDP + distributed optimizer + pipeline schedule
-on GPU, see :mod:`agentrl.trainer.mcore_compat`) in :mod:`~agentrl.trainer.optim`, the weight sync modes
-in :mod:`~agentrl.trainer.weight_sync` and checkpoints in :mod:`~agentrl.trainer.checkpoint`. With
-``trainer.lora`` the model is frozen and low-rank adapters train (:mod:`~agentrl.trainer.lora`); the
-weight sync then carries only the adapters.
+on GPU, see :mod:`agentrl.trainer.mcore_compat`) in :mod:`~agentrl.trainer.optim` and checkpoints in
+:mod:`~agentrl.trainer.checkpoint`. With ``trainer.lora`` the model is frozen and low-rank adapters train
+(:mod:`~agentrl.trainer.lora`); the weight sync then carries only the adapters.
 
 Ray: :class:`agentrl.trainer.ray_actor.TrainerGroup` runs one instance per rank, one actor each.
 """
@@ -39,7 +39,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,10 +80,9 @@ from agentrl.trainer.logprobs import ModelLogprobs
 from agentrl.trainer.lora import merge_into_hf, peft_state_dict, save_peft_dir
 from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
 from agentrl.trainer.mcore_compat import apply_cpu_patches
-from agentrl.trainer.model import ModelArch, save_hf_dir
+from agentrl.trainer.model import ModelArch, gather_hf_state_dict, save_hf_dir
 from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
 from agentrl.trainer.optim import MicroLoss, build_optimizer
-from agentrl.trainer.weight_sync import EngineSync, connect_engine_sync, gather_hf_state_dict
 from agentrl.types import Trajectory
 
 __all__ = [
@@ -205,8 +204,8 @@ class MegatronTrainer:
         # the policy version when the weights last changed (an optimizer step, a checkpoint load): while it
         # is below policy_version the trainer holds the weights of that version
         self._changed_at: int | None = None
-        self._engines: EngineSync | None = None  # the weight sync mode connect_engines chose
-        # rank 0's figures of its last weight push (the mode's, plus gather_seconds; empty before one)
+        self._engines: Any = None  # this rank's side of the weight update (connect_engines)
+        # rank 0's figures of its last weight push (the transport's, plus gather_seconds; empty before one)
         self.last_sync_stats: dict[str, float] = {}
         self._offload: TrainerOffload | None = None  # the state while it is off the device
         # compiled layers: compile now, not in the first train step (not with pipelines or experts,
@@ -509,38 +508,22 @@ class MegatronTrainer:
         dist.barrier()
         return out
 
-    async def connect_engines(
-        self,
-        mode: Literal["disk", "tensor", "distributed"],
-        client: Any,
-        *,
-        out_dir: str | Path | None = None,
-        num_engine_ranks: int = 1,
-        master_address: str = "127.0.0.1",
-        master_port: int | None = None,
-        backend: str | None = None,
-        bucket_bytes: int | None = None,
-    ) -> None:
-        """Choose how :meth:`sync_weights` reaches the engines behind ``client`` (an EngineClient of the
-        engines this rank pushes to, None where it pushes to none; disk mode with None writes the HF dir
-        only): ``disk`` writes ``out_dir``, ``tensor`` hands them over in memory, ``distributed`` opens
-        the broadcast group with the engines now (``num_engine_ranks``, ``master_*``, ``backend``,
-        ``bucket_bytes``; see :mod:`agentrl.trainer.weight_sync`). Every rank calls it."""
+    async def connect_engines(self, update: Any, client: Any = None) -> None:
+        """Connect this rank to the engines :meth:`sync_weights` pushes to, as ``update`` says (an
+        :class:`agentrl.weight_sync.WeightUpdate`: the transport, the engine URLs this rank picks its own
+        from, and the transport's fields; see :mod:`agentrl.weight_sync`). ``client``: an EngineClient of
+        the engines this rank pushes to, instead of the URLs. A ``disk`` update without engines writes the
+        HF dir only; ``distributed`` opens the broadcast group with the engines now. Every rank calls it."""
         if self._engines is not None:
             raise RuntimeError("engines already connected: disconnect_engines() first")
-        self._engines = await connect_engine_sync(
-            mode,
-            client,
-            self.rank,
-            self.device,
-            self.cfg.model_path,
-            out_dir=out_dir,
-            num_engine_ranks=num_engine_ranks,
-            master_address=master_address,
-            master_port=master_port,
-            backend=backend,
-            bucket_bytes=bucket_bytes or self.cfg.weight_sync_bucket_mb << 20,
+        self._engines = await update.connect(
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            model_path=self.cfg.model_path,
             lora=self.cfg.lora,
+            client=client,
+            bucket_bytes=self.cfg.weight_sync_bucket_mb << 20,
         )
 
     async def sync_weights(self, new_version: bool = True) -> int:
@@ -570,7 +553,8 @@ class MegatronTrainer:
 
     async def disconnect_engines(self, timeout: float = 30.0) -> bool:
         """Let go of the engines, bounded (a broadcast group is left together with them, see
-        ``WeightBroadcaster.close``); True when it ended cleanly or nothing was connected."""
+        :meth:`agentrl.weight_sync.broadcast.WeightBroadcaster.close`); True when it ended cleanly or
+        nothing was connected."""
         engines, self._engines = self._engines, None
         return True if engines is None else await engines.close(timeout)
 

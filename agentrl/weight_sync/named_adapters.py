@@ -1,9 +1,9 @@
 """LoRA weight sync to engines that serve adapters by name: SGLang launched with ``--enable-lora`` keeps
 the base weights resident and applies an adapter only to the requests that name it, so every sync loads
 the trainer's adapters as a new adapter, ``agentrl-v{version}``, has the engines' clients name it, and
-unloads the previous one (:class:`NamedAdapterSync`; chosen by
-:func:`agentrl.trainer.weight_sync.connect_engine_sync` for engines whose server info says
-``enable_lora``, in every ``weight_sync`` mode).
+unloads the previous one (:class:`NamedAdapterSync`: the ``lora_named`` payload, chosen by
+:func:`agentrl.weight_sync.registry.connect` for engines whose server info says ``enable_lora``, over
+every transport).
 
 What it relies on, read in SGLang 0.5.16's source (``srt/lora/lora_registry.py``, ``srt/lora/lora_manager.py``,
 ``srt/lora/lora.py``, ``srt/managers/tokenizer_control_mixin.py``, ``tokenizer_manager.py``,
@@ -58,6 +58,11 @@ from typing import Any
 
 import torch
 
+from agentrl.engine.adapters import adapter_name, adapter_version
+from agentrl.engine.client import EngineRequestError
+from agentrl.trainer.lora import PEFT_PREFIX, adapter_config, save_peft_dir
+from agentrl.weight_sync.update import RankSide, WeightUpdate
+
 log = logging.getLogger("agentrl.weight_sync")
 
 __all__ = [
@@ -66,6 +71,7 @@ __all__ = [
     "adapter_payload",
     "adapter_push_stats",
     "complete_fused_groups",
+    "connect_named_adapters",
 ]
 
 
@@ -94,8 +100,6 @@ def complete_fused_groups(
     them. A module that is no target gets the group's ``A`` (shared by the fused layer) and a zero ``B``,
     which is what the trainer's masked fused adapter computes for it; SGLang then stacks complete groups
     (module docstring). ``peft`` itself is returned when every group is complete already."""
-    from agentrl.trainer.lora import PEFT_PREFIX
-
     targets = set(lora.target_modules)
     missing = {m for _, group in FUSED_GROUPS if targets & set(group) for m in group} - targets
     if not missing:
@@ -195,9 +199,6 @@ class NamedAdapterSync:
         self._swept = False
 
     async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        from agentrl.engine.adapters import adapter_name
-        from agentrl.trainer.lora import adapter_config, save_peft_dir
-
         t0 = time.perf_counter()
         name = adapter_name(version)
         tensors, lora = complete_fused_groups(hf, self.lora, self.model_path)
@@ -228,8 +229,6 @@ class NamedAdapterSync:
         """Remove ``name``'s dir (so SGLang cannot load it again for a late request), then unload it. An
         engine that no longer holds it (SGLang unloads the least recently used adapter beyond
         ``--max-loaded-loras`` by itself) is only logged: the new adapter serves either way."""
-        from agentrl.engine.client import EngineRequestError
-
         if self.out_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self.out_dir / name, True)
         try:
@@ -239,8 +238,6 @@ class NamedAdapterSync:
 
     async def _unload_stale(self) -> None:
         """Unload, engine by engine, the ``agentrl-v*`` adapters an earlier trainer left loaded."""
-        from agentrl.engine.adapters import adapter_version
-
         for url, names in (await self.client.loaded_adapters()).items():
             for name in sorted(n for n in names if adapter_version(n) is not None):
                 log.info("unloading adapter %s that an earlier trainer left on %s", name, url)
@@ -248,3 +245,11 @@ class NamedAdapterSync:
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
+
+
+async def connect_named_adapters(update: WeightUpdate, side: RankSide) -> NamedAdapterSync:
+    """The adapters under a name per version, from a PEFT dir under ``out_dir`` (disk) or in the request."""
+    disk = update.transport == "disk"
+    if disk and update.out_dir is None:
+        raise ValueError("weight sync from disk needs out_dir (where the PEFT dirs are written)")
+    return NamedAdapterSync(side.client, side.model_path, side.lora, update.out_dir if disk else None)
