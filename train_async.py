@@ -27,7 +27,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.cli import config_module_names
 from agentrl.cluster import start_ray, user_code_env
@@ -40,6 +40,9 @@ from agentrl.recipe import describe_for_help, load_run_config, make_recipe, metr
 from agentrl.run_config import RunConfig, check_model_shape, check_names
 from agentrl.trainer.checkpoint import latest_checkpoint, load_rollout_state, save_rollout_state
 from agentrl.types import Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.rollout.shards import RolloutGroup
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "examples" / "search_r1" / "config.yaml"
 
@@ -176,7 +179,7 @@ async def check_verifier(cfg: RunConfig, env_kwargs: dict[str, Any]) -> str | No
 
 async def evaluation(
     recipe: Any,
-    rollout: Any,
+    rollout: RolloutGroup,
     tasks: list[dict[str, Any]],
     logger: MetricsLogger,
     dump: EpisodeDump,
@@ -214,7 +217,7 @@ async def load_checkpoint(fleet: Fleet, ckpt_dir: Path) -> tuple[int, int]:
     return step, version
 
 
-async def next_batch(rollout: Any, step: int, report_every: float = 60.0) -> list[Trajectory]:
+async def next_batch(rollout: RolloutGroup, step: int, report_every: float = 60.0) -> list[Trajectory]:
     """The next batch from the buffer; while it takes long, say why (e.g. groups dropped as zero-variance).
     A cancel (Ctrl-C) always ends it with CancelledError, even when the batch arrives at the same moment
     (``asyncio.wait_for`` of Python 3.11 returns the result then, and the run went on training)."""
