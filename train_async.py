@@ -98,8 +98,12 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
         # 4. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
         await rollout.start()
-        shown = {"reward": "batch/reward", **{k.rsplit("/", 1)[-1]: k for k in before}}
-        shown |= {"stale": "batch/staleness_mean", "tok/s": "trainer/tokens_per_s"}
+        # the training batch's mean reward, new every step; the latest held-out figures follow it, marked
+        shown = {
+            "train_reward": "batch/reward",
+            "stale": "batch/staleness_mean",
+            "tok/s": "trainer/tokens_per_s",
+        }
         progress = ProgressLine(cfg.steps, shown)
         for step in range(start_step, cfg.steps):
             stop_if_interrupted()
@@ -132,7 +136,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and step + 1 < cfg.steps:
                 last.update(await evaluate(step + 1))
             logger.log(last, step + 1)
-            progress.update(step + 1, {**last, **(evals[-1][1] if evals else {})})
+            progress.update(step + 1, last, held_out=evals[-1] if evals else None)
             if cfg.checkpoint.due(step + 1):
                 await save_checkpoint(fleet, handover, ckpt_dir, step + 1)
         progress.close()

@@ -2,10 +2,13 @@
 
 :class:`MetricsLogger` appends one JSON object per ``log`` call to ``metrics.jsonl`` (always) and
 writes TensorBoard scalars when ``tensorboard`` is installed. :class:`ProgressLine` is a one-line console
-display (a bar plus a few chosen metrics) that redraws in place on a terminal and prints plain lines
-otherwise. Components keep their own counters and hand them over as flat ``{name: number}`` dicts.
-The training loop's own figures live here too: :func:`batch_metrics` of a step's batch,
-:func:`engine_metrics` read from the engines, and :func:`step_time_summary` of a whole run.
+display (a bar plus a few chosen metrics, the latest held-out figures marked as such, the failures so far)
+that redraws in place on a terminal and prints plain lines otherwise; above it, the first error of each
+failure kind is printed once with its count (the episodes fail in the rollout's workers, whose logs the
+console does not show). Components keep their own counters and hand them over as flat
+``{name: number}`` dicts. The training loop's own figures live here too: :func:`batch_metrics` of a
+step's batch (mean reward, and each verifier part as ``reward/<part>``), :func:`engine_metrics` read from
+the engines, and :func:`step_time_summary` of a whole run.
 
 With ``metrics.wandb`` set (:class:`WandbConfig`), the logger also sends every row to a wandb run (the
 same keys as ``metrics.jsonl``; wandb's own step is the row's ``step``) and :meth:`MetricsLogger.log_table`
@@ -30,6 +33,9 @@ from agentrl.config import ConfigModel
 
 if TYPE_CHECKING:
     from agentrl.types import Trajectory
+
+FAILURES = "rollout/failures/"  # + kind: failed episodes (agentrl.rollout.metrics)
+FIRST_ERROR = "rollout/first_error/"  # + kind: the text of that kind's first failure
 
 
 class WandbConfig(ConfigModel):
@@ -180,7 +186,14 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 
 
 class ProgressLine:
-    """A console progress line: ``step 3/20 [#####-----] reward=0.41 em=0.38 stale=0.6 12.3 tok/s``."""
+    """A console progress line, e.g.
+    ``step 3/20 [###-----] train_reward=0.41 stale=0.6 tok/s=12.3 | held-out@10 exact_match=0.38 | failed=2 45s``.
+
+    ``keys`` maps a short label to a metric of the step (``train_reward``: the training batch's mean reward,
+    new every step); ``held_out`` (``update``) is the latest held-out evaluation, ``(step, figures)``,
+    shown after ``held-out@<step>`` so it is never taken for the training reward. The first error of each
+    failure kind in the step's rollout figures (``rollout/first_error/<kind>``) is printed once, above the
+    line, with its count (``rollout/failures/<kind>``); the line shows the failures so far (``failed=``)."""
 
     def __init__(
         self,
@@ -198,22 +211,53 @@ class ProgressLine:
         self.start = time.monotonic()
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.last_line = ""
+        self.reported: set[str] = set()  # failure kinds whose first error was printed
 
-    def update(self, done: int, metrics: dict[str, Any] | None = None) -> str:
+    def failure_notes(self, metrics: dict[str, Any]) -> list[str]:
+        """One line per failure kind seen for the first time: its count so far and its first error."""
+        notes = []
+        for key in sorted(metrics):
+            if not key.startswith(FAILURES):
+                continue
+            kind, count = key.removeprefix(FAILURES), metrics[key]
+            if kind in self.reported or not isinstance(count, int | float) or count <= 0:
+                continue
+            self.reported.add(kind)
+            first = metrics.get(FIRST_ERROR + kind)
+            about = f"the first: {first}" if first else "see the rollout workers' logs"
+            notes.append(f"rollout: {count:g} {kind} failure(s) so far; {about}")
+        return notes
+
+    def update(
+        self,
+        done: int,
+        metrics: dict[str, Any] | None = None,
+        held_out: tuple[int, dict[str, float]] | None = None,
+    ) -> str:
+        metrics = metrics or {}
         frac = min(max(done / self.total, 0.0), 1.0)
         filled = int(frac * self.width)
         parts = [f"{self.label} {done}/{self.total}", "[" + "#" * filled + "-" * (self.width - filled) + "]"]
         for short, key in self.keys.items():
-            v = (metrics or {}).get(key)
+            v = metrics.get(key)
             if isinstance(v, int | float):
                 parts.append(f"{short}={v:.3g}")
+        if held_out and held_out[1]:
+            figures = " ".join(f"{k.rsplit('/', 1)[-1]}={v:.3g}" for k, v in held_out[1].items())
+            parts.append(f"| held-out@{held_out[0]} {figures}")
+        failed = metrics.get("rollout/failures_total")
+        if isinstance(failed, int | float) and failed > 0:
+            parts.append(f"| failed={failed:g}")
         parts.append(f"{time.monotonic() - self.start:.0f}s")
         line = " ".join(parts)
         self.last_line = line
+        notes = self.failure_notes(metrics)
         if self._tty:
-            self.stream.write("\r" + line.ljust(100)[:160])
+            self.stream.write(
+                "".join("\r" + n.ljust(100) + "\n" for n in notes) + "\r" + line.ljust(100)[:160]
+            )
         else:
-            self.stream.write(line + "\n")
+            self.stream.write("".join(n + "\n" for n in notes) + line + "\n")
         self.stream.flush()
         return line
 
@@ -225,11 +269,17 @@ class ProgressLine:
 
 # ---- the training loop's own figures of a step, and of the run ---------------------------------------
 def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
-    """The loop's own figures for a training batch (the recipe may add its own)."""
+    """The loop's own figures for a training batch (the recipe may add its own): the mean reward, the mean
+    of each part a verifier named (``RewardResult.parts``) as ``reward/<part>``, turns, tokens, staleness."""
     rewards = [t.reward or 0.0 for t in batch]
     stale = [version - t.min_policy_version for t in batch if t.min_policy_version is not None]
+    parts: dict[str, list[float]] = {}  # the verifier's named parts, each over the trajectories that have it
+    for t in batch:
+        for name, value in t.reward_parts.items():
+            parts.setdefault(name, []).append(float(value))
     return {
         "batch/reward": sum(rewards) / max(1, len(rewards)),
+        **{f"reward/{name}": sum(vals) / len(vals) for name, vals in parts.items()},
         "batch/turns": sum(t.num_turns for t in batch) / max(1, len(batch)),
         "batch/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
         "batch/staleness_mean": sum(stale) / max(1, len(stale)),

@@ -132,6 +132,29 @@ class Trajectory:
         """The model's own text, observations left out (what verifiers score)."""
         return "".join(t.text for t in self.turns if t.role == "assistant")
 
+    @property
+    def final_answer(self) -> str | None:
+        """The episode's final answer: the env's ``info["answer"]`` when it parsed one (the built-in envs do:
+        ``tool``/``python`` the last turn's text without a call, ``search`` the ``<answer>`` content), else
+        the text of the last model turn when the env ran no tool call for it; None when the episode ended
+        on a tool call or without a model turn."""
+        answer = self.info.get("answer")
+        if isinstance(answer, str):
+            return answer
+        last = next((t for t in reversed(self.turns) if t.role == "assistant"), None)
+        return last.text if last is not None and not last.tool_calls else None
+
+    def tool_results(self, name: str | None = None) -> list[ToolCallRecord]:
+        """The tool calls the env ran, in order, each with its ``arguments`` and its ``result`` (or its
+        ``error``), as the env reported them (``StepResult.tool_calls``); ``name``: only that tool's. Calls
+        the env could not parse ran nothing and are left out (they stay on their turn's ``tool_calls``)."""
+        return [
+            c
+            for t in self.turns
+            for c in t.tool_calls
+            if c.name is not None and (name is None or c.name == name)
+        ]
+
     def validate(self) -> None:
         """Raise ValueError when per-token lists disagree or turns do not tile the response."""
         n = len(self.response_ids)

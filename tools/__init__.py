@@ -1,13 +1,26 @@
 """Tools: typed async callables with JSON schemas, tool-call parsers, the built-in search and python tools, and
 the tool registry that lets a config name them (``env.kwargs.tools: [python, search]``)."""
 
-from .base import Tool, ToolCall, ToolResult, ToolSet, call_record, parse_docstring, to_text, tool, truncate
+from .base import (
+    DEFAULT_TIMEOUT,
+    Tool,
+    ToolCall,
+    ToolResult,
+    ToolSet,
+    call_record,
+    parse_docstring,
+    to_text,
+    tool,
+    tool_thread_counts,
+    truncate,
+)
 from .parsers import HermesParser, ParseResult, SearchR1Action, parse_search_r1
 from .python import python_tool
 from .registry import TOOLS, list_tools, make_tool, register_tool, resolve_tools
 from .search import RetrievalClient, RetrievalError, format_docs, search_tool
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "TOOLS",
     "HermesParser",
     "ParseResult",
@@ -30,5 +43,6 @@ __all__ = [
     "search_tool",
     "to_text",
     "tool",
+    "tool_thread_counts",
     "truncate",
 ]

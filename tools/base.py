@@ -15,8 +15,16 @@
 (Google style; ``:param x:`` Sphinx style works too). ``await add.invoke({"a": "x"})`` validates the
 arguments first and never raises: bad arguments, exceptions and timeouts come back as a
 :class:`ToolResult` with ``is_error=True`` and a message meant for the model. Outputs are cut to
-``max_output_chars`` with a visible marker. A plain (sync) function is accepted and runs in a thread.
-An env reports a call it ran as ``call_record(call, result)`` (:class:`~agentrl.types.ToolCallRecord`).
+``max_output_chars`` with a visible marker. An env reports a call it ran as ``call_record(call, result)``
+(:class:`~agentrl.types.ToolCallRecord`).
+
+Timeouts: every call has one, :data:`DEFAULT_TIMEOUT` (30 s) unless the tool sets its own
+(``@tool(timeout=5)``; ``None``: no limit). An async tool is cancelled at its timeout. A plain (sync)
+function runs in a thread of its own, and a thread cannot be stopped from outside: at the timeout the call
+returns its error result at once, and the thread is *abandoned*, left to finish in the background with its
+result dropped. :func:`tool_thread_counts` counts such threads (the rollout reports them as
+``rollout/tool_threads_abandoned`` and ``rollout/tool_threads_abandoned_running``); a sync tool that can
+hang should bound its own work, or be async, or run its work where it can be killed (a sandbox).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import functools
 import inspect
 import json
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -34,8 +43,61 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from agentrl.types import ToolCallRecord
 
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = 30.0  # seconds a tool call may take unless the tool sets its own timeout
 DEFAULT_MAX_OUTPUT_CHARS = 8000
+
+_threads_lock = threading.Lock()
+_abandoned = {"total": 0, "running": 0}  # sync tool threads left behind at their timeout
+
+
+def tool_thread_counts() -> dict[str, int]:
+    """Sync tool threads of this process abandoned at their timeout: ``abandoned`` since the start, and
+    ``abandoned_running``, those still running now."""
+    with _threads_lock:
+        return {"abandoned": _abandoned["total"], "abandoned_running": _abandoned["running"]}
+
+
+async def _in_own_thread(fn: Callable[..., Any], args: dict[str, Any], name: str) -> Any:
+    """``fn(**args)`` in a new daemon thread, awaited. Cancelled (the tool's timeout), the call returns at
+    once and the thread is counted as abandoned until it ends. A thread of its own rather than the loop's
+    default executor: abandoned threads would otherwise fill that pool and stall every ``to_thread``."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    state = {"finished": False, "abandoned": False}  # read and written under _threads_lock
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def work() -> None:
+        try:
+            value, ok = fn(**args), True
+        except BaseException as err:  # handed to the awaiting call, as to_thread does
+            value, ok = err, False
+        with _threads_lock:
+            state["finished"] = True
+            if state["abandoned"]:
+                _abandoned["running"] -= 1
+                return
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop has closed meanwhile
+            pass
+
+    threading.Thread(target=work, name=f"tool-{name}", daemon=True).start()
+    try:
+        return await future
+    except asyncio.CancelledError:
+        with _threads_lock:
+            if not state["finished"]:
+                state["abandoned"] = True
+                _abandoned["total"] += 1
+                _abandoned["running"] += 1
+        raise
 
 
 @dataclass
@@ -230,7 +292,7 @@ class Tool:
         args = self.validate(kwargs)
         if self.is_async:
             return await self.fn(**args)
-        return await asyncio.to_thread(self.fn, **args)
+        return await _in_own_thread(self.fn, args, self.name)
 
     async def invoke(self, arguments: dict[str, Any] | str | None, call_id: str | None = None) -> ToolResult:
         """Validate, run with the timeout, render and truncate. Never raises (except on cancellation)."""
@@ -258,7 +320,9 @@ class Tool:
         except ValidationError as err:
             return result(f"Error: invalid arguments for {self.name}: {_validation_text(err)}", True)
         try:
-            call: Awaitable[Any] = self.fn(**args) if self.is_async else asyncio.to_thread(self.fn, **args)
+            call: Awaitable[Any] = (
+                self.fn(**args) if self.is_async else _in_own_thread(self.fn, args, self.name)
+            )
             value = await asyncio.wait_for(call, self.timeout) if self.timeout else await call
         except TimeoutError:
             return result(f"Error: {self.name} timed out after {self.timeout:g}s", True)

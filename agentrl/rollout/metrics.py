@@ -5,13 +5,45 @@ reset; rates and distributions (turns/s, tokens/s, episode length and turns, too
 fraction) cover the window since the previous :meth:`RolloutMetrics.snapshot`. The orchestrator feeds
 it; :meth:`Orchestrator.stats` returns a snapshot and :meth:`Orchestrator.log_metrics` sends one to an
 ``agentrl.metrics.MetricsSink``.
+
+Beside the numbers, a snapshot carries the text of the first failure of each kind,
+``rollout/first_error/<kind>`` (an :class:`ErrorText`), so the driver can show it on its console with the
+count (:class:`agentrl.metrics.FailureReport`): the episodes fail in the rollout's workers, whose logs the
+driver's console does not show. Metric sinks keep only the numbers. The tools' abandoned threads (sync tools
+past their timeout, :func:`agentrl.tools.base.tool_thread_counts`) are ``rollout/tool_threads_abandoned``
+and ``rollout/tool_threads_abandoned_running``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from typing import Any
+
+from agentrl.metrics import FIRST_ERROR
+from agentrl.tools.base import tool_thread_counts
+
+ERROR_TEXT_CHARS = 300
+
+
+class ErrorText(str):
+    """An error's text among a snapshot's numbers. Summing snapshots (the shards' figures are summed by
+    default) keeps the first text: ``0 + t`` is ``t`` and ``t + u`` is ``t``."""
+
+    __slots__ = ()
+
+    def __add__(self, other: object) -> ErrorText:
+        return self
+
+    def __radd__(self, other: object) -> ErrorText:
+        return self
+
+
+def one_line(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -28,6 +60,7 @@ class RolloutMetrics:
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by kind: env, engine, verifier, reward, internal
         self.dropped: Counter[str] = Counter()  # groups, by reason
+        self.first_errors: dict[str, str] = {}  # kind -> the text of its first failure
         self._t_window = time.monotonic()
         self._turns = 0
         self._model_tokens = 0
@@ -79,8 +112,18 @@ class RolloutMetrics:
         self._ep_len.append(length)
         self._ep_turns.append(turns)
 
-    def failure(self, kind: str) -> None:
+    def failure(self, kind: str, error: str | BaseException | None = None) -> None:
+        """Count a failure of ``kind``; the first of each kind keeps its text: ``error``, or the exception
+        being handled where this is called from an ``except`` block (``kind: Type: message``)."""
         self.failures[kind] += 1
+        if kind in self.first_errors:
+            return
+        if error is None:
+            error = sys.exc_info()[1]
+        if isinstance(error, BaseException):
+            error = f"{kind}: {type(error).__name__}: {error}"
+        if error:
+            self.first_errors[kind] = one_line(error)
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] += n
@@ -89,7 +132,7 @@ class RolloutMetrics:
         self.counters[name] += n
 
     # ---- reading -----------------------------------------------------------------------------------
-    def snapshot(self, reset_window: bool = True, **gauges: float) -> dict[str, float]:
+    def snapshot(self, reset_window: bool = True, **gauges: float) -> dict[str, Any]:
         now = time.monotonic()
         dt = max(now - self._t_window, 1e-9)
         busy = self._busy + ((now - self._busy_since) if self._busy_since is not None else 0.0)
@@ -117,6 +160,10 @@ class RolloutMetrics:
         for k, v in self.failures.items():
             out[f"rollout/failures/{k}"] = v
         out["rollout/failures_total"] = sum(self.failures.values())
+        for k, text in self.first_errors.items():
+            out[FIRST_ERROR + k] = ErrorText(text)
+        for k, n in tool_thread_counts().items():
+            out[f"rollout/tool_threads_{k}"] = n
         for k, v in self.dropped.items():
             out[f"rollout/dropped_groups/{k}"] = v
         out["rollout/dropped_groups_total"] = sum(self.dropped.values())
@@ -136,9 +183,11 @@ class RolloutMetrics:
             "counters": dict(self.counters),
             "failures": dict(self.failures),
             "dropped": dict(self.dropped),
+            "first_errors": dict(self.first_errors),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters = Counter(state.get("counters", {}))
         self.failures = Counter(state.get("failures", {}))
         self.dropped = Counter(state.get("dropped", {}))
+        self.first_errors = dict(state.get("first_errors", {}))
