@@ -4,7 +4,10 @@
 holds them while paused or while a weight update drains the engine, and hands them to its
 :class:`~agentrl.embedded.scheduler.Scheduler`, which batches them over a slot KV cache (prefill in chunks,
 then decode; the forward in :mod:`.runner`, a CUDA graph per batch/length bucket on a GPU; sampling on
-the device in :mod:`.sampling`). A request's state and its finished record are in :mod:`.request`.
+the device in :mod:`.sampling`). A request's state and its finished record are in :mod:`.request`. What
+controls the serving has a module each: the gate a request passes (pause, sleep, the drain of a weight
+update) in :mod:`.gate`, sleep and wake of the device memory in :mod:`.sleep`, the weight updates in
+:mod:`.weight_updates` (LoRA adapters in :mod:`.lora`).
 
 RL semantics kept from SGLang:
 
@@ -24,7 +27,6 @@ RL semantics kept from SGLang:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import random
 import time
@@ -35,21 +37,17 @@ from pathlib import Path
 import torch
 
 from agentrl.embedded import fp8
-from agentrl.embedded.lora import AdapterEndpoints, is_adapter_tensor
-from agentrl.embedded.memory import TAGS, EngineMemory, MemoryMode
+from agentrl.embedded.gate import RequestGate
+from agentrl.embedded.lora import AdapterEndpoints
+from agentrl.embedded.memory import EngineMemory, MemoryMode
 from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
 from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.embedded.sampling import EngineBadRequest, RequestSampling, sample_tokens
 from agentrl.embedded.scheduler import Scheduler
-from agentrl.embedded.weights import (
-    DrainLock,
-    WeightGroups,
-    check_weights,
-    copy_weights,
-    load_checkpoint,
-    pack_parameters,
-)
+from agentrl.embedded.sleep import SleepWake
+from agentrl.embedded.weight_updates import WeightUpdates
+from agentrl.embedded.weights import pack_parameters
 
 log = logging.getLogger("agentrl.engine")
 
@@ -120,12 +118,8 @@ class EmbeddedEngine(AdapterEndpoints):
         self.weight_version = "default"
         self._rng = random.Random(seed)
         self._requests: dict[str, EngineRequest] = {}  # rid -> request
-        self._drain = DrainLock()
-        self._unpaused = asyncio.Event()  # set while requests may enter: neither paused nor asleep
-        self._unpaused.set()
-        self.paused_mode: str | None = None
-        self._sleeping = False  # from the start of a release until every tag is resumed
-        self.groups = WeightGroups(self.device)
+        self.gate = RequestGate()  # paused, asleep, or drained for a weight update
+        self.updates = WeightUpdates(self)
         # LoRA adapters applied merged or unmerged (.lora), unmerged ones in buffers of max_lora_rank (0: made
         # at the first adapter); and the weights' memory tag, which holds those buffers too
         self._device_thread.submit(self._init_adapters, lora_apply, max_lora_rank).result()
@@ -142,6 +136,7 @@ class EmbeddedEngine(AdapterEndpoints):
             self.prefix_cache,
             self.stats,
         )
+        self.sleep_wake = SleepWake(self.memory, self.gate, self.scheduler, self.runner, self._on_device)
 
     def _load(
         self, auto_model, mem_fraction, prefix_cache_slots, context_len, cuda_graphs, compile, memory_mode
@@ -161,21 +156,7 @@ class EmbeddedEngine(AdapterEndpoints):
         self.eos_ids = self._eos_ids()
 
         per_token = ModelRunner.kv_bytes_per_token(self.model)
-        if on_gpu:
-            free = torch.cuda.mem_get_info(self.device)[0]
-            # logits and sampling, and a prefill step's activations (its padded rectangle may reach
-            # Scheduler.PADDED_CELLS x max_prefill_tokens tokens: hidden states, q/k/v and the MLP's widths)
-            cfg = self.model.config
-            hidden = int(cfg.hidden_size)
-            inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-            cells = Scheduler.PADDED_CELLS * self.max_prefill_tokens
-            act = cells * (3 * inter + 6 * hidden) * self.dtype.itemsize
-            reserve = 6 * max_batch_size * self.vocab_size * 4 + act + 2**29
-            budget = (
-                int((mem_fraction or 0.8) * free) - reserve - fp8.copies_bytes(self.model, self.quantization)
-            )
-        else:
-            budget = 2 * 2**30
+        budget = self._kv_budget(mem_fraction) if on_gpu else 2 * 2**30
         model_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
         slots = max_batch_size if prefix_cache_slots is None else prefix_cache_slots
         self.context_len, slots = plan_kv_cache(
@@ -200,6 +181,20 @@ class EmbeddedEngine(AdapterEndpoints):
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens
         self.memory.register("kv_cache", [self.runner.k, self.runner.v, *routed])
         return slots
+
+    def _kv_budget(self, mem_fraction: float | None) -> int:
+        """Device thread, on a GPU: the bytes the KV cache may take, ``mem_fraction`` (default 0.8) of the
+        free memory less what serving needs beside it and the fp8 copies of the weights."""
+        free = torch.cuda.mem_get_info(self.device)[0]
+        # logits and sampling, and a prefill step's activations (its padded rectangle may reach
+        # Scheduler.PADDED_CELLS x max_prefill_tokens tokens: hidden states, q/k/v and the MLP's widths)
+        cfg = self.model.config
+        hidden = int(cfg.hidden_size)
+        inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+        cells = Scheduler.PADDED_CELLS * self.max_prefill_tokens
+        act = cells * (3 * inter + 6 * hidden) * self.dtype.itemsize
+        reserve = 6 * self.max_batch_size * self.vocab_size * 4 + act + 2**29
+        return int((mem_fraction or 0.8) * free) - reserve - fp8.copies_bytes(self.model, self.quantization)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -252,13 +247,7 @@ class EmbeddedEngine(AdapterEndpoints):
 
     def memory_state(self) -> dict[str, object]:
         """How the engine frees memory (virtual or copy), what is released now, and each tag's bytes."""
-        return {
-            "memory_mode": self.memory.mode,
-            "asleep": self.asleep,
-            "released": sorted(self.memory.released),
-            **{f"{t}_bytes": n for t, n in self.memory.sizes.items()},
-            **{f"{k}_s": v for k, v in self.memory.last_seconds.items()},
-        }
+        return self.sleep_wake.state()
 
     @property
     def healthy(self) -> bool:
@@ -283,7 +272,7 @@ class EmbeddedEngine(AdapterEndpoints):
     def shutdown(self) -> None:
         self.scheduler.cancel()
         self._device_thread.shutdown(wait=False, cancel_futures=True)
-        self.groups.abort_all()  # shutting down: no waiting on a trainer that may be gone
+        self.updates.groups.abort_all()  # shutting down: no waiting on a trainer that may be gone
 
     # ------------------------------------------------------------------ requests (event loop)
     async def generate(
@@ -326,13 +315,13 @@ class EmbeddedEngine(AdapterEndpoints):
                 req.finish = {"type": "length", "length": 0}
             while req.finish is None:
                 # Held while paused; then enter the engine unless a weight update is draining it.
-                while not self._unpaused.is_set():
-                    if await self._wait_or_abort(req):
+                while not self.gate.is_open:
+                    if await self.gate.wait_or_abort(req):
                         break
                 if req.finish is not None:
                     break
-                async with self._drain.read():
-                    if not self._unpaused.is_set():
+                async with self.gate.drain.read():
+                    if not self.gate.is_open:
                         continue  # paused between the two checks: wait again outside the lock
                     await self.scheduler.run(req)
         finally:
@@ -354,18 +343,6 @@ class EmbeddedEngine(AdapterEndpoints):
         the request starts now."""
         return TokenStream(lambda on_token: self.generate(input_ids, sampling, rid, on_token))
 
-    async def _wait_or_abort(self, req: EngineRequest) -> bool:
-        """Wait for ``continue``; True if the request was aborted meanwhile."""
-        waiter = asyncio.ensure_future(self._unpaused.wait())
-        poked = asyncio.ensure_future(req.poke.wait())
-        await asyncio.wait({waiter, poked}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        poked.cancel()
-        if req.abort:
-            req.finish = {"type": "abort", "message": "aborted while waiting"}
-            return True
-        return False
-
     def abort(self, rid: str | None = None) -> int:
         """Abort one request or all (``rid=None``); they answer finish_reason abort. Returns how many."""
         reqs = list(self._requests.values()) if rid is None else [r for r in [self._requests.get(rid)] if r]
@@ -376,120 +353,53 @@ class EmbeddedEngine(AdapterEndpoints):
         return len(reqs)
 
     def pause(self, mode: str = "abort") -> int:
-        if mode not in ("abort", "retract", "in_place"):
-            raise EngineBadRequest(f"pause mode must be abort, retract or in_place, not {mode!r}")
-        self.paused_mode = mode
-        self._set_gate()
+        """Hold new requests until :meth:`continue_generation`; ``abort`` aborts those in flight, ``retract``
+        and ``in_place`` take them out keeping their tokens. Returns how many."""
+        self.gate.pause(mode)
         if mode == "abort":
             return self.abort(None)
         return self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
         """End a pause; requests enter again unless the engine is asleep (then they wait for the wake)."""
-        self.paused_mode = None
-        self._set_gate()
+        self.gate.unpause()
 
-    def _set_gate(self) -> None:
-        if self.paused_mode is None and not self._sleeping:
-            self._unpaused.set()
-        else:
-            self._unpaused.clear()
-
-    # ------------------------------------------------------------------ sleep and wake
     @property
-    def asleep(self) -> bool:
-        """From the start of a release until every released tag is resumed; requests wait meanwhile."""
-        return self._sleeping
-
-    def _tags(self, tags: list[str] | None, default: list[str]) -> list[str]:
-        if tags is None:
-            return list(default)
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise EngineBadRequest(f"tags must be a list of strings ({', '.join(TAGS)}), not {tags!r}")
-        bad = [t for t in tags if t not in TAGS]
-        if bad:
-            raise EngineBadRequest(f"unknown memory tags {bad}; the tags are {', '.join(TAGS)}")
-        return list(dict.fromkeys(tags))
-
-    async def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
-        """Sleep: free the device memory of ``tags`` (default both). Requests in flight are taken out
-        keeping their tokens (as ``pause(retract)``) and wait, with new ones, until every tag is resumed;
-        then they continue where they were (their KV recomputed). Releasing a tag that is already released
-        is refused. Returns the tags released."""
-        tags = self._tags(tags, list(TAGS))
-        already = [t for t in tags if t in self.memory.released]
-        if already:
-            raise EngineBadRequest(f"{', '.join(already)} already released; resume_memory_occupation first")
-        self._sleeping = True
-        self._set_gate()
-        self.scheduler.retract_all()
-        async with self._drain.write(), self.scheduler.step_lock:  # every request is out; no step runs
-            if "kv_cache" in tags:
-                self.scheduler.flush_prefix_cache()  # nothing cached survives a released cache
-                self.scheduler.drop_slot_copies()
-            await self._on_device(lambda: [self.memory.release(t) for t in tags])
-        return tags
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
-        """Wake: give ``tags`` (default: every released one) their memory back; the weights with their
-        content, the KV cache empty. Resuming a tag that is not released is refused (400): a wake without
-        a sleep is a caller's bug. Once nothing is released, waiting requests enter again (unless paused).
-        Returns the tags resumed."""
-        released = [t for t in TAGS if t in self.memory.released]
-        if tags is None and not released:
-            raise EngineBadRequest("nothing is released: resume_memory_occupation without a release")
-        tags = self._tags(tags, released)
-        resident = [t for t in tags if t not in self.memory.released]
-        if resident:
-            raise EngineBadRequest(f"{', '.join(resident)} not released: nothing to resume")
-
-        def resume() -> None:
-            for t in tags:
-                self.memory.resume(t)
-            if not self.memory.addresses_stable:
-                self.runner.drop_graphs()  # captured over the old addresses; captured again on use
-
-        async with self.scheduler.step_lock:
-            await self._on_device(resume)
-        if not self.memory.released:
-            self._sleeping = False
-            self._set_gate()
-        return tags
+    def paused_mode(self) -> str | None:
+        """The mode of the pause in force (abort, retract or in_place), None when not paused."""
+        return self.gate.paused_mode
 
     def _on_device(self, fn, *args) -> asyncio.Future:
         """Run ``fn`` on the engine's one device thread: every forward, slot copy and weight copy happens
         there, in order (on CPU a second thread of torch work would fight it for the cores)."""
         return asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
 
-    # ------------------------------------------------------------------ cache and weights
+    # ------------------------------------------------------------------ sleep and wake (.sleep)
+    @property
+    def asleep(self) -> bool:
+        """From the start of a release until every released tag is resumed; requests wait meanwhile."""
+        return self.gate.sleeping
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Sleep: free the device memory of ``tags`` (default both). Requests in flight are taken out
+        keeping their tokens (as ``pause(retract)``) and wait, with new ones, until every tag is resumed;
+        then they continue where they were (their KV recomputed). Releasing a tag that is already released
+        is refused. Returns the tags released."""
+        return await self.sleep_wake.release(tags)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Wake: give ``tags`` (default: every released one) their memory back; the weights with their
+        content, the KV cache empty. Resuming a tag that is not released is refused (400): a wake without
+        a sleep is a caller's bug. Once nothing is released, waiting requests enter again (unless paused).
+        Returns the tags resumed."""
+        return await self.sleep_wake.resume(tags)
+
+    # ------------------------------------------------------------------ cache and weights (.weight_updates)
     async def flush_cache(self) -> None:
         if self.scheduler.in_flight:
             raise EngineBadRequest("cache not flushed: there are requests in flight")
-        async with self._drain.write(), self.scheduler.step_lock:
+        async with self.gate.drain.write(), self.scheduler.step_lock:
             self.scheduler.flush_prefix_cache()
-
-    async def _update(self, apply, abort_all: bool, weight_version: str | None, flush: bool = True) -> None:
-        self._check_weights_resident()
-        if abort_all:
-            self.abort(None)
-        async with self._drain.write(), self.scheduler.step_lock:
-            await self._on_device(apply)
-            if flush:
-                self.scheduler.flush_prefix_cache()
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-
-    def _requantize(self) -> None:
-        """Device thread: after an update wrote the weights, the fp8 copies quantized from them again."""
-        if self.quantization is not None:
-            self.stats["quantize_s"] = fp8.requantize(self.runner.weights)
-
-    def _check_weights_resident(self) -> None:
-        if "weights" in self.memory.released:
-            raise EngineBadRequest(
-                "the weights are released (release_memory_occupation): resume_memory_occupation with "
-                "tags ['weights'] first, then update them"
-            )
 
     async def update_weights_from_tensor(
         self,
@@ -502,54 +412,15 @@ class EmbeddedEngine(AdapterEndpoints):
         """SGLang's ``/update_weights_from_tensor``: the tensors arrive as views of the sender's memory
         (CUDA IPC handles, or shared memory on the CPU: :mod:`agentrl.engine.named_tensors`); they are
         checked, copied in place and let go of before this returns."""
-        if not isinstance(serialized_named_tensors, list) or len(serialized_named_tensors) != 1:
-            raise EngineBadRequest(
-                "serialized_named_tensors must be a list with one entry per tensor-parallel rank (tp_size 1)"
-            )
-        self._check_weights_resident()  # before mapping anything
-        named, release = await self._unpacked(serialized_named_tensors[0], load_format)
-        try:
-            tensors = dict(named)
-            check_weights(self.model, tensors)
-
-            def apply() -> None:
-                self._replace_weights(tensors)
-                if self.device.type == "cuda":  # done reading the sender's memory before it is freed
-                    torch.cuda.synchronize(self.device)
-
-            await self._update(apply, abort_all, weight_version, flush)
-        finally:
-            tensors = named = None
-            await self._on_device(release)
-
-    async def _unpacked(self, payload: str, load_format: str | None) -> tuple:
-        """The named tensors of an in-memory payload, mapped on the device thread, and their release."""
-        from agentrl.engine.named_tensors import unpack_named_tensors
-
-        def unpack():  # a malformed payload is the client's error
-            try:
-                return unpack_named_tensors(payload, load_format)
-            except ValueError as err:
-                raise EngineBadRequest(str(err)) from None
-
-        return await self._on_device(unpack)
+        await self.updates.from_tensor(
+            serialized_named_tensors, load_format, weight_version, abort_all, flush
+        )
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None, abort_all: bool, flush: bool = True
     ) -> None:
-        path = Path(model_path)
-        if not await asyncio.to_thread(path.is_dir):
-            raise EngineBadRequest(f"model_path {model_path!r} is not a directory")
-        # Read the checkpoint before taking the lock: on a GPU generation continues meanwhile; on CPU the read
-        # (torch work) runs on the device thread, between steps.
-        load = functools.partial(load_checkpoint, path, self.dtype)
-        try:
-            tensors = await (asyncio.to_thread(load) if self.device.type == "cuda" else self._on_device(load))
-        except (OSError, ValueError) as err:
-            raise EngineBadRequest(f"cannot load weights from {model_path!r}: {err}") from None
-        check_weights(self.model, tensors)
-        await self._update(lambda: self._replace_weights(tensors), abort_all, weight_version, flush)
-        self.model_path = str(path)
+        """SGLang's ``/update_weights_from_disk``: a HF checkpoint directory."""
+        await self.updates.from_disk(model_path, weight_version, abort_all, flush)
 
     async def init_weights_update_group(
         self,
@@ -560,11 +431,13 @@ class EmbeddedEngine(AdapterEndpoints):
         group_name: str,
         backend: str,
     ) -> None:
-        await self.groups.join(master_address, master_port, rank_offset, world_size, group_name, backend)
+        await self.updates.groups.join(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
 
     async def destroy_weights_update_group(self, group_name: str, timeout: float = 30.0) -> bool:
         """Leave the group (the trainer leaves its end at the same time); bounded, aborts past ``timeout``."""
-        return await self.groups.leave(group_name, timeout)
+        return await self.updates.groups.leave(group_name, timeout)
 
     async def update_weights_from_distributed(
         self,
@@ -576,23 +449,23 @@ class EmbeddedEngine(AdapterEndpoints):
         abort_all: bool,
         flush: bool = True,
     ) -> None:
-        # Receive first (the trainer is blocked in broadcast until we do), even if the names turn out to be
-        # wrong: refusing before receiving would leave the trainer hanging in its collective.
-        tensors = await self.groups.receive(group_name, names, dtypes, shapes)
-        adapter = [is_adapter_tensor(n) for n in tensors]
-        if any(adapter):  # a LoRA adapter, sent whole in one call, its B scaled already
-            if not all(adapter):
-                raise EngineBadRequest("an update holds LoRA tensors and weights together; send them apart")
-            scaled = {"r": 1, "lora_alpha": 1.0}
-            await self._apply_adapter("broadcast", scaled, tensors, abort_all, weight_version, flush)
-            return
-        check_weights(self.model, tensors)
-        await self._update(lambda: self._replace_weights(tensors), abort_all, weight_version, flush)
+        """SGLang's ``/update_weights_from_distributed``: the tensors the trainer broadcasts in the group."""
+        await self.updates.from_distributed(
+            names, dtypes, shapes, group_name, weight_version, abort_all, flush
+        )
 
-    def _replace_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        copy_weights(self.model, tensors)
-        self.lora.forget(list(tensors))  # these are the new base weights
-        self._requantize()
+    # the weight-update steps the LoRA endpoints (AdapterEndpoints) take
+    async def _update(self, apply, abort_all: bool, weight_version: str | None, flush: bool = True) -> None:
+        await self.updates.apply(apply, abort_all, weight_version, flush)
+
+    def _requantize(self) -> None:
+        self.updates.requantize()
+
+    def _check_weights_resident(self) -> None:
+        self.updates.check_resident()
+
+    async def _unpacked(self, payload: str, load_format: str | None) -> tuple:
+        return await self.updates.unpacked(payload, load_format)
 
 
 __all__ = [
