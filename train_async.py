@@ -72,8 +72,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         check_cluster(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then engines, trainer, rollout
         env_kwargs = {**recipe.start_services(fleet.services), **cfg.env.kwargs}
-        await check_verifier(cfg, env_kwargs)  # before the engines: a run nothing would score fails now
-        await fleet.start(model_dir, functools.partial(make_env, cfg.env.name, **env_kwargs), train_tasks)
+        verifier = await check_verifier(cfg, env_kwargs)  # before the engines: fails if nothing scores
+        env_factory = functools.partial(make_env, cfg.env.name, **env_kwargs)
+        await fleet.start(model_dir, env_factory, train_tasks, verifier)
         trainer, rollout = fleet.trainer, fleet.rollout
         handover = Handover(cfg, trainer, rollout, fleet.control)
         retrain_info = {
@@ -167,8 +168,9 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 # ---- the loop's building blocks ------------------------------------------------------------------------
 async def check_verifier(cfg: RunConfig, env_kwargs: dict[str, Any]) -> str | None:
-    """The verifier of the run (``rollout.verifier``, else the env's own); a ConfigError naming the field
-    when there is none or it is unknown. The rollout checks the same again when it starts."""
+    """The verifier of the run (``rollout.verifier``, else the env's own; None for an env that scores
+    itself), resolved once, at load: the rollout's episodes get this name. A ConfigError naming the field
+    when there is none or it is unknown."""
     from agentrl.envs import make_env
     from agentrl.rewards import resolve_verifier
 

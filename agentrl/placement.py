@@ -113,10 +113,8 @@ def _added(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 def colocated_bundles(cfg: RunConfig) -> int:
     """GPUs a colocated run pairs engines and trainer ranks on (one bundle each); 0 when not colocated
-    on GPUs."""
-    if cfg.placement != "colocated" or not (cfg.trainer_gpus_per_rank and cfg.engine.gpus_per_engine):
-        return 0
-    return cfg.trainer_world_size
+    on GPUs (:meth:`~agentrl.run_config.RunConfig.colocated_on_gpus`)."""
+    return cfg.trainer_world_size if cfg.colocated_on_gpus() else 0
 
 
 def placement_group(
@@ -144,12 +142,12 @@ def placement_group(
 def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], Any]:
     """A picklable start of engine ``index``: the embedded engine, or an SGLang server with the flags the
     run needs (memory saver when colocated engines release memory, deterministic inference)."""
-    e = cfg.engine
+    e, exactness = cfg.engine, cfg.exactness
     if e.backend == "embedded":
         from agentrl.embedded.server import start_embedded_server
 
         extra = ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
-        if cfg.deterministic or cfg.trainer.true_on_policy:  # batch-invariant kernels: a request's bits do
+        if exactness.batch_invariant_engine:  # batch-invariant kernels: a request's bits do
             extra += ["--batch-invariant"]  # not depend on what else the engine batches (nor the trainer's)
         if cfg.trainer.lora is not None:  # adapters served as engine.lora_apply says, buffers of their rank
             extra += ["--lora-apply", e.lora_apply, "--max-lora-rank", str(cfg.trainer.lora.rank)]
@@ -174,7 +172,7 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
             "model_path": model_dir,
             "port": 0 if e.num_engines > 1 else (e.sglang.port if e.sglang else 30000),
             "memory_saver": releases,  # SGLang serves the release / resume endpoints only with it
-            "deterministic": cfg.deterministic,  # the run's one switch
+            "deterministic": exactness.deterministic_sglang,
             "quantization": e.quantization,  # and engine.quantization's
             "lora": None if lora is None else SGLangLoRAConfig.for_adapters(lora.rank, lora.target_modules),
         }
@@ -226,10 +224,15 @@ class Fleet:
         return t.model_copy(update={"model_path": model_dir, "seed": t.seed + self.cfg.seed})
 
     async def start(
-        self, model_dir: str, env_factory: Callable[[], Any], train_tasks: list[dict[str, Any]]
+        self,
+        model_dir: str,
+        env_factory: Callable[[], Any],
+        train_tasks: list[dict[str, Any]],
+        verifier: str | None,
     ) -> None:
         """Engines, then the trainer ranks beside them, the rollout's shards (each an actor with its engines
-        and tasks: agentrl.rollout.shards), and the weight-sync connection."""
+        and tasks: agentrl.rollout.shards), and the weight-sync connection. ``verifier``: the run's, as
+        resolved at load (None for an env that scores itself), which the shards' episodes use."""
         from agentrl.engine.client import EngineClient
         from agentrl.rollout.ray_actor import OrchestratorSpec
         from agentrl.rollout.shards import RolloutGroup, shard_specs
@@ -254,7 +257,9 @@ class Fleet:
             env=trainer_env(e.backend),  # what the weight-update group with the engines needs
         )
         # the run's seed added: task order, and request seeds when deterministic
-        rollout_cfg = cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + cfg.seed})
+        rollout_cfg = cfg.rollout.model_copy(
+            update={"seed": cfg.rollout.seed + cfg.seed, "verifier": verifier}
+        )
         spec = OrchestratorSpec(
             rollout_cfg,
             self.engine_urls,

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from agentrl.config import ConfigError, ConfigModel
 from agentrl.engine.launcher import SGLangConfig
+from agentrl.exactness import Exactness
 from agentrl.metrics import MetricsConfig
 from agentrl.rollout.config import RolloutConfig
 from agentrl.trainer.config import LORA_NOT_EXACT, TrainerConfig
@@ -281,12 +282,27 @@ class RunConfig(ConfigModel):
         return data
 
     @model_validator(mode="after")
+    def _resolve(self) -> RunConfig:
+        """The values the config derives from its other fields, filled in once, before :meth:`_check`: the
+        GPU shares Ray reserves for each engine and trainer rank (an engine or a trainer on a GPU takes one
+        per GPU it uses, half of it when colocated; 0 off the GPU), and the engine's routing in every
+        trajectory when the trainer replays it."""
+        e = self.engine
+        share = 0.5 if self.placement == "colocated" else 1.0  # colocated: engine and trainer halve a GPU
+        if e.gpus_per_engine is None:
+            e.gpus_per_engine = share * _engine_tp(self) if _engine_on_gpu(self) else 0.0
+        if self.trainer_gpus_per_rank is None:
+            self.trainer_gpus_per_rank = share if _trainer_on_gpu(self) else 0.0
+        if self.trainer.moe.routing_replay:  # replay needs the engine's routing in every trajectory
+            self.rollout.return_routed_experts = True
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> RunConfig:
         """Every check that needs only the config, naming the fields (the model's shape is checked by
-        :func:`check_model_shape` once the recipe resolved it; Ray's GPUs by agentrl.placement)."""
+        :func:`check_model_shape` once the recipe resolved it; Ray's GPUs by agentrl.placement). It changes
+        nothing: derived values are :meth:`_resolve`'s."""
         e, t = self.engine, self.trainer
-        if t.moe.routing_replay:  # replay needs the engine's routing in every trajectory
-            self.rollout.return_routed_experts = True
         if e.backend == "external" and not e.urls:
             raise ValueError("engine.urls: backend 'external' needs at least one URL")
         if self.ray.engine_resources and e.backend == "external":
@@ -320,7 +336,8 @@ class RunConfig(ConfigModel):
             raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
         if t.lora is not None:
             _check_lora(self)
-        if (t.true_on_policy or (self.deterministic and t.device == "cuda")) and (t.tp, t.pp) != (1, 1):
+        exact_forward = self.exactness.trainer_kernels(on_gpu=t.device == "cuda").exact_logprobs
+        if exact_forward and (t.tp, t.pp) != (1, 1):
             field = "trainer.true_on_policy" if t.true_on_policy else "deterministic"
             raise ValueError(f"{field}: the exact forward needs trainer.tp = 1 and trainer.pp = 1")
         for what, size in (("tp * pp", t.tp * t.pp), ("tp * pp * ep", t.tp * t.pp * t.ep)):
@@ -330,23 +347,17 @@ class RunConfig(ConfigModel):
                     f"= {size} (the ranks are tp x pp x dp)"
                 )
         colocated = self.placement == "colocated"
-        share = 0.5 if colocated else 1.0  # colocated: engine and trainer halve a GPU
-        engine_tp = e.sglang.tp_size if e.backend == "sglang" and e.sglang else 1
-        engine_on_gpu = e.backend == "sglang" or (e.backend == "embedded" and e.device.startswith("cuda"))
-        trainer_on_gpu = t.device.startswith("cuda")
-        if e.gpus_per_engine is None:
-            e.gpus_per_engine = share * engine_tp if engine_on_gpu else 0.0
-        if self.trainer_gpus_per_rank is None:
-            self.trainer_gpus_per_rank = share if trainer_on_gpu else 0.0
-        if engine_on_gpu and e.gpus_per_engine == 0:
+        engine_tp = _engine_tp(self)
+        trainer_on_gpu = _trainer_on_gpu(self)
+        if _engine_on_gpu(self) and e.gpus_per_engine == 0:
             raise ValueError(
                 "engine.gpus_per_engine: an engine on a GPU needs a GPU share from Ray (an actor that "
                 "reserves none sees no GPU); e.g. 1, or 0.5 when colocated"
             )
         if trainer_on_gpu and self.trainer_gpus_per_rank == 0:
             raise ValueError("trainer_gpus_per_rank: a trainer on cuda needs a GPU share from Ray")
-        on_gpus = engine_on_gpu and trainer_on_gpu
-        if colocated and on_gpus and self.trainer_world_size != e.num_engines * engine_tp:
+        on_gpus = self.colocated_on_gpus()
+        if on_gpus and self.trainer_world_size != e.num_engines * engine_tp:
             raise ValueError(
                 f"engine.num_engines: colocated, engine i and trainer rank i share GPU i, so the engines' GPUs "
                 f"(num_engines x tp = {e.num_engines * engine_tp}) must equal trainer_world_size "
@@ -363,12 +374,40 @@ class RunConfig(ConfigModel):
             _check_shards(self)
         return self
 
+    @property
+    def exactness(self) -> Exactness:
+        """What ``deterministic`` and ``trainer.true_on_policy`` turn on: the engines' and the trainer's
+        kernels, seeded requests, the rollout's schedule (agentrl.exactness)."""
+        return Exactness.resolve(self.deterministic, self.trainer.true_on_policy)
+
+    def colocated_on_gpus(self) -> bool:
+        """Engine i and trainer rank i share GPU i: placement colocated, with both the engines and the
+        trainer ranks reserving GPU shares (as resolved). The one test of it (agentrl.placement pairs them
+        on a placement group's bundles then; weight sync cannot broadcast between them)."""
+        shares = bool(self.engine.gpus_per_engine) and bool(self.trainer_gpus_per_rank)
+        return self.placement == "colocated" and shares
+
     def gpus_needed(self) -> float:
         """GPUs that Ray must have for this run's engines and trainer ranks (checked before they start)."""
         engines = 0 if self.engine.backend == "external" else self.engine.num_engines
         return engines * (self.engine.gpus_per_engine or 0) + self.trainer_world_size * (
             self.trainer_gpus_per_rank or 0
         )
+
+
+def _engine_on_gpu(cfg: RunConfig) -> bool:
+    e = cfg.engine
+    return e.backend == "sglang" or (e.backend == "embedded" and e.device.startswith("cuda"))
+
+
+def _trainer_on_gpu(cfg: RunConfig) -> bool:
+    return cfg.trainer.device.startswith("cuda")
+
+
+def _engine_tp(cfg: RunConfig) -> int:
+    """GPUs one engine spans (an SGLang server's tensor parallelism)."""
+    e = cfg.engine
+    return e.sglang.tp_size if e.backend == "sglang" and e.sglang else 1
 
 
 def _check_lora(cfg: RunConfig) -> None:

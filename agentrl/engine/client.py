@@ -22,24 +22,16 @@
 LoRA adapters that SGLang serves by name: ``generate`` adds ``lora_path`` naming the adapter each endpoint
 serves now, which the client looks up in the engine's adapter list (:mod:`agentrl.engine.adapters`).
 
-Distributed weight updates follow SGLang's protocol: the trainer is rank 0 of a new process group and
-the engines' ranks start at ``rank_offset``. Both ``init_weights_update_group`` and
-``update_weights_from_distributed`` only return once the trainer side has joined (the group's
-rendezvous) or broadcast the tensors, so the trainer must await them *concurrently* with its own
-``init_process_group`` / ``broadcast`` calls (e.g. ``asyncio.gather`` with work in a thread).
+The calls themselves (retries, least-loaded routing, router workers) are :mod:`agentrl.engine.transport`'s;
+the weight-update verbs' bodies are :mod:`agentrl.engine.weight_calls`'s (which says how the trainer awaits
+a distributed update).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
-import random
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-
-import aiohttp
 
 from agentrl.engine.adapters import AdapterNaming
 from agentrl.engine.endpoint import (
@@ -49,8 +41,9 @@ from agentrl.engine.endpoint import (
     EngineTimeout,
     EngineUnavailable,
 )
-from agentrl.engine.json_body import JSON_HEADERS, dumps_json, loads_json
+from agentrl.engine.transport import EngineTransport, Retryable
 from agentrl.engine.types import GenerateResult, SamplingParams
+from agentrl.engine.weight_calls import WeightUpdateCalls
 
 __all__ = [
     "EngineClient",
@@ -59,13 +52,6 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
 ]
-
-
-def _normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        url = "http://" + url
-    return url
 
 
 class EngineClient(AdapterNaming):
@@ -84,48 +70,25 @@ class EngineClient(AdapterNaming):
             urls = [u for u in urls.split(",") if u.strip()]
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
-        self.endpoints = [Endpoint(_normalize_url(u)) for u in urls]
-        self.api_key = api_key
-        self.timeout = float(timeout)
-        self.max_retries = int(max_retries)
-        self.backoff = float(backoff)
-        self._session: aiohttp.ClientSession | None = None
-        self._session_loop: asyncio.AbstractEventLoop | None = None
-        self._rr = itertools.count()
-        self._rid_endpoint: dict[str, Endpoint] = {}
-        self.router = router
-        self._workers: dict[str, Endpoint] = {}  # router mode: the router's workers, by URL
+        self.transport = EngineTransport(urls, api_key, timeout, max_retries, backoff, router)
+        self.weights = WeightUpdateCalls(self.transport)
 
     @property
     def urls(self) -> list[str]:
-        return [e.url for e in self.endpoints]
+        return self.transport.urls
 
-    # ------------------------------------------------------------------ plumbing
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    # ------------------------------------------------------------------ the transport's (.transport)
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return self.transport.endpoints
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        # A session is bound to the loop it was created in; a client reused from another loop (e.g. two
-        # asyncio.run calls) gets a fresh one instead of failing deep inside aiohttp.
-        if self._session is None or self._session.closed or self._session_loop is not loop:
-            # No connection cap: the number of concurrent requests is the orchestrator's decision.
-            connector = aiohttp.TCPConnector(limit=0, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers())
-            self._session_loop = loop
-        return self._session
+    @property
+    def router(self) -> bool:
+        return self.transport.router
 
-    def _pick(self, exclude: set[str]) -> Endpoint:
-        now = time.monotonic()
-        candidates = [e for e in self.endpoints if e.url not in exclude and e.down_until <= now]
-        if not candidates:
-            candidates = [e for e in self.endpoints if e.url not in exclude] or self.endpoints
-        least = min(e.in_flight for e in candidates)
-        tied = [e for e in candidates if e.in_flight == least]
-        return tied[next(self._rr) % len(tied)]
-
-    def _delay(self, attempt: int) -> float:
-        return self.backoff * (2**attempt) * (0.75 + 0.5 * random.random())
+    @property
+    def timeout(self) -> float:
+        return self.transport.timeout
 
     async def _call(
         self,
@@ -135,37 +98,7 @@ class EngineClient(AdapterNaming):
         payload: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> Any:
-        """One HTTP call, no retries. Raises the typed errors; 5xx/connection errors as _Retryable."""
-        session = self._get_session()
-        url = ep.url + path
-        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
-        # the body serialized here (not aiohttp's json=, the standard library's encoder) and the answer
-        # read and parsed once: a /generate's JSON was a tenth of the rollout loop's time
-        data, headers = (None, None) if payload is None else (dumps_json(payload), JSON_HEADERS)
-        try:
-            async with session.request(method, url, data=data, headers=headers, timeout=t) as resp:
-                raw = await resp.read()
-                if resp.status >= 400:
-                    text = await resp.text()
-                    if resp.status >= 500:
-                        raise _Retryable(f"{method} {url} answered {resp.status}: {text[:500]}")
-                    raise EngineRequestError(
-                        f"{method} {url} answered {resp.status}: {_server_message(text)}", resp.status, url
-                    )
-                if not raw:
-                    return {}
-                if not raw.strip():  # what aiohttp's resp.json() answered for a blank body
-                    return None
-                try:
-                    return loads_json(raw)
-                except ValueError:
-                    return await resp.text()
-        except TimeoutError as err:
-            raise EngineTimeout(
-                f"{method} {url} did not answer within {t.total:.1f}s (raise EngineClient(timeout=...))"
-            ) from err
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
-            raise _Retryable(f"{method} {url}: {type(err).__name__}: {err}") from err
+        return await self.transport.call(ep, method, path, payload, timeout)
 
     async def _request(
         self,
@@ -177,51 +110,11 @@ class EngineClient(AdapterNaming):
         rid: str | None = None,
         prepare: Callable[[Endpoint], Awaitable[dict[str, Any]]] | None = None,
     ) -> Any:
-        """A call with retries; ``endpoint=None`` routes to the least-loaded endpoint (and fails over).
-
-        ``rid`` records which endpoint serves that request while it runs, so ``abort(rid)`` finds it.
-        ``prepare(endpoint)``, when given, makes the payload for the endpoint picked (a ``/generate`` names
-        that endpoint's adapter).
-        """
-        tried: set[str] = set()
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            ep = endpoint or self._pick(tried)
-            ep.in_flight += 1
-            if rid is not None:
-                self._rid_endpoint[rid] = ep
-            try:
-                body = payload if prepare is None else await prepare(ep)
-                result = await self._call(ep, method, path, body, timeout)
-                ep.down_until = 0.0
-                return result
-            except _Retryable as err:
-                last = str(err)
-                tried.add(ep.url)
-                ep.down_until = time.monotonic() + self._delay(attempt)
-                if len(tried) == len(self.endpoints):
-                    tried.clear()  # every endpoint failed once: start over after backing off
-            finally:
-                ep.in_flight -= 1
-                if rid is not None:
-                    self._rid_endpoint.pop(rid, None)
-            if attempt < self.max_retries:
-                await asyncio.sleep(self._delay(attempt))
-        raise EngineUnavailable(f"engine unavailable after {self.max_retries + 1} attempts: {last}")
+        return await self.transport.request(method, path, payload, endpoint, timeout, rid, prepare)
 
     async def control_endpoints(self) -> list[Endpoint]:
         """Where control calls go: the endpoints, or in router mode the router's workers."""
-        if not self.router:
-            return self.endpoints
-        found: list[Endpoint] = []
-        for ep in self.endpoints:
-            body = await self._request("GET", "/workers", endpoint=ep)
-            for w in body.get("workers", []) if isinstance(body, dict) else []:
-                url = _normalize_url(str(w["url"]))
-                found.append(self._workers.setdefault(url, Endpoint(url)))
-        if not found:
-            raise EngineUnavailable(f"the router(s) {self.urls} list no workers (GET /workers)")
-        return found
+        return await self.transport.control_endpoints()
 
     async def worker_urls(self) -> list[str]:
         """The engines that control calls and weight syncs reach: the URLs, or a router's workers now."""
@@ -230,24 +123,10 @@ class EngineClient(AdapterNaming):
     async def _broadcast(
         self, method: str, path: str, payloads: Sequence[dict[str, Any] | None]
     ) -> list[Any]:
-        """The same control call on every control endpoint at once (one payload per endpoint)."""
-        endpoints = await self.control_endpoints()
-        if len(payloads) != len(endpoints):
-            raise ValueError(f"{len(payloads)} payloads for {len(endpoints)} endpoints")
-        results = await asyncio.gather(
-            *(self._request(method, path, p, endpoint=ep) for ep, p in zip(endpoints, payloads, strict=True)),
-            return_exceptions=True,
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
-        for ep, r in zip(endpoints, results, strict=True):
-            if isinstance(r, dict) and r.get("success") is False:
-                raise EngineRequestError(f"{ep.url}{path} failed: {r.get('message', r)}", 200, ep.url)
-        return list(results)
+        return await self.transport.broadcast(method, path, payloads)
 
     async def _all(self, method: str, path: str, payload: dict[str, Any] | None = None) -> list[Any]:
-        return await self._broadcast(method, path, [payload] * len(await self.control_endpoints()))
+        return await self.transport.all(method, path, payload)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -305,7 +184,7 @@ class EngineClient(AdapterNaming):
         if rid is None:
             await self._all("POST", "/abort_request", {"abort_all": True})
             return
-        ep = None if self.router else self._rid_endpoint.get(rid)
+        ep = None if self.router else self.transport.rid_endpoint.get(rid)
         if ep is not None:
             await self._request("POST", "/abort_request", {"rid": rid}, endpoint=ep)
         else:  # not (or no longer) ours in flight: tell everyone, harmless where unknown
@@ -326,7 +205,7 @@ class EngineClient(AdapterNaming):
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache", None)
 
-    # ------------------------------------------------------------------ weights
+    # ------------------------------------------------------------------ weights (.weights)
     async def update_weights_from_disk(
         self,
         model_path: str,
@@ -334,10 +213,7 @@ class EngineClient(AdapterNaming):
         abort_all_requests: bool = False,
     ) -> None:
         """Every endpoint reloads its weights from ``model_path`` (a HF checkpoint directory)."""
-        payload: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        await self._all("POST", "/update_weights_from_disk", payload)
+        await self.weights.update_weights_from_disk(model_path, weight_version, abort_all_requests)
 
     async def init_weights_update_group(
         self,
@@ -348,40 +224,15 @@ class EngineClient(AdapterNaming):
         group_name: str,
         backend: str,
     ) -> None:
-        """Every endpoint joins the trainer's weight-broadcast group (trainer = rank 0).
-
-        ``rank_offset`` is the first engine rank of the first endpoint; with several endpoints each
-        following one starts after the previous one's ``tp_size`` ranks (read from
-        ``/get_server_info``), or pass one offset per endpoint as a list.
-        """
-        endpoints = await self.control_endpoints()
-        if isinstance(rank_offset, int):
-            offsets = [rank_offset]
-            if len(endpoints) > 1:
-                infos = await self._all("GET", "/get_server_info")
-                for info in infos[:-1]:
-                    tp = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
-                    offsets.append(offsets[-1] + tp)
-        else:
-            offsets = [int(o) for o in rank_offset]
-            if len(offsets) != len(endpoints):
-                raise ValueError(f"{len(offsets)} rank offsets for {len(endpoints)} endpoints")
-        payloads: list[dict[str, Any] | None] = [
-            {
-                "master_address": master_address,
-                "master_port": int(master_port),
-                "rank_offset": off,
-                "world_size": int(world_size),
-                "group_name": group_name,
-                "backend": backend,
-            }
-            for off in offsets
-        ]
-        await self._broadcast("POST", "/init_weights_update_group", payloads)
+        """Every endpoint joins the trainer's weight-broadcast group (trainer = rank 0; ``rank_offset``:
+        :meth:`WeightUpdateCalls.init_weights_update_group`)."""
+        await self.weights.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """Every endpoint leaves the weight-broadcast group (SGLang's ``/destroy_weights_update_group``)."""
-        await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        await self.weights.destroy_weights_update_group(group_name)
 
     async def update_weights_from_distributed(
         self,
@@ -394,19 +245,9 @@ class EngineClient(AdapterNaming):
         abort_all_requests: bool = False,
     ) -> None:
         """Announce one broadcast bucket; the trainer (rank 0) then broadcasts each tensor in order."""
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        payload: dict[str, Any] = {
-            "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [list(map(int, s)) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        await self._all("POST", "/update_weights_from_distributed", payload)
+        await self.weights.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, weight_version, flush_cache, abort_all_requests
+        )
 
     async def update_weights_from_tensor(
         self,
@@ -417,18 +258,10 @@ class EngineClient(AdapterNaming):
         abort_all_requests: bool = False,
     ) -> None:
         """Every endpoint copies in the named tensors of a payload from
-        :func:`agentrl.engine.named_tensors.pack_named_tensors` (one entry per tensor-parallel rank of
-        the engine; the same payload for each). The engines must share the sender's machine (and GPU)."""
-        payload: dict[str, Any] = {
-            "serialized_named_tensors": list(serialized_named_tensors),
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if load_format is not None:
-            payload["load_format"] = load_format
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        await self._all("POST", "/update_weights_from_tensor", payload)
+        :func:`agentrl.engine.named_tensors.pack_named_tensors` (the engines share the sender's GPU)."""
+        await self.weights.update_weights_from_tensor(
+            serialized_named_tensors, load_format, weight_version, flush_cache, abort_all_requests
+        )
 
     async def load_lora_adapter(
         self,
@@ -437,16 +270,8 @@ class EngineClient(AdapterNaming):
         weight_version: str | None = None,
         abort_all_requests: bool = False,
     ) -> None:
-        """Every endpoint loads the PEFT adapter dir ``lora_path`` as ``lora_name`` (the embedded engine
-        serves it to every request, as version ``weight_version``; SGLang to requests that name it)."""
-        payload: dict[str, Any] = {
-            "lora_name": lora_name,
-            "lora_path": str(lora_path),
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        await self._all("POST", "/load_lora_adapter", payload)
+        """Every endpoint loads the PEFT adapter dir ``lora_path`` as ``lora_name``."""
+        await self.weights.load_lora_adapter(lora_name, lora_path, weight_version, abort_all_requests)
 
     async def load_lora_adapter_from_tensors(
         self,
@@ -457,30 +282,20 @@ class EngineClient(AdapterNaming):
         weight_version: str | None = None,
         abort_all_requests: bool = False,
     ) -> None:
-        """Every endpoint loads an adapter handed over in memory: a PEFT state dict packed by
-        :func:`agentrl.engine.named_tensors.pack_named_tensors` and its ``adapter_config.json`` mapping."""
-        payload: dict[str, Any] = {
-            "lora_name": lora_name,
-            "config_dict": config_dict,
-            "serialized_tensors": serialized_tensors,
-            "abort_all_requests": abort_all_requests,
-        }
-        if load_format is not None:
-            payload["load_format"] = load_format
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        await self._all("POST", "/load_lora_adapter_from_tensors", payload)
-
-    async def unload_lora_adapter(self, lora_name: str, urls: list[str] | None = None) -> None:
-        """Every endpoint (or those of ``urls``) unloads the adapter ``lora_name`` (SGLang's
-        ``/unload_lora_adapter``: the name is refused to new requests at once, and the adapter freed once
-        the running requests that use it end; the embedded engine takes its adapter off every request)."""
-        endpoints = [ep for ep in await self.control_endpoints() if urls is None or ep.url in urls]
-        body = {"lora_name": lora_name}
-        await asyncio.gather(
-            *(self._request("POST", "/unload_lora_adapter", body, endpoint=ep) for ep in endpoints)
+        """Every endpoint loads an adapter handed over in memory (a packed PEFT state dict)."""
+        await self.weights.load_lora_adapter_from_tensors(
+            lora_name, config_dict, serialized_tensors, load_format, weight_version, abort_all_requests
         )
 
+    async def unload_lora_adapter(self, lora_name: str, urls: list[str] | None = None) -> None:
+        """Every endpoint (or those of ``urls``) unloads the adapter ``lora_name``."""
+        await self.weights.unload_lora_adapter(lora_name, urls)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        """Set the version string the engines report (SGLang's own default would abort everything)."""
+        await self.weights.update_weight_version(new_version, abort_all_requests)
+
+    # ------------------------------------------------------------------ memory
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Every endpoint frees the GPU memory of ``tags`` (``weights``, ``kv_cache``, and on SGLang
         ``cuda_graph``; None: all) and holds requests until :meth:`resume_memory_occupation` (SGLang needs
@@ -492,14 +307,6 @@ class EngineClient(AdapterNaming):
         """Every endpoint takes back the memory of ``tags`` (None: everything released)."""
         await self._all("POST", "/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
 
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
-        """Set the version string the engines report (SGLang's own default would abort everything)."""
-        await self._all(
-            "POST",
-            "/update_weight_version",
-            {"new_version": str(new_version), "abort_all_requests": abort_all_requests},
-        )
-
     # ------------------------------------------------------------------ info
     async def health(self) -> bool:
         """True when every endpoint answers ``/health`` with 200 (one try, short timeout)."""
@@ -508,7 +315,7 @@ class EngineClient(AdapterNaming):
             try:
                 await self._call(ep, "GET", "/health", None, timeout=min(self.timeout, 10.0))
                 return True
-            except (EngineError, _Retryable):
+            except (EngineError, Retryable):
                 return False
 
         return all(await asyncio.gather(*(one(ep) for ep in self.endpoints)))
@@ -526,35 +333,10 @@ class EngineClient(AdapterNaming):
         return await self._all("GET", "/get_server_info")
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            try:
-                await self._session.close()
-            except RuntimeError:  # created in a loop that is gone
-                pass
-        self._session = None
+        await self.transport.close()
 
     async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class _Retryable(Exception):
-    """Internal: a connection error or 5xx answer worth another try."""
-
-
-def _server_message(text: str) -> str:
-    """The human part of an error body (SGLang answers {"error": {"message": ...}} or {"message": ...})."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text[:1000]
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("message", "error_message", "detail", "error"):
-            if key in body:
-                return str(body[key])
-    return text[:1000]
