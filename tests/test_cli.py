@@ -145,3 +145,72 @@ def test_help_of_both_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str
         main(["trian"])
     assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
     assert "tools (env.kwargs.tools): python, search" in list_names()
+
+
+FLAKY_ENV = textwrap.dedent(
+    '''
+    """A user's module beside the config: an env that fails on some tasks, a verifier with parts."""
+    from agentrl.envs import Env, StepResult
+    from agentrl.rewards import RewardResult
+
+
+    class FlakyEnv(Env):
+        async def reset(self, task):
+            if task["task_id"] in ("q3", "q7"):
+                raise ValueError(f"unknown unit in task {task['task_id']}")
+            return [{"role": "user", "content": task["prompt"]}]
+
+        async def step(self, action_text):
+            return StepResult(None, terminated=True)
+
+
+    async def partial(trajectory, label):
+        text = trajectory.final_answer or ""
+        return RewardResult(float(label in text), parts={"wrote_digit": float(any(c.isdigit() for c in text))})
+    '''
+)
+
+
+@pytest.mark.slow
+def test_a_run_by_path_imports_the_working_directory_and_shows_failures(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``python <checkout>/train_async.py`` run in the user's directory: its env module imports in the
+    driver and the workers, the first env error is on the console with its count, the progress line shows
+    the training reward of each step, and the verifier's parts are logged."""
+    import json
+
+    from agentrl.metrics import read_metrics
+
+    (tmp_path / "flaky_env.py").write_text(FLAKY_ENV)
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"task_id": f"q{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(10)]
+    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:8]) + "\n")
+    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows[8:]) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        textwrap.dedent(
+            f"""
+            output_dir: {tmp_path / "run"}
+            steps: 2
+            model_path: {tiny_model_dir}
+            data: {{path: {data}}}
+            env: {{name: flaky_env:FlakyEnv}}
+            engine: {{max_batch_size: 8}}
+            rollout: {{group_size: 2, batch_size: 2, max_concurrency: 8, max_turns: 1, max_total_tokens: 256,
+                      verifier: flaky_env:partial, max_retries: 0, filter_zero_variance: false,
+                      sampling: {{temperature: 1.0, max_new_tokens: 8}},
+                      eval_sampling: {{temperature: 0.0, max_new_tokens: 8}}}}
+            trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 4}}
+            ray: {{num_cpus: 2}}
+            """
+        )
+    )
+    proc = _job([sys.executable, str(ROOT / "train_async.py"), "--config", "run.yaml"], tmp_path, 600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    err = proc.stderr
+    assert err.count("env failure(s) so far; the first: env: ValueError: unknown unit in task q") == 1, err
+    steps = [line for line in err.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all("train_reward=" in s and "held-out@0 reward=" in s for s in steps), err
+    logged = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "batch/reward" in r]
+    assert len(logged) == 2 and all("reward/wrote_digit" in r for r in logged)
