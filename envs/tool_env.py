@@ -146,6 +146,8 @@ class PythonToolEnv(ToolEnv):
             return (await sb.run(code, timeout=self._timeout)).text_or_raise()
 
         tool = Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)
-        super().__init__([tool, *resolve_tools(extra_tools)], system_prompt, max_turns, max_output_chars=max_output_chars)
+        super().__init__(
+            [tool, *resolve_tools(extra_tools)], system_prompt, max_turns, max_output_chars=max_output_chars
+        )
         if verifier is not None:
             self.verifier = verifier
