@@ -73,9 +73,17 @@ class Registry(Generic[T]):
         if ":" in name:
             module, _, attr = name.partition(":")
             try:
-                return getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as err:
+                loaded = importlib.import_module(module)
+            except ImportError as err:
                 raise KeyError(f"cannot load {self.kind} {name!r}: {err}") from None
+            if not hasattr(loaded, attr):
+                public = [a for a in dir(loaded) if not a.startswith("_")]
+                hint = did_you_mean(attr, public).rstrip()
+                raise KeyError(
+                    f"cannot load {self.kind} {name!r}: module {module!r} has no attribute {attr!r}"
+                    + (f"; {hint}" if hint else "")
+                )
+            return getattr(loaded, attr)
         raise KeyError(self.unknown(name))
 
     def unknown(self, name: str) -> str:

@@ -546,7 +546,8 @@ def check_names(cfg: RunConfig) -> None:
         try:
             return registry.get(name)
         except KeyError as err:
-            hint = " (is its module in the working directory or on PYTHONPATH?)" if ":" in name else ""
+            missing = "No module named" in err.args[0]
+            hint = " (is its module in the working directory or on PYTHONPATH?)" if missing else ""
             raise ConfigError(f"{field}: {err.args[0]}{hint}") from None
 
     factory = lookup(ENVS, cfg.env.name, "env.name")

@@ -80,6 +80,9 @@ def test_misspelled_field_and_verifier_name_the_nearest_known(tmp_path: Path) ->
     cfg = load_run_config(DEMO, ["env.name=no_such_module_here:UnitEnv"])
     with pytest.raises(ConfigError, match=r"env\.name: cannot load env .*working directory or on PYTHONPATH"):
         check_names(cfg)
+    cfg = load_run_config(DEMO, ["env.name=agentrl.envs.search:SerchEnv"])
+    with pytest.raises(ConfigError, match=r"has no attribute 'SerchEnv'; did you mean 'SearchEnv'\?$"):
+        check_names(cfg)
     check_names(load_run_config(DEMO))  # the demo's names resolve
     assert did_you_mean("nope", ["search", "math"]) == ""
 
