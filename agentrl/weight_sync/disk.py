@@ -14,8 +14,7 @@ import torch
 
 from agentrl.trainer.lora import save_peft_dir
 from agentrl.trainer.model import save_hf_dir
-from agentrl.weight_sync.named_adapters import adapter_push_stats
-from agentrl.weight_sync.update import LORA_NAME, RankSide, WeightUpdate
+from agentrl.weight_sync.update import LORA_NAME, RankSide, WeightUpdate, push_stats
 
 
 class DiskSync:
@@ -39,7 +38,7 @@ class DiskSync:
             await self.client.update_weights_from_disk(
                 str(self.out_dir), weight_version=str(version), abort_all_requests=False
             )
-        return {**adapter_push_stats(t0, hf), "pack_seconds": pack_seconds}
+        return {**push_stats(t0, hf), "pack_seconds": pack_seconds}
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True
@@ -66,7 +65,7 @@ class LoRADiskSync:
         pack_seconds = time.perf_counter() - t0
         if self.client is not None:
             await self.client.load_lora_adapter(LORA_NAME, str(self.out_dir), weight_version=str(version))
-        return {**adapter_push_stats(t0, hf), "pack_seconds": pack_seconds}
+        return {**push_stats(t0, hf), "pack_seconds": pack_seconds}
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True

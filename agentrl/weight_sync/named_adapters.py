@@ -61,7 +61,7 @@ import torch
 from agentrl.engine.adapters import adapter_name, adapter_version
 from agentrl.engine.client import EngineRequestError
 from agentrl.trainer.lora import PEFT_PREFIX, adapter_config, save_peft_dir
-from agentrl.weight_sync.update import RankSide, WeightUpdate
+from agentrl.weight_sync.update import RankSide, WeightUpdate, push_stats
 
 log = logging.getLogger("agentrl.weight_sync")
 
@@ -69,7 +69,6 @@ __all__ = [
     "FUSED_GROUPS",
     "NamedAdapterSync",
     "adapter_payload",
-    "adapter_push_stats",
     "complete_fused_groups",
     "connect_named_adapters",
 ]
@@ -121,16 +120,6 @@ def complete_fused_groups(
                     out[key % "A"] = a.clone()  # a tensor of its own: a PEFT file holds no shared ones
                     out[key % "B"] = torch.zeros(rows[other], b.shape[1], dtype=b.dtype)
     return out, lora.model_copy(update={"target_modules": sorted(targets | missing)})
-
-
-def adapter_push_stats(started: float, adapters: dict[str, torch.Tensor]) -> dict[str, float]:
-    """An adapter push's figures (every LoRA sync reports them): seconds since ``started``, tensors and
-    bytes pushed."""
-    return {
-        "seconds": time.perf_counter() - started,
-        "num_tensors": float(len(adapters)),
-        "num_bytes": float(sum(t.numel() * t.element_size() for t in adapters.values())),
-    }
 
 
 def adapter_payload(tensors: dict[str, torch.Tensor]) -> str:
@@ -223,7 +212,7 @@ class NamedAdapterSync:
         previous, self.loaded = self.loaded, name
         if previous is not None:
             await self._retire(previous)
-        return {**adapter_push_stats(t0, tensors), "pack_seconds": pack_seconds}
+        return {**push_stats(t0, tensors), "pack_seconds": pack_seconds}
 
     async def _retire(self, name: str) -> None:
         """Remove ``name``'s dir (so SGLang cannot load it again for a late request), then unload it. An

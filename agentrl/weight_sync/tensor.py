@@ -20,8 +20,7 @@ import torch
 
 from agentrl.engine.named_tensors import pack_named_tensors
 from agentrl.trainer.lora import adapter_config
-from agentrl.weight_sync.named_adapters import adapter_push_stats
-from agentrl.weight_sync.update import LORA_NAME, RankSide, WeightUpdate
+from agentrl.weight_sync.update import LORA_NAME, RankSide, WeightUpdate, push_stats
 
 
 @dataclass
@@ -99,7 +98,7 @@ class LoRATensorSync:
         finally:
             packed.close()
         # the same figures as a full tensor push, which a colocated step splits into pack and push
-        return {**adapter_push_stats(t0, hf), "pack_seconds": pack_seconds}
+        return {**push_stats(t0, hf), "pack_seconds": pack_seconds}
 
     async def close(self, timeout: float = 30.0) -> bool:
         return True

@@ -13,6 +13,8 @@ A transport and payload on one rank is an :class:`EngineSync` (where the weights
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -56,7 +58,7 @@ class WeightUpdate:
     engines it pushes to), ``payload`` (what they take) and, at each push, ``version``."""
 
     transport: Transport
-    engine_urls: tuple[str, ...] = ()  # every engine the update reaches
+    engine_urls: Sequence[str] = ()  # every engine the update reaches (kept as a tuple)
     out_dir: str | Path | None = None  # disk: where the HF (or PEFT) dir is written
     group: BroadcastGroup = field(default_factory=BroadcastGroup)  # distributed: the process group
     targets: tuple[str, ...] = ()  # the engines this rank pushes to (:func:`route`)
@@ -64,20 +66,19 @@ class WeightUpdate:
     version: int | None = None  # the policy version a push hands over
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "engine_urls", tuple(self.engine_urls))  # a list crosses Ray as well
+        object.__setattr__(self, "engine_urls", tuple(self.engine_urls))  # the record does not change
 
     async def connect(self, **rank: Any) -> Any:
         """This trainer rank's side of the update, ready to push: a
         :class:`~agentrl.weight_sync.registry.RankSync` (keywords: those of
         :func:`agentrl.weight_sync.registry.connect`). The trainer calls it without importing this package."""
-        from agentrl.weight_sync.registry import (
-            connect,  # the registry imports every transport, which import this
-        )
+        # imported here: the registry imports every transport, and they import this module
+        from agentrl.weight_sync.registry import connect
 
         return await connect(self, **rank)
 
 
-def route(transport: str, engine_urls: list[str] | tuple[str, ...], rank: int, world_size: int) -> list[str]:
+def route(transport: str, engine_urls: Sequence[str], rank: int, world_size: int) -> list[str]:
     """The engines trainer rank ``rank`` pushes to. Rank 0 pushes to all of them from disk or over a
     broadcast; in memory (``tensor``) engine j takes its weights from rank ``j % world_size``, so colocated
     on GPUs, where engine i shares GPU i with rank i, every CUDA IPC handle opens on its own GPU."""
@@ -92,6 +93,15 @@ def payload_kind(lora: Any, serves_adapters_by_name: bool) -> PayloadKind:
     if lora is None:
         return "full"
     return "lora_named" if serves_adapters_by_name else "lora"
+
+
+def push_stats(started: float, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A push's figures every transport reports: seconds since ``started``, tensors and bytes pushed."""
+    return {
+        "seconds": time.perf_counter() - started,
+        "num_tensors": float(len(tensors)),
+        "num_bytes": float(sum(t.numel() * t.element_size() for t in tensors.values())),
+    }
 
 
 def sync_phases(stats: dict[str, float]) -> dict[str, float]:
@@ -127,8 +137,8 @@ class EngineSync(Protocol):
 
     async def push(self, hf: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Hand ``hf`` to the engines as weight version ``version`` (a rank that ``pushes``); returns its
-        figures: ``seconds`` (the whole push), ``pack_seconds`` (its part laying the payload out),
-        ``num_tensors``, ``num_bytes`` and the transport's own."""
+        figures: ``seconds`` (the whole push), ``num_tensors``, ``num_bytes``, ``pack_seconds`` (the part
+        laying the payload out, where there is one) and the transport's own."""
         ...
 
     async def close(self, timeout: float = 30.0) -> bool:
