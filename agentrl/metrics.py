@@ -187,13 +187,14 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 
 class ProgressLine:
     """A console progress line, e.g.
-    ``step 3/20 [###-----] train_reward=0.41 stale=0.6 tok/s=12.3 | held-out@10 exact_match=0.38 | failed=2 45s``.
+    ``step 3/20 [###--] train_reward=0.41 stale=0.6 | held-out@10 exact_match=0.38 | train_failed=2 45s``.
 
     ``keys`` maps a short label to a metric of the step (``train_reward``: the training batch's mean reward,
     new every step); ``held_out`` (``update``) is the latest held-out evaluation, ``(step, figures)``,
     shown after ``held-out@<step>`` so it is never taken for the training reward. The first error of each
     failure kind in the step's rollout figures (``rollout/first_error/<kind>``) is printed once, above the
-    line, with its count (``rollout/failures/<kind>``); the line shows the failures so far (``failed=``)."""
+    line, with its count (``rollout/failures/<kind>``); the line shows the failed training episodes so far
+    (``train_failed=``)."""
 
     def __init__(
         self,
@@ -247,7 +248,7 @@ class ProgressLine:
             parts.append(f"| held-out@{held_out[0]} {figures}")
         failed = metrics.get("rollout/failures_total")
         if isinstance(failed, int | float) and failed > 0:
-            parts.append(f"| failed={failed:g}")
+            parts.append(f"| train_failed={failed:g}")
         parts.append(f"{time.monotonic() - self.start:.0f}s")
         line = " ".join(parts)
         self.last_line = line

@@ -52,8 +52,8 @@ def test_progress_line_prints_each_first_error_once_and_shows_the_training_rewar
     second = line.update(2, {"batch/reward": 0.75, **m.snapshot()}, held_out=held_out)
     text = out.getvalue()
     assert text.count("rollout: 1 env failure(s) so far; the first: env: ValueError: unknown unit") == 1
-    assert "train_reward=0.5 | held-out@0 reward=0.25 | failed=1" in first
-    assert "train_reward=0.75 | held-out@0 reward=0.25 | failed=2" in second  # the batch's, each step
+    assert "train_reward=0.5 | held-out@0 reward=0.25 | train_failed=1" in first
+    assert "train_reward=0.75 | held-out@0 reward=0.25 | train_failed=2" in second  # the batch's, each step
 
 
 def test_reward_parts_are_batch_metrics() -> None:
