@@ -1,0 +1,210 @@
+"""The supervised warm start (agentrl.sft): demonstrations tokenized exactly as the rollout builds an
+episode, loss on the assistant tokens only, and a training loop that reproduces the Search-R1 demo's SFT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.buffer import StalenessController
+from agentrl.chat import ChatTokenizer
+from agentrl.engine.types import GenerateResult, SamplingParams
+from agentrl.envs import ToolEnv
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.dataset import Draw
+from agentrl.rollout.episode import EpisodeRunner
+from agentrl.rollout.metrics import RolloutMetrics
+from agentrl.sft import DemoRenderer, SFTConfig, demo_rows, main, read_demos, record_demos, write_demos
+from agentrl.tools import tool
+
+
+@tool
+async def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first addend
+        b: second addend
+    """
+    return a + b
+
+
+def env() -> ToolEnv:
+    return ToolEnv([add], system_prompt="Add with the tool.", max_turns=4, verifier="exact_match")
+
+
+def policy(task: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+    """Two calls in one turn, then one more call, then the answer."""
+    a, b = task["a"], task["b"]
+    call = '<tool_call>\n{{"name": "add", "arguments": {{"a": {}, "b": {}}}}}\n</tool_call>'
+    calls = sum(m["role"] == "assistant" for m in messages)
+    if calls == 0:
+        return call.format(a, b) + call.format(b, a)
+    if calls == 1:
+        return "Checking. " + call.format(a + b, 0)
+    return f"The sum is {a + b}."
+
+
+TASKS = [
+    {"id": f"t{i}", "prompt": f"What is {i} + {i + 3}?", "a": i, "b": i + 3, "label": 2 * i + 3}
+    for i in range(3)
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def demos() -> list[dict[str, Any]]:
+    return asyncio.run(record_demos(env, TASKS, policy))
+
+
+def test_recorded_demos_are_openai_conversations(demos: list[dict[str, Any]], tmp_path: Path) -> None:
+    assert len(demos) == len(TASKS)
+    roles = [m["role"] for m in demos[0]["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "assistant", "tool", "assistant"]
+    assert demos[0]["tools"] == env().tools
+    assert [m["content"] for m in demos[0]["messages"] if m["role"] == "tool"] == ["3", "3", "3"]
+    assert read_demos(write_demos(tmp_path / "d.jsonl", demos)) == demos
+
+
+def test_only_assistant_tokens_are_trained(tok: Any, demos: list[dict[str, Any]]) -> None:
+    chat = ChatTokenizer(tok)
+    renderer = DemoRenderer(chat)
+    row = renderer.row(demos[0]["messages"], demos[0]["tools"])
+    ids, mask = row["input_ids"], row["loss_mask"]
+    assert len(ids) == len(mask)
+    # the masked-in spans are the assistant turns, each its content then the end-of-turn token
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(ids[start:i])
+            start = None
+    assistant = [m["content"] for m in demos[0]["messages"] if m["role"] == "assistant"]
+    assert [tok.decode(s) for s in spans] == [text + "<|im_end|>" for text in assistant]
+    # the prompt (system, tool schemas, user) is masked out and is the rollout's prompt, rendered once
+    prompt = chat.prompt_ids(demos[0]["messages"][:2], demos[0]["tools"])
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
+    assert "<tool_response>" in tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+
+
+def test_ids_equal_the_rollouts_for_the_same_conversation(tok: Any, demos: list[dict[str, Any]]) -> None:
+    """Replay each demonstration through the rollout's EpisodeRunner (an engine that answers with the
+    demonstration's assistant ids): the trajectory's ids and loss mask are the SFT row's."""
+    rows = demo_rows(tok, demos)
+    for task, row in zip(TASKS, rows, strict=True):
+        engine = Replay(row)
+        runner = EpisodeRunner(
+            RolloutConfig(group_size=1, batch_size=1, max_turns=4, max_total_tokens=4096),
+            engine,  # type: ignore[arg-type]
+            ChatTokenizer(tok),
+            env,
+            StalenessController(max_staleness=1, batch_size=1),
+            asyncio.Event(),
+        )
+        runner.engine_open.set()
+        traj = asyncio.run(
+            runner.run(Draw("g", task), 0, SamplingParams(max_new_tokens=64), RolloutMetrics(), train=True)
+        )
+        assert traj.error is None and not engine.turns
+        assert traj.prompt_ids + traj.response_ids == row["input_ids"]
+        assert [0] * len(traj.prompt_ids) + traj.loss_mask == row["loss_mask"]
+        assert sum(len(t.tool_calls) for t in traj.turns) == 3
+
+
+class Replay:
+    """An engine that answers each request with the row's next assistant turn, checking that the ids it
+    is sent are the row's up to there."""
+
+    def __init__(self, row: dict[str, list[int]]) -> None:
+        self.row = row
+        self.turns: list[list[int]] = []
+        prev = 0
+        for i, m in enumerate(row["loss_mask"]):
+            if m and not prev:
+                self.turns.append([])
+            if m:
+                self.turns[-1].append(row["input_ids"][i])
+            prev = m
+
+    async def generate(self, input_ids: list[int], sampling: Any, rid: str = "", **kw: Any) -> GenerateResult:
+        out = self.turns.pop(0)
+        assert input_ids == self.row["input_ids"][: len(input_ids)]  # the history so far is the row's
+        return GenerateResult(out, [0.0] * len(out), "stop", weight_version="0")
+
+
+def test_structured_tool_calls_render_as_the_template_writes_them(tok: Any) -> None:
+    renderer = DemoRenderer(ChatTokenizer(tok))
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}],
+    }
+    assert (
+        renderer.assistant_text(message)
+        == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
+    with pytest.raises(ValueError, match="needs at least one assistant"):
+        renderer.row([{"role": "user", "content": "hi"}])
+
+
+def test_command_writes_a_model_dir(
+    tiny_model_dir: Path, demos: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    path = write_demos(tmp_path / "demos.jsonl", demos)
+    out = tmp_path / "sft"
+    main(
+        [
+            "--demos",
+            str(path),
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+        ]
+    )
+    info = json.loads((out / "sft.json").read_text())
+    assert info["sft/steps"] == 3 and info["sft/demos"] == len(demos)
+    assert (out / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_training_loop_reproduces_the_demo_bootstrap(tiny_model_dir: Path, tok: Any, tmp_path: Path) -> None:
+    """The Search-R1 bootstrap's SFT and agentrl.sft on the same rows and settings write the same weights,
+    bit for bit: the bootstrap could call the generic loop without changing the demo's numbers."""
+    from safetensors.torch import load_file
+
+    from agentrl.examples.search_r1.bootstrap import SFTConfig as BootstrapSFT
+    from agentrl.examples.search_r1.bootstrap import sft as bootstrap_sft
+    from agentrl.sft import sft
+
+    rows = [
+        {
+            "input_ids": tok.encode(f"question {i} answer {i * 7}"),
+            "loss_mask": [0, 0, 1, 1, 1, 1, 1, 1][: 4 + i % 3],
+        }
+        for i in range(6)
+    ]
+    rows = [
+        {"input_ids": r["input_ids"], "loss_mask": (r["loss_mask"] + [1] * 99)[: len(r["input_ids"])]}
+        for r in rows
+    ]
+    theirs = BootstrapSFT(steps=4, batch_size=3, lr=1e-3, lm_weight=3.0, micro_batches=2, schedule="wsd")
+    ours = SFTConfig(**{k: v for k, v in theirs.model_dump().items() if k in SFTConfig.model_fields})
+    bootstrap_sft(tiny_model_dir, tmp_path / "a", rows, theirs, log=lambda _: None)
+    sft(tiny_model_dir, tmp_path / "b", rows, ours, log=lambda _: None)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
