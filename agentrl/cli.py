@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
+import io
 import os
 import signal
 import sys
@@ -57,6 +59,15 @@ def config_module_names(cfg: Any) -> list[str]:
     return [n for n in names if isinstance(n, str) and ":" in n]
 
 
+TRAIN_HELP = """
+your code: the job puts the directory it runs in first on sys.path and hands it to every Ray worker
+  (PYTHONPATH; with --ray-address, the modules the config names as module:attr are also uploaded to every
+  host), so env.name: my_env:MyEnv imports ./my_env.py in the driver and in the workers.
+names: env.name, rollout.verifier (or the env's own) and the tools of env.kwargs.tools are checked before
+  anything starts, as are the config's fields; a miss names the nearest known one. agentrl list prints the
+  registered names."""
+
+
 def load_job(path: Path = JOB) -> ModuleType:
     """``train_async.py`` as a module (not entered in ``sys.modules``: Ray pickles its functions by value,
     as it does for a script run by path)."""
@@ -82,10 +93,16 @@ def train(job: ModuleType, argv: list[str] | None = None, prog: str | None = Non
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.default_int_handler)
     argv0 = sys.argv[0]
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
         if prog:
             sys.argv[0] = prog  # argparse names the program in its usage and --help after sys.argv[0]
-        config, cli = job.parse_args(argv)
+        if "-h" in args or "--help" in args:  # the job's help, then what this command adds to it
+            with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):
+                job.parse_args(["--help"])
+            print(text.getvalue().rstrip("\n") + "\n" + TRAIN_HELP)
+            return
+        config, cli = job.parse_args(args)
     except ConfigError as err:
         sys.exit(str(err))
     finally:

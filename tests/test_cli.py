@@ -140,6 +140,8 @@ def test_help_of_both_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert via_cli.stdout.startswith("usage: agentrl train [-h] [--config CONFIG]")
     # the same job: after the usage lines (aligned under the program's name), the same text
     assert via_cli.stdout.split("\n\n", 1)[1] == via_script.stdout.split("\n\n", 1)[1]
+    assert "--resume" in via_cli.stdout and "example configs" in via_cli.stdout  # the job's own help
+    assert "first on sys.path" in via_cli.stdout and "agentrl list" in via_cli.stdout  # and the command's
     with pytest.raises(SystemExit):
         main([])  # the command's own help
     top = capsys.readouterr().out
