@@ -15,7 +15,7 @@ What runs where (Ray actors, agentrl.placement): the recipe's servers, inference
 engine, or SGLang servers), the rollout orchestrators (``rollout.shards`` async actors, each with its
 staleness-bounded buffer, awaited as one: agentrl.rollout.shards) and the Megatron trainer (one actor per
 rank). At the step's two hand-overs the GPU goes from the engines to the trainer and back with new weights
-(agentrl.colocation: colocated turns or overlap, or disaggregated).
+(agentrl.handover: colocated turns or overlap, or disaggregated).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from agentrl.cli import config_module_names
 from agentrl.cluster import start_ray, user_code_env
-from agentrl.colocation import Handover
 from agentrl.config import dump_config
 from agentrl.episodes import EpisodeDump, episode_table
+from agentrl.handover import Handover
 from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_metrics, step_time_summary
 from agentrl.placement import Fleet, check_cluster
 from agentrl.recipe import describe_for_help, load_run_config, make_recipe, metric_label

@@ -96,7 +96,7 @@ class EngineSetupConfig(ConfigModel):
 
 
 class ColocationConfig(ConfigModel):
-    """``placement: colocated``: how the engines and the trainer share each GPU (:mod:`agentrl.colocation`).
+    """``placement: colocated``: how the engines and the trainer share each GPU (:mod:`agentrl.handover`).
 
     ``mode: turns`` (slime's colocation): generation pauses while the trainer steps, and each side may give
     its GPU memory up while the other works (``engine_release``, ``trainer_offload``). ``mode: overlap``:

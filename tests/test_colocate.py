@@ -23,7 +23,7 @@ from agentrl.embedded.engine import EmbeddedEngine, RequestSampling
 from agentrl.embedded.native_api import build_app
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
-from agentrl.offload import HostCopy, StorageOffload
+from agentrl.storage_offload import HostCopy, StorageOffload
 from agentrl.weight_sync import WeightUpdate
 
 TESTS = str(Path(__file__).parent)
@@ -317,7 +317,7 @@ class _Trainer:
 
 
 async def test_onload_ahead_starts_at_its_lead_or_when_the_batch_is_in() -> None:
-    from agentrl.colocation import OnloadAhead
+    from agentrl.handover import OnloadAhead
 
     assert OnloadAhead(enabled=False).start(_Trainer(), None) is None
     ahead = OnloadAhead(enabled=True)

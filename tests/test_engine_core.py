@@ -409,7 +409,7 @@ def test_pack_parameters_puts_every_weight_in_one_aligned_buffer(tiny_hf) -> Non
     """The engine's weights are views of one buffer (one region to release and resume), tied weights
     once, each at an aligned offset, with their values and the model's outputs unchanged."""
     from agentrl.embedded.weights import pack_parameters
-    from agentrl.offload import unique_storages
+    from agentrl.storage_offload import unique_storages
 
     model = tiny_hf
     ids = torch.tensor([[1, 5, 9, 2]])

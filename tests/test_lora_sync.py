@@ -118,7 +118,7 @@ async def test_adapter_sync_merged_and_unmerged(trainer, tiny_model_dir: Path, t
         await trainer.connect_engines(WeightUpdate("tensor"), both)
         assert await trainer.sync_weights() == 1
         stats = trainer.last_sync_stats
-        # the figures a colocated step reads off a tensor push (agentrl.colocation)
+        # the figures a colocated step reads off a tensor push (agentrl.handover)
         assert 0 <= stats["pack_seconds"] <= stats["seconds"] and stats["gather_seconds"] >= 0
         adapters = trainer.lora_state_dict()
         full_bytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())

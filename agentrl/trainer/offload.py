@@ -1,7 +1,7 @@
 """What a trainer rank does to share its GPU with an inference engine (``placement: colocated``):
 :class:`TrainerOffload` moves the rank's weights, optimizer state (fp32 main weights, Adam moments) and a
 KL reference model's weights to pinned host memory while the engine generates, and back before the next
-step (:mod:`agentrl.offload`, content kept bit for bit); the gradients (megatron's contiguous buffers
+step (:mod:`agentrl.storage_offload`, content kept bit for bit); the gradients (megatron's contiguous buffers
 included) are freed and come back as zeros, since every update zeroes them first. Storages shared by
 several tensors (megatron's parameters are views of one buffer) move once. The new weights reach the
 engine in memory (:mod:`agentrl.weight_sync.tensor`).
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from agentrl.offload import StorageOffload
+from agentrl.storage_offload import StorageOffload
 
 __all__ = ["TrainerOffload", "trainer_state_tensors"]
 

@@ -65,7 +65,6 @@ from agentrl.trainer.checkpoint import (
     load_local_state,
     save_checkpoint,
 )
-from agentrl.trainer.colocate import TrainerOffload
 from agentrl.trainer.config import LORA_NOT_EXACT, TrainerConfig
 from agentrl.trainer.distributed import (
     all_reduce_scalar,
@@ -82,6 +81,7 @@ from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
 from agentrl.trainer.mcore_compat import apply_cpu_patches
 from agentrl.trainer.model import ModelArch, gather_hf_state_dict, save_hf_dir
 from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
+from agentrl.trainer.offload import TrainerOffload
 from agentrl.trainer.optim import MicroLoss, build_optimizer
 from agentrl.types import Trajectory
 
@@ -454,7 +454,7 @@ class MegatronTrainer:
     # ---- sharing the GPU with an engine (placement: colocated) -------------------------------------
     def offload(self) -> dict[str, float]:
         """Move this rank's weights, gradients and optimizer state to host memory and free the device
-        memory (:mod:`agentrl.trainer.colocate`); :meth:`onload` brings them back bit for bit. Until then
+        memory (:mod:`agentrl.trainer.offload`); :meth:`onload` brings them back bit for bit. Until then
         training, weight syncs and checkpoints refuse to run. Returns bytes, seconds and GPU memory."""
         if self._offload is None or not self._offload.offloaded:  # collected now: Adam state appears late
             extra = [self.ref_model] if self.ref_model is not None else []
