@@ -110,7 +110,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             stop_if_interrupted()
             t0 = time.monotonic()
             handover.batch_coming()  # colocated: the trainer's onload may start before the batch is in
-            batch = await next_batch(rollout, step + 1)
+            batch = await next_batch(rollout, step + 1, progress)
             t_wait = time.monotonic() - t0
             await handover.to_trainer()  # taking turns: generation pauses, the GPU goes to the trainer
             t_train = time.monotonic()
@@ -223,8 +223,11 @@ async def load_checkpoint(fleet: Fleet, ckpt_dir: Path) -> tuple[int, int]:
     return step, version
 
 
-async def next_batch(rollout: RolloutGroup, step: int, report_every: float = 60.0) -> list[Trajectory]:
-    """The next batch from the buffer; while it takes long, say why (e.g. groups dropped as zero-variance).
+async def next_batch(
+    rollout: RolloutGroup, step: int, progress: ProgressLine | None = None, report_every: float = 60.0
+) -> list[Trajectory]:
+    """The next batch from the buffer; while it takes long, say why (groups dropped as zero-variance, the
+    first error of each failure kind, as the progress line would at the step's end).
     A cancel (Ctrl-C) always ends it with CancelledError, even when the batch arrives at the same moment
     (``asyncio.wait_for`` of Python 3.11 returns the result then, and the run went on training)."""
 
@@ -243,6 +246,8 @@ async def next_batch(rollout: RolloutGroup, step: int, report_every: float = 60.
                 for k, v in stats.items()
                 if k.startswith("rollout/dropped_groups/")
             }
+            for note in progress.failure_notes(stats) if progress is not None else []:
+                print(note, flush=True)
             print(
                 f"step {step}: still waiting for a batch; groups dropped so far: {dropped or 'none'}",
                 flush=True,

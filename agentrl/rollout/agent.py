@@ -116,13 +116,13 @@ class AgentRunner:
         rows = rows or [main]
         if session.engine_error is not None:
             main.status, main.error = Status.FAILED, f"engine: {session.engine_error}"
-            m.failure("engine")
+            m.failure("engine", main.error)
         elif error is not None:
             main.status, main.error = Status.FAILED, f"agent: {error}"
-            m.failure("agent")
+            m.failure("agent", main.error)
         elif session.calls == 0:
             main.status, main.error = Status.FAILED, "agent: made no model call"
-            m.failure("agent")
+            m.failure("agent", main.error)
         else:
             main.status = Status.TRUNCATED if session.truncated else Status.COMPLETED
             if reward is not None:

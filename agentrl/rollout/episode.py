@@ -102,9 +102,9 @@ class EpisodeRunner:
         if verifier is None:
             traj.status = Status.FAILED
             traj.error = missing
-            m.failure("reward")
+            m.failure("reward", missing)
         elif not await run_verifier(verifier, traj, traj.label, self.cfg.verifier_timeout):
-            m.failure("verifier")
+            m.failure("verifier", traj.error)
 
     async def _env_call(self, aw: Awaitable[T]) -> T:
         if self.cfg.env_step_timeout is None:

@@ -7,7 +7,7 @@ it; :meth:`Orchestrator.stats` returns a snapshot and :meth:`Orchestrator.log_me
 ``agentrl.metrics.MetricsSink``.
 
 Beside the numbers, a snapshot carries the text of the first failure of each kind,
-``rollout/first_error/<kind>`` (an :class:`ErrorText`), so the driver can show it on its console with the
+``rollout/first_error/<kind>`` (a string; merging shards keeps the first shard's), so the driver can show it on its console with the
 count (:class:`agentrl.metrics.FailureReport`): the episodes fail in the rollout's workers, whose logs the
 driver's console does not show. Metric sinks keep only the numbers. The tools' abandoned threads (sync tools
 past their timeout, :func:`agentrl.tools.base.tool_thread_counts`) are ``rollout/tool_threads_abandoned``
@@ -25,19 +25,6 @@ from agentrl.metrics import FIRST_ERROR
 from agentrl.tools.base import tool_thread_counts
 
 ERROR_TEXT_CHARS = 300
-
-
-class ErrorText(str):
-    """An error's text among a snapshot's numbers. Summing snapshots (the shards' figures are summed by
-    default) keeps the first text: ``0 + t`` is ``t`` and ``t + u`` is ``t``."""
-
-    __slots__ = ()
-
-    def __add__(self, other: object) -> ErrorText:
-        return self
-
-    def __radd__(self, other: object) -> ErrorText:
-        return self
 
 
 def one_line(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
@@ -161,7 +148,7 @@ class RolloutMetrics:
             out[f"rollout/failures/{k}"] = v
         out["rollout/failures_total"] = sum(self.failures.values())
         for k, text in self.first_errors.items():
-            out[FIRST_ERROR + k] = ErrorText(text)
+            out[FIRST_ERROR + k] = text
         for k, n in tool_thread_counts().items():
             out[f"rollout/tool_threads_{k}"] = n
         for k, v in self.dropped.items():

@@ -131,7 +131,7 @@ def merge_stats(
     """One dict of the shards' figures, with the keys one shard gives: counts and per-second rates summed;
     the event loops' load (busy and CPU fraction, lag percentiles), maxima, other percentiles and the
     version the maximum; the dataset epoch and ``buffer/batches`` the minimum; the engines' idle fraction
-    the mean; means weighted by what each shard counted in the window (``weights[i]``: ``episodes``,
+    the mean; a text (``rollout/first_error/...``) the first shard's; means weighted by what each shard counted in the window (``weights[i]``: ``episodes``,
     ``requests``; the staleness mean by the shard's histogram), the plain mean where nothing counts them
     (over the shards that report a value). With one shard, its dict unchanged; with more, also
     ``rollout/shard{i}/...`` for the loop's busy fraction and lag p90 and the turns/s of every shard."""
@@ -146,7 +146,9 @@ def merge_stats(
     for key in dict.fromkeys(k for s in stats for k in s):
         have = [(s[key], w) for s, w in zip(stats, weights, strict=True) if key in s]
         values = [v for v, _ in have]
-        if key in MAX_KEYS:
+        if isinstance(values[0], str):  # a text among the figures (the first error of a kind): the first
+            out[key] = values[0]
+        elif key in MAX_KEYS:
             out[key] = max(values)
         elif key in MIN_KEYS:
             out[key] = min(values)
