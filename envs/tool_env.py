@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from agentrl.sandboxes.base import Sandbox
-from agentrl.sandboxes.shared import shared_sandbox
 from agentrl.tools.base import Tool, ToolResult, ToolSet, call_record, truncate
 from agentrl.tools.parsers import HermesParser
+from agentrl.tools.python import python_tool
 from agentrl.tools.registry import resolve_tools
 from agentrl.types import ToolCallRecord
 
@@ -132,20 +132,7 @@ class PythonToolEnv(ToolEnv):
         extra_tools: Iterable[Tool | Callable[..., Any] | str | dict[str, Any]] = (),
         verifier: str | None = None,
     ) -> None:
-        self._sandbox = sandbox
-        self._backend = backend
-        self._timeout = timeout
-
-        async def python(code: str) -> str:
-            """Run Python code in a fresh sandbox and return its stdout and stderr. Use print() to see values.
-
-            Args:
-                code: the Python source to run
-            """
-            sb = self._sandbox or shared_sandbox(self._backend)
-            return (await sb.run(code, timeout=self._timeout)).text_or_raise()
-
-        tool = Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)
+        tool = python_tool(sandbox, timeout, max_output_chars, backend=backend)
         super().__init__(
             [tool, *resolve_tools(extra_tools)], system_prompt, max_turns, max_output_chars=max_output_chars
         )

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from agentrl.sandboxes.base import Sandbox
+from agentrl.sandboxes.shared import shared_sandbox
 
 from .base import DEFAULT_MAX_OUTPUT_CHARS, Tool
 
 
 def python_tool(
-    sandbox: Sandbox, timeout: float = 10.0, max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS
+    sandbox: Sandbox | None = None,
+    timeout: float = 10.0,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+    backend: str | None = None,
 ) -> Tool:
-    """A ``python(code)`` tool that runs in ``sandbox`` (a :class:`DockerSandbox` or :class:`ProcessSandbox`).
+    """A ``python(code)`` tool that runs in ``sandbox`` (a :class:`DockerSandbox` or :class:`ProcessSandbox`);
+    None: the process-wide shared sandbox of ``backend`` (docker | process | auto), taken at each call, so
+    one warm sandbox serves every episode of the run.
 
     The code's own failures are part of the text the model sees. A run that exits on its own (an exception,
     a nonzero exit) is a normal result; a run the sandbox stopped (timeout, memory, CPU time, a signal) is
@@ -23,7 +29,8 @@ def python_tool(
         Args:
             code: the Python source to run
         """
-        result = await sandbox.run(code, timeout=timeout)
+        sb = sandbox if sandbox is not None else shared_sandbox(backend)
+        result = await sb.run(code, timeout=timeout)
         return result.text_or_raise()
 
     # The tool's own timeout is a backstop above the sandbox's, which kills the code itself.

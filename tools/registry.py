@@ -46,18 +46,9 @@ def python_from_config(
 ) -> Tool:
     """The ``python`` tool on the process-wide shared sandbox of ``backend`` (docker | process | auto; the
     sandbox starts at the first call and is shared by every episode)."""
-    from agentrl.sandboxes.shared import shared_sandbox
+    from agentrl.tools.python import python_tool
 
-    async def python(code: str) -> str:
-        """Run Python code in a fresh sandbox and return its stdout and stderr. Use print() to see values.
-
-        Args:
-            code: the Python source to run
-        """
-        return (await shared_sandbox(backend).run(code, timeout=timeout)).text_or_raise()
-
-    # the tool's own timeout is a backstop above the sandbox's, which kills the code itself
-    return Tool(python, timeout=timeout + 30.0, max_output_chars=max_output_chars)
+    return python_tool(None, timeout, max_output_chars, backend=backend)
 
 
 def _register_builtins() -> None:
