@@ -15,26 +15,58 @@ import asyncio
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from agentrl.embedded import fp8
-from agentrl.embedded.lora import is_adapter_tensor
+from agentrl.embedded.gate import RequestGate
+from agentrl.embedded.lora import LoraServing, is_adapter_tensor
+from agentrl.embedded.memory import EngineMemory
+from agentrl.embedded.runner import ModelRunner
 from agentrl.embedded.sampling import EngineBadRequest
+from agentrl.embedded.scheduler import Scheduler
 from agentrl.embedded.weights import WeightGroups, check_weights, copy_weights, load_checkpoint
 
-if TYPE_CHECKING:
-    from agentrl.embedded.engine import EmbeddedEngine
+
+class UpdatableEngine(Protocol):
+    """What weight updates use of the engine (:class:`~agentrl.embedded.engine.EmbeddedEngine`): its
+    parts, its device thread (``_on_device``), its abort and its LoRA endpoints' adapter loading
+    (``_apply_adapter``); they set its ``weight_version`` and, from disk, its ``model_path``."""
+
+    model: torch.nn.Module
+    runner: ModelRunner
+    memory: EngineMemory
+    scheduler: Scheduler
+    gate: RequestGate
+    lora: LoraServing
+    device: torch.device
+    dtype: torch.dtype
+    quantization: str | None
+    stats: dict[str, Any]
+    weight_version: str
+    model_path: str
+
+    def abort(self, rid: str | None = None) -> int: ...
+
+    def _on_device(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future: ...
+
+    async def _apply_adapter(
+        self,
+        lora_name: str,
+        config: dict,
+        tensors: dict[str, torch.Tensor],
+        abort_all: bool,
+        weight_version: str | None,
+        flush: bool,
+    ) -> None: ...
 
 
 class WeightUpdates:
-    """The weight updates of one :class:`~agentrl.embedded.engine.EmbeddedEngine` (see the module
-    docstring), over the engine's ``model``, ``runner``, ``memory``, ``scheduler``, ``gate``, ``lora``
-    and device thread; they set its ``weight_version`` and, from disk, its ``model_path``. ``groups``:
-    the distributed groups the engine has joined."""
+    """The weight updates of one engine (see the module docstring). ``groups``: the distributed groups the
+    engine has joined."""
 
-    def __init__(self, engine: EmbeddedEngine) -> None:
+    def __init__(self, engine: UpdatableEngine) -> None:
         self.engine = engine
         self.groups = WeightGroups(engine.device)
 
