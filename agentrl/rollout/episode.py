@@ -9,8 +9,8 @@ admission, groups or the buffer):
           (loss_mask 1) -> ``await env.step(decoded action)`` -> its observation (``messages`` when
           given, rendered together, else ``observation``) tokenized once, alone (loss_mask 0) -> until
           terminated / truncated / max_turns / max_total_tokens / context length.
-    reward: the env's, else ``run_verifier(name)`` with ``rollout.verifier`` or, when that is unset, the
-    env's own ``verifier`` (a raising verifier marks it FAILED).
+    reward: the env's, else ``run_verifier(name)`` with the run's verifier, resolved once by the
+    orchestrator (``rollout.verifier``, else the env's own; a raising verifier marks it FAILED).
 
 A turn survives weight updates: while the orchestrator's ``engine_open`` gate is closed it waits; an
 aborted request is resubmitted with everything sampled so far and goes on under the new version
@@ -90,15 +90,17 @@ class EpisodeRunner:
         self.engine_open = engine_open
         self._rid = itertools.count()
         self._warned: set[str] = set()
+        # the run's verifier, resolved once (rollout.verifier, else the env's own) by the orchestrator
+        self.verifier: str | None = None
 
     def _doomed(self, min_version: int | None) -> bool:
         """Tokens this old can never be trained within the bound: re-run instead of finishing."""
         return not within_bound(self.controller.version, min_version, self.controller.max_staleness)
 
     async def score(self, traj: Trajectory, env: Env, m: RolloutMetrics, missing: str) -> None:
-        """Reward ``traj`` with the config's verifier, else the env's; with neither it fails with ``missing``
+        """Reward ``traj`` with the run's verifier (:attr:`verifier`); with none it fails with ``missing``
         (a verifier that fails or times out is counted, and leaves the trajectory failed by it)."""
-        verifier = self.cfg.verifier or env.verifier
+        verifier = self.verifier
         if verifier is None:
             traj.status = Status.FAILED
             traj.error = missing

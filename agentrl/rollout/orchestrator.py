@@ -204,7 +204,8 @@ class Orchestrator:
 
     async def check_verifier(self) -> str | None:
         """The verifier that scores episodes the env gives no reward, resolved once and handed to the
-        episodes: ``rollout.verifier`` (in a run, the name ``train_async.py`` resolved at load), else the env's ``verifier`` (read from one env built and closed here). Raises
+        episodes: ``rollout.verifier`` (in a run, the name ``train_async.py`` resolved at load), else the
+        env's ``verifier`` (read from one env built and closed here). Raises
         :class:`~agentrl.rewards.base.VerifierConfigError` when there is none, so a run fails at start-up
         instead of failing every episode; None for an env that ``scores_itself``. ``start`` and ``evaluate``
         call it."""
