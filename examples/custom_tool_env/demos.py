@@ -16,6 +16,7 @@ from agentrl.sft import record_demos, write_demos
 from .env import FACTORS, UnitConversionEnv, make_tasks
 
 
+# [readme:expert]
 def expert(task: dict[str, Any], messages: list[dict[str, Any]]) -> str:
     """The action a good policy takes: call the calculator with the right factor, then read its result out.
     The call is written exactly as the model should write it (the Hermes ``<tool_call>`` format)."""
@@ -25,6 +26,9 @@ def expert(task: dict[str, Any], messages: list[dict[str, Any]]) -> str:
     op, factor = ("*", FACTORS[pair]) if pair in FACTORS else ("/", FACTORS[pair[::-1]])
     call = {"name": "calculator", "arguments": {"expression": f"{task['value']} {op} {factor}"}}
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+# [readme:expert-end]
 
 
 def make_demos(n: int = 2000, seed: int = 1000) -> list[dict[str, Any]]:
