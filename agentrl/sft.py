@@ -182,8 +182,7 @@ async def record_demos(
     for task in tasks:
         env = env_factory()
         try:
-            messages = [dict(m) for m in await env.reset(dict(task))]
-            conversation = list(messages)
+            conversation = [dict(m) for m in await env.reset(dict(task))]
             done = False
             for _ in range(max_turns):
                 action = policy(task, conversation)
@@ -379,9 +378,10 @@ def _demos_arg(spec: str) -> str | list[dict[str, Any]]:
     return str(made) if isinstance(made, str | Path) else list(made)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """The command line (``python -m agentrl.sft``); ``prog`` names it in the usage line."""
     p = argparse.ArgumentParser(
-        prog="agentrl sft",
+        prog=prog or "python -m agentrl.sft",
         description="Supervised warm start from chat demonstrations (JSONL, OpenAI message format): loss on "
         "the assistant turns, rendered as the rollout renders them. Writes an HF model directory.",
     )

@@ -112,6 +112,7 @@ def test_ids_equal_the_rollouts_for_the_same_conversation(tok: Any, demos: list[
             asyncio.Event(),
         )
         runner.engine_open.set()
+        runner.verifier = "exact_match"  # what the orchestrator resolves for the run
         traj = asyncio.run(
             runner.run(Draw("g", task), 0, SamplingParams(max_new_tokens=64), RolloutMetrics(), train=True)
         )
