@@ -119,7 +119,8 @@ class ChatTokenizer:
         full = self._render([*_BASE, {"role": role, "content": content}], add_generation_prompt=True)
         if not full.startswith(self._prefix):
             raise ChatTemplateError(
-                f"adding a {role!r} message changes how earlier messages render; observations cannot be appended"
+                f"adding a {role!r} message changes how earlier "
+                "messages render; observations cannot be appended"
             )
         return full[len(self._prefix) :]
 

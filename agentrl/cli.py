@@ -1,4 +1,5 @@
-"""The ``agentrl`` command: ``agentrl train`` runs the training job, ``agentrl list`` names what a config can name.
+"""The ``agentrl`` command: ``agentrl train`` runs the training job, ``agentrl list`` names what a config can
+name.
 
     agentrl train                                         # the Search-R1 CPU demo
     agentrl train --config my.yaml rollout.group_size=8   # a run config of your own, with overrides
@@ -73,8 +74,8 @@ def load_job(path: Path = JOB) -> ModuleType:
     as it does for a script run by path)."""
     if not path.is_file():
         sys.exit(
-            f"agentrl train runs {path.name} of an agentrl checkout and found none at {path}: install agentrl "
-            "from a clone with pip install -e ."
+            f"agentrl train runs {path.name} of an agentrl checkout and found "
+            f"none at {path}: install agentrl from a clone with pip install -e ."
         )
     spec = importlib.util.spec_from_file_location("train_async", path)
     assert spec is not None and spec.loader is not None

@@ -59,7 +59,8 @@ def _section_model(cls: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel
 
 
 def _did_you_mean_field(cls: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
-    """``"; did you mean 'lr'?"`` for an unknown field at ``loc`` close to a field of its section, else ``""``."""
+    """``"; did you mean 'lr'?"`` for an unknown field at ``loc`` close to a field of its section, else
+    ``""``."""
     from agentrl.registry import did_you_mean
 
     section = _section_model(cls, loc[:-1]) if cls is not None and loc else None

@@ -5,7 +5,8 @@ With ``rollout.dump`` on, ``train_async.py`` writes under ``<output_dir>/traject
 * ``step_000012.jsonl.gz``: one JSON record per line, the episodes of step 12's training batch
   (``"kind": "train"``, in the order the trainer got them) and, when an evaluation ran after that step,
   its episodes (``"kind": "eval"``; step 0 holds the evaluation before training);
-* ``run.json``: what a retrain (:mod:`agentrl.retrain`) needs besides the episodes (the trainer's config, η, its thread count);
+* ``run.json``: what a retrain (:mod:`agentrl.retrain`) needs besides the episodes (the trainer's config, η,
+  its thread count);
 * ``tokens.json``: the text of every token id (what the viewer shows per token).
 
 A record is the :class:`~agentrl.types.Trajectory` (``to_dict``: token ids, loss mask, rollout logprobs,
@@ -168,7 +169,8 @@ class EpisodeDump:
                 self._tok = AutoTokenizer.from_pretrained(self.model_dir)
             except Exception as err:  # the dumps stay whole without it: only the texts are missing
                 warnings.warn(
-                    f"episode dumps: no tokenizer in {self.model_dir} ({err}); prompt and token texts left out",
+                    f"episode dumps: no tokenizer in {self.model_dir} "
+                    f"({err}); prompt and token texts left out",
                     stacklevel=2,
                 )
                 self.model_dir = None

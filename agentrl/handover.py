@@ -198,7 +198,8 @@ class OnloadAhead:
     def start(
         self, trainer: TrainerGroup, offloading: asyncio.Future[float] | None
     ) -> asyncio.Future[float] | None:
-        """At the start of the wait: the onload, under way (it returns its seconds), or None without a lead."""
+        """At the start of the wait: the onload, under way (it returns its seconds), or None without a
+        lead."""
         lead = self.lead
         if lead is None:
             return None

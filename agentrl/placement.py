@@ -67,10 +67,10 @@ def check_cluster(cfg: RunConfig) -> None:
     have = float(held.get("CPU", 0))
     if need > have:
         raise ConfigError(
-            f"trainer_world_size: the run reserves {need:g} CPUs in Ray ({TRAINER_CPUS_PER_RANK:g} per trainer "
-            f"rank, {ROLLOUT_CPUS:g} per rollout shard, rollout.shards = {shards}) but Ray has {have:g}; set "
-            f"ray.num_cpus={need:g} (Ray's CPUs are logical: more than the machine's cores is fine) or start "
-            "the cluster's nodes with more --num-cpus"
+            f"trainer_world_size: the run reserves {need:g} CPUs in Ray ({TRAINER_CPUS_PER_RANK:g} "
+            f"per trainer rank, {ROLLOUT_CPUS:g} per rollout shard, rollout.shards = {shards}) "
+            f"but Ray has {have:g}; set ray.num_cpus={need:g} (Ray's CPUs are logical: more than "
+            "the machine's cores is fine) or start the cluster's nodes with more --num-cpus"
         )
     check_resources(cfg, ray.nodes())
 
@@ -91,8 +91,9 @@ def check_resources(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
             total = sum(float(h.get(name, 0)) for h in held)
             if total == 0:
                 raise ConfigError(
-                    f"{field}: no node of the Ray cluster has the resource {name!r}; start the nodes that "
-                    f"should take these actors with ray start --resources '{{\"{name}\": {count * amount:g}}}'"
+                    f"{field}: no node of the Ray cluster has the resource "
+                    f"{name!r}; start the nodes that should take these actors with "
+                    f"ray start --resources '{{\"{name}\": {count * amount:g}}}'"
                 )
             if count * amount > total:
                 raise ConfigError(
@@ -133,8 +134,9 @@ def placement_group(
         ray.util.remove_placement_group(group)
         extra = f" and {resources} (ray.engine_resources + ray.trainer_resources)" if resources else ""
         raise ConfigError(
-            f"placement colocated: Ray could not place {num_gpus} bundles of 1 GPU and {cpus_per_bundle:g} CPU"
-            f"{extra} in {PLACEMENT_TIMEOUT_S:g} s (trainer_world_size = {num_gpus}); lower it or add GPUs"
+            f"placement colocated: Ray could not place {num_gpus} bundles of 1 GPU and "
+            f"{cpus_per_bundle:g} CPU{extra} in {PLACEMENT_TIMEOUT_S:g} s "
+            f"(trainer_world_size = {num_gpus}); lower it or add GPUs"
         )
     return group
 

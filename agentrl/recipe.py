@@ -216,7 +216,8 @@ class DefaultRecipe:
         train_file = task_file(data.path, data.train_split)
         if train_file is None:
             raise FileNotFoundError(
-                f"data.path: {data.path} has no {data.train_split}.jsonl, .jsonl.gz or .parquet (data.train_split)"
+                f"data.path: {data.path} has no {data.train_split}.jsonl, "
+                ".jsonl.gz or .parquet (data.train_split)"
             )
         eval_file = task_file(data.path, data.test_split) if Path(data.path).is_dir() else None
         eval_tasks = read_tasks(eval_file, self.cfg.eval.num_tasks) if eval_file else []
@@ -296,8 +297,9 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
         if "recipe" in data or "unknown field" not in str(err):
             raise
         raise ConfigError(
-            f"{err}\n  (no recipe is set, so this is validated as the default recipe's RunConfig; sections "
-            "of another recipe, such as the Search-R1 demo's bootstrap and retrieval, need recipe: module:Class)"
+            f"{err}\n  (no recipe is set, so this is validated as the default "
+            "recipe's RunConfig; sections of another recipe, such as the "
+            "Search-R1 demo's bootstrap and retrieval, need recipe: module:Class)"
         ) from None
 
 

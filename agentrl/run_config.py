@@ -70,18 +70,19 @@ class EngineSetupConfig(ConfigModel):
     )
     quantization: Literal["fp8"] | None = Field(
         None,
-        description="fp8: the engines serve the decoder's linear weights in float8 e4m3, re-quantized from "
-        "the trainer's weights at every sync, and token TIS corrects the mismatch (embedded: a scale per "
-        "output channel, Llama / Qwen2 / Qwen3 and Qwen3-MoE models, experts included, a GPU of compute capability 8.9+ with engine.dtype bfloat16, a CPU runs the "
-        "same arithmetic unfused; sglang: --quantization fp8). Not with deterministic or "
-        "trainer.true_on_policy",
+        description="fp8: the engines serve the decoder's linear weights in float8 e4m3, re-quantized "
+        "from the trainer's weights at every sync, and token TIS corrects the mismatch (embedded: a "
+        "scale per output channel, Llama / Qwen2 / Qwen3 and Qwen3-MoE models, experts included, a "
+        "GPU of compute capability 8.9+ with engine.dtype bfloat16, a CPU runs the same arithmetic "
+        "unfused; sglang: --quantization fp8). Not with deterministic or trainer.true_on_policy",
     )
     lora_apply: Literal["unmerged", "merged"] = Field(
         "unmerged",
-        description="embedded, with trainer.lora: how the engines serve the synced adapters. unmerged: beside "
-        "the weights, x W^T + s (x A^T) B^T as the trainer computes it, a sync copying only the adapters into "
-        "buffers of trainer.lora.rank (a few % more work per token); merged: W + s B A written into the "
-        "weights from host copies of the base, a sync moving every adapted weight (no work per token)",
+        description="embedded, with trainer.lora: how the engines serve the synced "
+        "adapters. unmerged: beside the weights, x W^T + s (x A^T) B^T as the trainer "
+        "computes it, a sync copying only the adapters into buffers of trainer.lora.rank "
+        "(a few % more work per token); merged: W + s B A written into the weights from "
+        "host copies of the base, a sync moving every adapted weight (no work per token)",
     )
     urls: list[str] = Field(default_factory=list, description="external: engine or sglang-router URLs")
     router: bool = Field(
@@ -124,11 +125,11 @@ class ColocationConfig(ConfigModel):
     )
     trainer_offload: Literal["ahead", "after_batch", "none"] | None = Field(
         None,
-        description="turns: the trainer moves its weights, gradients and optimizer state to host memory while "
-        "the engines generate (costs about 2 x its state / PCIe bandwidth a step) and takes them back before "
-        "the step: ahead = the onload starts while the batch's last episodes still generate (timed from the "
-        "last steps), after_batch = once the batch is in, none = the state stays on the GPU. Default: ahead "
-        "with turns; overlap needs none",
+        description="turns: the trainer moves its weights, gradients and optimizer state to host "
+        "memory while the engines generate (costs about 2 x its state / PCIe bandwidth a step) "
+        "and takes them back before the step: ahead = the onload starts while the batch's last "
+        "episodes still generate (timed from the last steps), after_batch = once the batch is "
+        "in, none = the state stays on the GPU. Default: ahead with turns; overlap needs none",
     )
 
     @model_validator(mode="before")
@@ -136,7 +137,8 @@ class ColocationConfig(ConfigModel):
     def _offload_was_a_switch(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("trainer_offload"), bool):
             raise ValueError(
-                "trainer_offload is no longer a switch: colocation.trainer_offload: ahead | after_batch | none"
+                "trainer_offload is no longer a switch: "
+                "colocation.trainer_offload: ahead | after_batch | none"
             )
         return data
 
@@ -232,8 +234,9 @@ class RunConfig(ConfigModel):
     engine: EngineSetupConfig = Field(default_factory=EngineSetupConfig, description="inference engines")
     placement: Literal["colocated", "disaggregated"] = Field(
         "disaggregated",
-        description="colocated: engine i and trainer rank i share GPU i, as colocation says (taking turns, or "
-        "overlapped); disaggregated: engines and trainer on devices of their own, generating beside the step",
+        description="colocated: engine i and trainer rank i share GPU i, as "
+        "colocation says (taking turns, or overlapped); disaggregated: engines "
+        "and trainer on devices of their own, generating beside the step",
     )
     weight_sync: Transport = Field(
         "distributed",
@@ -244,7 +247,8 @@ class RunConfig(ConfigModel):
     )
     colocation: ColocationConfig = Field(
         default_factory=ColocationConfig,
-        description="placement colocated: turns or overlap, and what each side releases (ignored when disaggregated)",
+        description="placement colocated: turns or overlap, and "
+        "what each side releases (ignored when disaggregated)",
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="orchestrator")
     trainer: TrainerConfig = Field(description="Megatron trainer (model_path defaults to the run's)")
@@ -322,8 +326,9 @@ class RunConfig(ConfigModel):
                 raise ValueError(f"engine.sglang.{field}: the run sets it from {instead}; set that instead")
         if t.true_on_policy and e.backend != "embedded":
             raise ValueError(
-                f"trainer.true_on_policy: needs engine.backend: embedded, not {e.backend} (the engine is exact "
-                "because it runs the trainer's own batch-invariant kernels; another engine's logprobs differ)"
+                "trainer.true_on_policy: needs engine.backend: embedded, not "
+                f"{e.backend} (the engine is exact because it runs the trainer's "
+                "own batch-invariant kernels; another engine's logprobs differ)"
             )
         if e.quantization is not None:
             _check_quantization(self)
@@ -343,8 +348,8 @@ class RunConfig(ConfigModel):
         for what, size in (("tp * pp", t.tp * t.pp), ("tp * pp * ep", t.tp * t.pp * t.ep)):
             if self.trainer_world_size % size:
                 raise ValueError(
-                    f"trainer_world_size: {self.trainer_world_size} ranks are not a multiple of trainer {what} "
-                    f"= {size} (the ranks are tp x pp x dp)"
+                    f"trainer_world_size: {self.trainer_world_size} ranks are not a "
+                    f"multiple of trainer {what} = {size} (the ranks are tp x pp x dp)"
                 )
         colocated = self.placement == "colocated"
         engine_tp = _engine_tp(self)
@@ -359,9 +364,9 @@ class RunConfig(ConfigModel):
         on_gpus = self.colocated_on_gpus()
         if on_gpus and self.trainer_world_size != e.num_engines * engine_tp:
             raise ValueError(
-                f"engine.num_engines: colocated, engine i and trainer rank i share GPU i, so the engines' GPUs "
-                f"(num_engines x tp = {e.num_engines * engine_tp}) must equal trainer_world_size "
-                f"({self.trainer_world_size})"
+                "engine.num_engines: colocated, engine i and trainer rank i share GPU i, "
+                f"so the engines' GPUs (num_engines x tp = {e.num_engines * engine_tp}) "
+                f"must equal trainer_world_size ({self.trainer_world_size})"
             )
         check_transport(
             self.weight_sync,
@@ -429,8 +434,9 @@ def _check_lora(cfg: RunConfig) -> None:
     for key in ("dp-size", "dp"):
         if int(extra.get(key) or 1) > 1:
             raise ValueError(
-                f"engine.sglang.extra_args: {key} {extra[key]} with trainer.lora: SGLang loads adapters at run "
-                "time only with one data-parallel replica; run more engines (engine.num_engines) instead"
+                f"engine.sglang.extra_args: {key} {extra[key]} with trainer.lora: "
+                "SGLang loads adapters at run time only with one data-parallel "
+                "replica; run more engines (engine.num_engines) instead"
             )
     backup = e.sglang is not None and e.sglang.weights_cpu_backup
     if cfg.placement == "colocated" and cfg.colocation.engine_release == "all" and not backup:
@@ -516,8 +522,9 @@ def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
         model_type = shape.get("model_type")
         if model_type not in FP8_MODEL_TYPES:
             raise ConfigError(
-                f"engine.quantization: fp8 in the embedded engine covers the {', '.join(FP8_MODEL_TYPES)} "
-                f"families, not {model_type!r} ({model_dir}); serve it unquantized or with engine.backend: sglang"
+                "engine.quantization: fp8 in the embedded engine covers the "
+                f"{', '.join(FP8_MODEL_TYPES)} families, not {model_type!r} "
+                f"({model_dir}); serve it unquantized or with engine.backend: sglang"
             )
     heads = int(shape.get("num_attention_heads", 0))
     kv_heads = int(shape.get("num_key_value_heads") or heads)

@@ -161,7 +161,8 @@ class Trajectory:
         for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(
-                    f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, response has {n}"
+                    f"trajectory {self.task_id}: {name} has "
+                    f"{len(getattr(self, name))} entries, response has {n}"
                 )
         pos = 0
         for t in self.turns:

@@ -3,9 +3,9 @@ Hugging Face causal LM on CPU or one GPU, with continuous batching over a slot K
 CUDA graphs and every weight-update path an RL run uses. It is not SGLang; on GPU clusters agentrl
 launches real SGLang servers (:mod:`agentrl.engine.launcher`) and talks to both the same way.
 
-``python -m agentrl.embedded.server --model DIR`` starts one; :func:`agentrl.embedded.server.start_embedded_server`
-starts one from Python. The modules, from the top: ``server`` (the process), ``native_api`` (SGLang's
-endpoints), ``openai_backend`` (OpenAI's, in process), ``engine`` (requests, pause, weight updates),
-``scheduler`` (continuous batching), ``runner`` (the forward), ``request``, ``sampling``,
-``prefix_cache``, ``weights``.
+``python -m agentrl.embedded.server --model DIR`` starts one;
+:func:`agentrl.embedded.server.start_embedded_server` starts one from Python. The modules, from the top:
+``server`` (the process), ``native_api`` (SGLang's endpoints), ``openai_backend`` (OpenAI's, in process),
+``engine`` (requests, pause, weight updates), ``scheduler`` (continuous batching), ``runner`` (the forward),
+``request``, ``sampling``, ``prefix_cache``, ``weights``.
 """

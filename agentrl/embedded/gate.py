@@ -1,4 +1,5 @@
-"""The embedded engine's gate: whether a request may enter the engine now, and the drain a weight update waits on.
+"""The embedded engine's gate: whether a request may enter the engine now, and the drain a weight update waits
+on.
 
 A request enters the engine's schedule only while the gate is open: neither paused (``pause`` until
 ``continue``) nor asleep (from the start of a memory release until every released tag is resumed).

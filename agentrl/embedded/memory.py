@@ -7,8 +7,8 @@ ways:
 * **virtual** (a GPU with ``torch_memory_saver``): the weights and the KV cache are allocated inside a
   memory-saver region per tag, in CUDA virtual memory. Releasing unmaps the physical memory and keeps
   the virtual addresses; resuming maps new memory at the same addresses, so the captured decode CUDA
-  graphs stay valid. The weights keep a pinned host copy (:class:`agentrl.storage_offload.HostCopy`, restored on
-  resume; the memory saver's own backup copies through pageable memory, 0.34-0.40 s for 0.99 GB of
+  graphs stay valid. The weights keep a pinned host copy (:class:`agentrl.storage_offload.HostCopy`, restored
+  on resume; the memory saver's own backup copies through pageable memory, 0.34-0.40 s for 0.99 GB of
   weights on an H100); the KV cache does not (its entries are recomputed; it is zeroed on resume, since
   masked keys still enter the attention sums).
 * **copy** (the fallback, and the CPU): :class:`agentrl.storage_offload.StorageOffload` copies the weights to

@@ -2,12 +2,13 @@
 
 :func:`build_app` answers (a handler per endpoint, on :class:`NativeAPI`), with the same endpoints and
 JSON shapes as ``sglang.launch_server`` (see the SGLang reference notes): ``/generate``,
-``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
-``/update_weights_from_distributed``, ``/destroy_weights_update_group``, ``/update_weight_version``,
-``/get_weight_version``, ``/get_model_info``, ``/get_server_info``, ``/health``, ``/health_generate``,
-plus OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``
-(:mod:`agentrl.engine.openai_api`: chat template, tool calls, streaming, OpenAI-style errors).
-agentrl's :class:`~agentrl.engine.client.EngineClient` cannot tell it from SGLang.
+``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
+``/update_weights_from_disk``, ``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/update_weight_version``, ``/get_weight_version``, ``/get_model_info``,
+``/get_server_info``, ``/health``, ``/health_generate``, plus OpenAI's ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models`` (:mod:`agentrl.engine.openai_api`: chat template, tool calls,
+streaming, OpenAI-style errors). agentrl's :class:`~agentrl.engine.client.EngineClient` cannot tell it from
+SGLang.
 
 Semantics worth knowing (all as SGLang, unless marked):
 

@@ -299,7 +299,8 @@ class Scheduler:
         long as the schedule would plan the same step again: no row finishes (:meth:`_finish_of`, which
         :meth:`_append` asks too), nothing is aborted or retracted, no admission is due. The tokens of every
         step but the last are taken here; the last step's go to :meth:`_commit` on the event loop, which
-        finishes rows and answers their callers. Returns the last step's ids and logprobs and the number of steps."""
+        finishes rows and answers their callers. Returns the last step's ids and logprobs and the number of
+        steps."""
         limit = self.DECODE_RUN if not any(r.on_token is not None for r in rows) else 1
         steps = 0
         while True:
@@ -424,7 +425,8 @@ class Scheduler:
             r.outcome.set_result(error)
 
     def _fail(self, rows: list[EngineRequest], err: BaseException) -> None:
-        """Take ``rows`` out with an error (answered 500); their KV may be half-written, so it is not cached."""
+        """Take ``rows`` out with an error (answered 500); their KV may be half-written, so it is not
+        cached."""
         for r in sorted(rows, key=lambda r: -r.slot):
             r.epoch = -1
             if r in self.waiting:

@@ -37,7 +37,8 @@ _ADAPTER = re.compile(re.escape(ADAPTER_PREFIX) + r"(\d+)")
 
 
 def adapter_name(version: int | str) -> str:
-    """The name a LoRA weight sync loads policy version ``version``'s adapter under: ``agentrl-v{version}``."""
+    """The name a LoRA weight sync loads policy version ``version``'s adapter under:
+    ``agentrl-v{version}``."""
     return f"{ADAPTER_PREFIX}{int(version)}"
 
 
@@ -112,7 +113,8 @@ class AdapterNaming:
         return [str(c["id"]) for c in cards or [] if isinstance(c, dict) and c.get("parent") and c.get("id")]
 
     async def _newest_adapter(self, ep: Endpoint) -> str | None:
-        """The newest ``agentrl-v*`` adapter ``ep`` serves (behind a router: one that all its workers have)."""
+        """The newest ``agentrl-v*`` adapter ``ep`` serves (behind a router: one that all its workers
+        have)."""
         if self.router:
             lists = list((await self.loaded_adapters()).values())
             names = set(lists[0]).intersection(*lists[1:]) if lists else set()

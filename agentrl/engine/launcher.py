@@ -122,7 +122,8 @@ def cuda_home() -> str | None:
 
 
 def _flag_args(extra: dict[str, Any]) -> list[str]:
-    """``{"context-length": 8192, "enable_metrics": True, "x": False}`` -> ``--context-length 8192 --enable-metrics``."""
+    """``{"context-length": 8192, "enable_metrics": True, "x": False}``
+    -> ``--context-length 8192 --enable-metrics``."""
     out: list[str] = []
     for key, value in extra.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
@@ -191,7 +192,8 @@ class SGLangLoRAConfig(ConfigModel):
     target_modules: list[str] = Field(
         ...,
         min_length=1,
-        description="--lora-target-modules: SGLang's module names (qkv_proj, o_proj, gate_up_proj, down_proj)",
+        description="--lora-target-modules: SGLang's module "
+        "names (qkv_proj, o_proj, gate_up_proj, down_proj)",
     )
     max_loaded: int = Field(
         2,
@@ -235,12 +237,14 @@ class SGLangConfig(ConfigModel):
         30000,
         ge=0,
         le=65535,
-        description="HTTP port; 0 picks a free one at start (another if it is taken before the server binds it)",
+        description="HTTP port; 0 picks a free one at start "
+        "(another if it is taken before the server binds it)",
     )
     api_key: str | None = Field(None, description="--api-key; clients send it as a Bearer token")
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="pass-through flags: {'context-length': 8192, 'enable-metrics': true} (also --sglang-* keys)",
+        description="pass-through flags: {'context-length': "
+        "8192, 'enable-metrics': true} (also --sglang-* keys)",
     )
     skip_tokenizer_init: bool | None = Field(
         None,
@@ -286,9 +290,9 @@ class SGLangConfig(ConfigModel):
     )
     site_dir: str | None = Field(
         None,
-        description=f"directory with SGLang installed apart (scripts/gpu_setup.sh --sglang), put first on the "
-        f"servers' PYTHONPATH; None: ${SITE_ENV}, else $AGENTRL_CACHE/sglang when it holds sglang, else "
-        "none (sglang must import in `python`)",
+        description="directory with SGLang installed apart (scripts/gpu_setup.sh --sglang), "
+        f"put first on the servers' PYTHONPATH; None: ${SITE_ENV}, else $AGENTRL_CACHE/sglang "
+        "when it holds sglang, else none (sglang must import in `python`)",
     )
     python: str = Field(
         default_factory=lambda: sys.executable, description="python that runs sglang (with site_dir)"
@@ -405,7 +409,8 @@ class _Launcher:
     def _spawn(self) -> None:
         import tempfile
 
-        # a temp dir of the server's own (its TMPDIR, and its log unless log_file is set), removed when it stops
+        # a temp dir of the server's own (its TMPDIR, and its log unless log_file is set), removed when it
+        # stops
         scratch = Path(tempfile.mkdtemp(prefix=f"agentrl-{self.name}-"))
         self.scratch_dir = scratch
         log_file = self.cfg.log_file or str(scratch / f"{self.name}.log")
@@ -478,7 +483,8 @@ class SGLangLauncher(_Launcher):
             "enable-weights-cpu-backup": c.weights_cpu_backup,
             "enable-deterministic-inference": c.deterministic,
             "quantization": c.quantization,
-            # plain online fp8 does not quantize pushed weights again; flash_rl's loader does (module docstring)
+            # plain online fp8 does not quantize pushed weights again; flash_rl's loader does (module
+            # docstring)
             "load-format": "flash_rl" if c.quantization == "fp8" else None,
         }
         if c.lora is not None:  # adapters loaded at run time, applied to the requests that name them

@@ -109,7 +109,8 @@ class CompletionBackend(Protocol):
     def accepts_model(self, name: str) -> bool: ...
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
-        """The chat prompt for checked ``messages`` and ``tools`` (the template, with the generation prompt)."""
+        """The chat prompt for checked ``messages`` and ``tools`` (the template, with the generation
+        prompt)."""
         ...
 
     async def generate(

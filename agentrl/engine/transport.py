@@ -1,4 +1,5 @@
-"""How the engine client reaches its engines: HTTP calls to a set of endpoints, with retries, routing and failover.
+"""How the engine client reaches its engines: HTTP calls to a set of endpoints, with retries, routing and
+failover.
 
 :class:`EngineTransport` keeps the endpoints (:class:`~agentrl.engine.endpoint.Endpoint`) and one
 ``aiohttp`` session per event loop, and makes three kinds of call:

@@ -39,7 +39,8 @@ TAG_TOKENS = [
 CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}"
+    "{% else %}You are a helpful assistant.{% endif %}"
     "{{ '\\n\\n' }}# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
     "{{ '\\n' }}</tools>\n\nFor each call return a JSON object inside <tool_call></tool_call> tags:\n"

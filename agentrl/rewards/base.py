@@ -3,9 +3,9 @@
 A verifier is ``async def my_verifier(trajectory, label) -> float | RewardResult``, registered with
 ``@register_verifier("name")``. It reads the whole :class:`~agentrl.types.Trajectory`: the model's text
 (``assistant_text()``), the env's final answer (``final_answer``) and the tool calls the env ran with their
-results (``tool_results()``). A ``RewardResult``'s parts are logged per training batch as ``reward/<part>``. :func:`run_verifier` is the one way the rollout calls it: a verifier that
-raises, times out or returns a non-number marks the trajectory FAILED with that error; it never becomes
-a silent 0.0 reward.
+results (``tool_results()``). A ``RewardResult``'s parts are logged per training batch as ``reward/<part>``.
+:func:`run_verifier` is the one way the rollout calls it: a verifier that raises, times out or returns a
+non-number marks the trajectory FAILED with that error; it never becomes a silent 0.0 reward.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ for i, test in enumerate(tests):
                            text=True, timeout=limit)
         ok = p.returncode == 0 and p.stdout.rstrip().endswith(nonce[::-1])
         if not ok:
-            report["errors"].append(f"test {i}: " + ((p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]))
+            last = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+            report["errors"].append(f"test {i}: " + last)
     except subprocess.TimeoutExpired:
         ok = False
         report["errors"].append(f"test {i}: timed out after {limit}s")

@@ -37,8 +37,9 @@ class RolloutConfig(ConfigModel):
     over_sampling: float = Field(
         1.0,
         ge=1.0,
-        description="run up to (over_sampling-1)*batch_size extra groups beyond the admission bound, so that "
-        "filtered groups are replaced sooner; a surplus group that would be too stale is re-run, never trained",
+        description="run up to (over_sampling-1)*batch_size extra groups beyond "
+        "the admission bound, so that filtered groups are replaced sooner; a "
+        "surplus group that would be too stale is re-run, never trained",
     )
     # ---- episodes --------------------------------------------------------------------------------------
     max_turns: int = Field(8, ge=1, description="model turns per episode at most (then status truncated)")
@@ -48,7 +49,8 @@ class RolloutConfig(ConfigModel):
     )
     sampling: SamplingParams = Field(
         default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=512),
-        description="sampling params for rollouts; max_new_tokens is the per-turn limit; env stop strings are added",
+        description="sampling params for rollouts; max_new_tokens "
+        "is the per-turn limit; env stop strings are added",
     )
     eval_sampling: SamplingParams = Field(
         default_factory=lambda: SamplingParams(temperature=0.0, max_new_tokens=512),
@@ -56,7 +58,8 @@ class RolloutConfig(ConfigModel):
     )
     verifier: str | None = Field(
         None,
-        description="registered verifier scoring an episode when the env gave no reward; unset: the env's own",
+        description="registered verifier scoring an episode "
+        "when the env gave no reward; unset: the env's own",
     )
     verifier_timeout: float = Field(30.0, gt=0, description="seconds a verifier may take")
     env_step_timeout: float | None = Field(
@@ -68,8 +71,9 @@ class RolloutConfig(ConfigModel):
     )
     failed_member_policy: Literal["drop_group", "drop_member"] = Field(
         "drop_group",
-        description="a group with a member that failed after its retries: drop it whole (reason 'failed:<kind>', "
-        "counted in rollout/dropped_groups/failed:<kind>, the error logged), or train the rest (drop_member)",
+        description="a group with a member that failed after its retries: drop it whole "
+        "(reason 'failed:<kind>', counted in rollout/dropped_groups/failed:<kind>, the "
+        "error logged), or train the rest (drop_member)",
     )
     min_group_size: int = Field(
         1, ge=1, description="with drop_member: drop the group when fewer members remain"
@@ -78,8 +82,8 @@ class RolloutConfig(ConfigModel):
     max_retries: int = Field(
         2,
         ge=0,
-        description="re-runs of a failed episode (env, tool, verifier or engine error), each with a fresh env "
-        "(counted in rollout/retries); then failed_member_policy decides its group",
+        description="re-runs of a failed episode (env, tool, verifier or engine error), each with "
+        "a fresh env (counted in rollout/retries); then failed_member_policy decides its group",
     )
     engine_retries: int = Field(
         8, ge=0, description="re-sends of one /generate after engine errors, before the episode fails"
@@ -90,28 +94,28 @@ class RolloutConfig(ConfigModel):
     no_progress_groups: int | None = Field(
         None,
         ge=0,
-        description="stop the run (NoProgressError from get_batch, naming the cause) once this many groups in a row "
-        "were dropped (zero variance, failed, stale) and none kept; None: a whole pass over the dataset, at most "
-        "1000 and at least 2 * batch_size; 0: never",
+        description="stop the run (NoProgressError from get_batch, naming the cause) once this "
+        "many groups in a row were dropped (zero variance, failed, stale) and none kept; None: "
+        "a whole pass over the dataset, at most 1000 and at least 2 * batch_size; 0: never",
     )
     no_progress_failures: int | None = Field(
         None,
         ge=0,
-        description="stop the run (NoProgressError) once this many episodes in a row failed after their retries, "
-        "or this many tool calls in a row failed, with none succeeding between; None: "
-        "max(32, 2 * batch_size * group_size); 0: never",
+        description="stop the run (NoProgressError) once this many episodes in a row "
+        "failed after their retries, or this many tool calls in a row failed, with "
+        "none succeeding between; None: max(32, 2 * batch_size * group_size); 0: never",
     )
     max_stale_restarts: int = Field(
         3,
         ge=0,
-        description="re-runs of an episode, or re-queues of a finished group, that would be too stale to train; "
-        "beyond it the episode fails / the group is dropped (reason 'stale')",
+        description="re-runs of an episode, or re-queues of a finished group, that would be too "
+        "stale to train; beyond it the episode fails / the group is dropped (reason 'stale')",
     )
     # ---- weight updates ---------------------------------------------------------------------------------
     interrupt_mode: Literal["continue", "restart"] = Field(
         "continue",
-        description="an episode interrupted by a weight update: resubmit its tokens and continue under the new "
-        "version (mixed versions), or restart it from scratch",
+        description="an episode interrupted by a weight update: resubmit its tokens and "
+        "continue under the new version (mixed versions), or restart it from scratch",
     )
     pause_timeout: float = Field(
         60.0, gt=0, description="seconds pause_for_update waits for in-flight requests to return"
@@ -127,14 +131,14 @@ class RolloutConfig(ConfigModel):
     record_outcomes: bool = Field(False, description="keep a per-draw outcome log (tests, audits)")
     return_routed_experts: bool = Field(
         False,
-        description="MoE models: ask the engine for each token's routed experts (SGLang's return_routed_experts; "
-        "an SGLang server needs --enable-return-routed-experts) and keep them in the trajectory for routing "
-        "replay; on by itself when trainer.moe.routing_replay is",
+        description="MoE models: ask the engine for each token's routed experts (SGLang's "
+        "return_routed_experts; an SGLang server needs --enable-return-routed-experts) and keep "
+        "them in the trajectory for routing replay; on by itself when trainer.moe.routing_replay is",
     )
     dump: DumpConfig = Field(
         default_factory=DumpConfig,
-        description="write trained and evaluated trajectories to <output_dir>/trajectories (agentrl.episodes): "
-        "all, off, every N steps, or {every: N, eval: bool}",
+        description="write trained and evaluated trajectories to <output_dir>/trajectories "
+        "(agentrl.episodes): all, off, every N steps, or {every: N, eval: bool}",
     )
 
     @model_validator(mode="after")

@@ -51,7 +51,8 @@ WARNINGS = {
 
 
 class Restart(Exception):  # control flow, not an error
-    """Re-run an episode from scratch (too stale to be trained, or interrupted with interrupt_mode=restart)."""
+    """Re-run an episode from scratch (too stale to be trained, or interrupted with
+    interrupt_mode=restart)."""
 
 
 def parse_version(v: str | None, fallback: int) -> int:

@@ -7,11 +7,11 @@ it; :meth:`Orchestrator.stats` returns a snapshot and :meth:`Orchestrator.log_me
 ``agentrl.metrics.MetricsSink``.
 
 Beside the numbers, a snapshot carries the text of the first failure of each kind,
-``rollout/first_error/<kind>`` (a string; merging shards keeps the first shard's), so the driver can show it on its console with the
-count (:class:`agentrl.metrics.FailureReport`): the episodes fail in the rollout's workers, whose logs the
-driver's console does not show. Metric sinks keep only the numbers. The tools' abandoned threads (sync tools
-past their timeout, :func:`agentrl.tools.base.tool_thread_counts`) are ``rollout/tool_threads_abandoned``
-and ``rollout/tool_threads_abandoned_running``.
+``rollout/first_error/<kind>`` (a string; merging shards keeps the first shard's), so the driver can show it
+on its console with the count (:class:`agentrl.metrics.FailureReport`): the episodes fail in the rollout's
+workers, whose logs the driver's console does not show. Metric sinks keep only the numbers. The tools'
+abandoned threads (sync tools past their timeout, :func:`agentrl.tools.base.tool_thread_counts`) are
+``rollout/tool_threads_abandoned`` and ``rollout/tool_threads_abandoned_running``.
 """
 
 from __future__ import annotations

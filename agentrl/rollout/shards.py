@@ -131,10 +131,11 @@ def merge_stats(
     """One dict of the shards' figures, with the keys one shard gives: counts and per-second rates summed;
     the event loops' load (busy and CPU fraction, lag percentiles), maxima, other percentiles and the
     version the maximum; the dataset epoch and ``buffer/batches`` the minimum; the engines' idle fraction
-    the mean; a text (``rollout/first_error/...``) the first shard's; means weighted by what each shard counted in the window (``weights[i]``: ``episodes``,
-    ``requests``; the staleness mean by the shard's histogram), the plain mean where nothing counts them
-    (over the shards that report a value). With one shard, its dict unchanged; with more, also
-    ``rollout/shard{i}/...`` for the loop's busy fraction and lag p90 and the turns/s of every shard."""
+    the mean; a text (``rollout/first_error/...``) the first shard's; means weighted by what each shard
+    counted in the window (``weights[i]``: ``episodes``, ``requests``; the staleness mean by the shard's
+    histogram), the plain mean where nothing counts them (over the shards that report a value). With one
+    shard, its dict unchanged; with more, also ``rollout/shard{i}/...`` for the loop's busy fraction and lag
+    p90 and the turns/s of every shard."""
     if len(stats) == 1:
         return dict(stats[0])
     weights = weights or [{} for _ in stats]

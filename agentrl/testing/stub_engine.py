@@ -517,7 +517,8 @@ class StubServerHandle:
 
 
 def start_stub_server(port: int = 0, **cfg: Any) -> StubServerHandle:
-    """Start the stand-in engine in a subprocess and wait until it listens: ``start_stub_server(per_token_time=1e-3)``."""
+    """Start the stand-in engine in a subprocess and wait until it listens:
+    ``start_stub_server(per_token_time=1e-3)``."""
     return StubServerHandle(StubEngineConfig(**cfg), port=port)
 
 

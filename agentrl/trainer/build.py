@@ -88,11 +88,11 @@ def initial_shard(
 
 
 def compile_warmup(trainer: Any, shapes: tuple[tuple[int, ...], ...] = WARMUP_LENGTHS) -> float:
-    """A forward and backward of ``trainer``'s model (a MegatronTrainer, built but before its first step) over made-up micro-batches of two shapes, so that
-    compiled layers are compiled before the first train step: the first with static shapes, the second
-    (other lengths, more sequences) making the token dimension and the sequence count dynamic, as the
-    first steps' changing batches would. Gradients are dropped; weights, optimizer state and RNGs are not
-    touched. Returns the seconds it took."""
+    """A forward and backward of ``trainer``'s model (a MegatronTrainer, built but before its first step) over
+    made-up micro-batches of two shapes, so that compiled layers are compiled before the first train step: the
+    first with static shapes, the second (other lengths, more sequences) making the token dimension and the
+    sequence count dynamic, as the first steps' changing batches would. Gradients are dropped; weights,
+    optimizer state and RNGs are not touched. Returns the seconds it took."""
     tr, cfg = trainer, trainer.cfg
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)

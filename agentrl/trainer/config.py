@@ -28,11 +28,11 @@ class MoEConfig(ConfigModel):
     )
     grouped_gemm: bool | Literal["auto"] = Field(
         "auto",
-        description="run the experts with grouped GEMMs (agentrl.trainer.experts.GroupedExperts: each layer's "
-        "local experts stacked in two weights, torch._grouped_mm on a CUDA sm90+ GPU in bf16, an exact "
-        "per-expert loop elsewhere) instead of megatron-core's SequentialMLP (one matmul pair per expert). "
-        "auto: grouped on CUDA. Same math and HF conversion either way; a trainer checkpoint resumes only "
-        "under the layout it was saved with",
+        description="run the experts with grouped GEMMs (agentrl.trainer.experts.GroupedExperts: "
+        "each layer's local experts stacked in two weights, torch._grouped_mm on a CUDA sm90+ GPU "
+        "in bf16, an exact per-expert loop elsewhere) instead of megatron-core's SequentialMLP "
+        "(one matmul pair per expert). auto: grouped on CUDA. Same math and HF conversion either "
+        "way; a trainer checkpoint resumes only under the layout it was saved with",
     )
 
 
@@ -82,7 +82,8 @@ class TrainerConfig(ConfigModel):
     model_path: str = Field(..., description="HF model directory the weights (and shape) are loaded from")
     mcore_path: str | None = Field(
         None,
-        description="optional Megatron dir (agentrl.convert hf-to-mcore) to load instead of model_path's weights",
+        description="optional Megatron dir (agentrl.convert "
+        "hf-to-mcore) to load instead of model_path's weights",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -134,8 +135,8 @@ class TrainerConfig(ConfigModel):
     )
     pack_sequences: bool = Field(
         False,
-        description="micro-batches of sequences laid end to end up to max_tokens_per_micro_batch real tokens, "
-        "attention within each sequence (no compute on padding; pp = 1 only)",
+        description="micro-batches of sequences laid end to end up to max_tokens_per_micro_batch "
+        "real tokens, attention within each sequence (no compute on padding; pp = 1 only)",
     )
     logprob_chunk_tokens: int | None = Field(
         None,
@@ -198,11 +199,13 @@ class TrainerConfig(ConfigModel):
             )
         if self.pack_sequences and self.max_tokens_per_micro_batch is None:
             raise ValueError(
-                "trainer.pack_sequences: needs max_tokens_per_micro_batch (the token budget of a packed micro-batch)"
+                "trainer.pack_sequences: needs max_tokens_per_micro_batch "
+                "(the token budget of a packed micro-batch)"
             )
         if self.ep > 1 and not fixed_shapes:  # the MoE token all-gather over ep ranks needs equal shapes
             raise ValueError(
-                "trainer.ep: ep > 1 needs fixed-size micro-batches (no max_tokens_per_micro_batch, no pack_sequences)"
+                "trainer.ep: ep > 1 needs fixed-size micro-batches "
+                "(no max_tokens_per_micro_batch, no pack_sequences)"
             )
         if self.moe.routing_replay and (self.pp > 1 or self.recompute_activations):
             # recomputation would route the backward's forward again, outside the replayed micro-batch

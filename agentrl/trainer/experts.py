@@ -102,7 +102,8 @@ class GroupedExperts(MegatronModule):
         return torch.cat(outs, dim=0), None
 
     def backward_dw(self) -> None:
-        """Nothing deferred: weight gradients come with the backward pass (megatron's MoELayer may call it)."""
+        """Nothing deferred: weight gradients come with the backward pass (megatron's MoELayer may call
+        it)."""
 
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]

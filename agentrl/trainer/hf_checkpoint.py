@@ -72,8 +72,8 @@ def load_mcore_shard(
     have = (meta["tp"], meta["pp"], meta.get("ep", 1))
     if have != (tp, pp, ep):
         raise ValueError(
-            f"{mcore_dir} is sharded for tp={have[0]} pp={have[1]} ep={have[2]}, not tp={tp} pp={pp} ep={ep}; "
-            "convert it to HF and back to reshard"
+            f"{mcore_dir} is sharded for tp={have[0]} pp={have[1]} ep={have[2]}, "
+            f"not tp={tp} pp={pp} ep={ep}; convert it to HF and back to reshard"
         )
     d = _rank_dir(Path(mcore_dir), tp_rank, pp_rank, ep_rank if ep > 1 else None)
     return load_file(str(d / "model.safetensors"))

@@ -43,7 +43,8 @@ def _row_max(logits: Tensor) -> Tensor:
 
 
 def _exp_sums(logits: Tensor, m: Tensor, idx: Tensor, inside: Tensor) -> Tensor:
-    """``[3, N]``: Σ exp(l - m), the target's l - m (0 where this rank does not hold it), Σ exp(l - m)(l - m)."""
+    """``[3, N]``: Σ exp(l - m), the target's l - m (0 where this rank does not hold it),
+    Σ exp(l - m)(l - m)."""
     shifted = logits.float() - m[:, None]
     e = shifted.exp()
     tgt = torch.where(inside, shifted.gather(-1, idx[:, None]).squeeze(-1), 0.0)
@@ -130,7 +131,8 @@ def vocab_parallel_logprobs(
     tp_group: Any = None,
     compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(logprob of target, entropy)`` in fp32 with the shape of ``target``; ``logits`` is ``[..., V_local]``.
+    """``(logprob of target, entropy)`` in fp32 with the shape of ``target``;
+    ``logits`` is ``[..., V_local]``.
 
     Computation is in fp32 whatever the logits' dtype (``compiled``: fused by torch.compile).
     """

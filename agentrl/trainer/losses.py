@@ -40,7 +40,8 @@ class LossConfig(ConfigModel):
 
     mode: Literal["ppo", "gspo", "sft"] = Field(
         "ppo",
-        description="ppo: token-ratio clipped surrogate; gspo: sequence-ratio; sft: cross entropy on loss_mask tokens",
+        description="ppo: token-ratio clipped surrogate; gspo: "
+        "sequence-ratio; sft: cross entropy on loss_mask tokens",
     )
     advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline"] = Field(
         "grpo",
@@ -79,7 +80,8 @@ class LossConfig(ConfigModel):
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C in min(ρ, C)")
     mis: Literal["none", "token", "sequence"] = Field(
         "none",
-        description="masked importance sampling (IcePop): drop tokens / sequences whose ρ leaves [mis_low, mis_high]",
+        description="masked importance sampling (IcePop): drop "
+        "tokens / sequences whose ρ leaves [mis_low, mis_high]",
     )
     mis_low: float = Field(0.5, ge=0, description="MIS lower bound α")
     mis_high: float = Field(2.0, gt=0, description="MIS upper bound β")

@@ -7,8 +7,8 @@ GQA, RoPE (theta from the config), RMSNorm (eps from the config), SwiGLU, tied o
 the mixture-of-experts family Qwen3-MoE: Qwen3 attention with megatron-core's ``MoELayer`` as every
 layer's MLP (the MoE parts and the expert-parallel layout live in :mod:`agentrl.trainer.moe`).
 The layer spec is megatron-core's *local* spec (no Transformer Engine) with the core attention swapped
-for :class:`~agentrl.trainer.attention.SDPACoreAttention` (torch ``scaled_dot_product_attention``, causal, GQA), which runs on CPU
-and uses the flash/efficient kernels on GPU.
+for :class:`~agentrl.trainer.attention.SDPACoreAttention` (torch ``scaled_dot_product_attention``, causal,
+GQA), which runs on CPU and uses the flash/efficient kernels on GPU.
 
 Layouts (why the conversion is more than renaming):
 
@@ -56,9 +56,10 @@ def transformer_config(
     ep: int = 1,
     moe_aux_loss_coef: float | None = None,
 ) -> Any:
-    """The megatron ``TransformerConfig`` of ``arch`` for the given parallel sizes. ``fused_swiglu``: megatron's
-    SwiGLU compiled by torch.compile (its ``bias_activation_fusion``), the one fusion without TE/apex.
-    ``ep`` / ``moe_aux_loss_coef``: MoE models only (expert-parallel size; None: the HF config's coefficient)."""
+    """The megatron ``TransformerConfig`` of ``arch`` for the given parallel sizes. ``fused_swiglu``:
+    megatron's SwiGLU compiled by torch.compile (its ``bias_activation_fusion``), the one fusion without
+    TE/apex. ``ep`` / ``moe_aux_loss_coef``: MoE models only (expert-parallel size; None: the HF config's
+    coefficient)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = params_dtype == torch.bfloat16

@@ -162,9 +162,10 @@ _STACKED = re.compile(r"^(?P<head>.*\.mlp\.experts\.)fc(?P<fc>[12])_weight$")
 
 
 def stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A local state dict in ``SequentialMLP``'s layout (``...experts.local_experts.{j}.linear_fc{1,2}.weight``)
-    -> the grouped layout (``...experts.fc{1,2}_weight``, experts stacked in local order); other names and
-    an already grouped dict pass through. Raises ``ValueError`` naming a tensor that does not stack."""
+    """A local state dict in ``SequentialMLP``'s layout
+    (``...experts.local_experts.{j}.linear_fc{1,2}.weight``) -> the grouped layout
+    (``...experts.fc{1,2}_weight``, experts stacked in local order); other names and an already grouped dict
+    pass through. Raises ``ValueError`` naming a tensor that does not stack."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[int, str]] = {}
     for name, t in sd.items():

@@ -175,10 +175,10 @@ class TrainerGroup:
         return await self.actors.all("location")
 
     async def connect_engines(self, update: Any) -> None:
-        """How :meth:`sync_weights` reaches the engines: ``update`` (an :class:`agentrl.weight_sync.WeightUpdate`
-        with every engine's URL) goes to every rank, which connects to its own engines
-        (``MegatronTrainer.connect_engines``). ``distributed`` opens the broadcast group now, its rendezvous
-        at rank 0's node address unless the update names one."""
+        """How :meth:`sync_weights` reaches the engines: ``update`` (an
+        :class:`agentrl.weight_sync.WeightUpdate` with every engine's URL) goes to every rank, which connects
+        to its own engines (``MegatronTrainer.connect_engines``). ``distributed`` opens the broadcast group
+        now, its rendezvous at rank 0's node address unless the update names one."""
         await self._all("connect_engines", update)
 
     async def sync_weights(self, new_version: bool = True) -> int:

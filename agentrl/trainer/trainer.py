@@ -278,8 +278,9 @@ class MegatronTrainer:
         self, trajectories: list[Trajectory], max_staleness: int | None = None, record_logprobs: bool = False
     ) -> dict[str, float]:
         """One RL (or SFT) update on a batch; every rank must receive the same list. Returns metrics.
-        ``max_staleness`` (η, the rollout's) is asserted on the batch (:func:`agentrl.buffer.check_staleness`).
-        ``record_logprobs``: keep the trainer's logprobs of the batch for :meth:`last_logprobs`."""
+        ``max_staleness`` (η, the rollout's) is asserted on the batch
+        (:func:`agentrl.buffer.check_staleness`). ``record_logprobs``: keep the trainer's logprobs of the
+        batch for :meth:`last_logprobs`."""
         self._check_onloaded()
         t_start = time.perf_counter()
         cfg, lcfg = self.cfg, self.cfg.loss

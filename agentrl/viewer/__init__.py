@@ -53,7 +53,8 @@ RESULT_CHARS = 300  # of a call's result in the calls table (the observation tur
 
 def _calls(rec: dict[str, Any]) -> list[dict[str, Any]]:
     """The tool calls of a record as the env reported them on its turns, each with ``turn`` (its model
-    turn, from 0) and its result cut to ``RESULT_CHARS``; a format-1 dump kept one list parsed from the text."""
+    turn, from 0) and its result cut to ``RESULT_CHARS``; a format-1 dump kept one list parsed from the
+    text."""
     assistant = [t for t in rec.get("turns", []) if t["role"] == "assistant"]
     calls = [{"turn": i, **c} for i, t in enumerate(assistant) for c in t.get("tool_calls") or []]
     for c in calls:

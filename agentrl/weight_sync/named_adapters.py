@@ -5,9 +5,9 @@ unloads the previous one (:class:`NamedAdapterSync`: the ``lora_named`` payload,
 :func:`agentrl.weight_sync.registry.connect` for engines whose server info says ``enable_lora``, over
 every transport).
 
-What it relies on, read in SGLang 0.5.16's source (``srt/lora/lora_registry.py``, ``srt/lora/lora_manager.py``,
-``srt/lora/lora.py``, ``srt/managers/tokenizer_control_mixin.py``, ``tokenizer_manager.py``,
-``tp_worker.py``, ``srt/entrypoints/http_server.py``):
+What it relies on, read in SGLang 0.5.16's source (``srt/lora/lora_registry.py``,
+``srt/lora/lora_manager.py``, ``srt/lora/lora.py``, ``srt/managers/tokenizer_control_mixin.py``,
+``tokenizer_manager.py``, ``tp_worker.py``, ``srt/entrypoints/http_server.py``):
 
 * ``/load_lora_adapter {lora_name, lora_path, pinned}`` reads a PEFT dir;
   ``/load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format, pinned}``
