@@ -59,8 +59,8 @@ class SFTConfig(ConfigModel):
     lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (5% warm-up, then the schedule)")
     schedule: Literal["cosine", "wsd"] = Field(
         "cosine",
-        description="after the warm-up: cosine decay to 0, or wsd (the peak rate held, then a linear decay to "
-        "0 over the last decay_fraction of the steps)",
+        description="after the warm-up: cosine decay to 0, or wsd (the peak rate held, then a linear "
+        "decay to 0 over the last decay_fraction of the steps)",
     )
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")

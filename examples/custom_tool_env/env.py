@@ -18,8 +18,18 @@ from agentrl.tools import tool
 from agentrl.types import Trajectory
 
 # how many of the second unit make one of the first
-FACTORS = {("km", "m"): 1000, ("m", "cm"): 100, ("cm", "mm"): 10, ("ft", "in"): 12, ("kg", "g"): 1000,
-           ("lb", "oz"): 16, ("h", "min"): 60, ("min", "s"): 60, ("day", "h"): 24, ("l", "ml"): 1000}  # fmt: skip
+FACTORS = {
+    ("km", "m"): 1000,
+    ("m", "cm"): 100,
+    ("cm", "mm"): 10,
+    ("ft", "in"): 12,
+    ("kg", "g"): 1000,
+    ("lb", "oz"): 16,
+    ("h", "min"): 60,
+    ("min", "s"): 60,
+    ("day", "h"): 24,
+    ("l", "ml"): 1000,
+}
 SYSTEM_PROMPT = "Convert units: call the calculator, then answer with the number and the unit."
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -84,9 +94,11 @@ def make_tasks(n: int, seed: int) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     import asyncio
+    import json
 
     from agentrl.envs import check_env
 
     task = make_tasks(1, seed=0)[0]
-    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{task["value"]} * 1"}}}}</tool_call>'
+    args = {"expression": f"{task['value']} * 1"}
+    call = f"<tool_call>{json.dumps({'name': 'calculator', 'arguments': args})}</tool_call>"
     print(asyncio.run(check_env(UnitConversionEnv, task, [call, "42"])) or "ok")
