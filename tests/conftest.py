@@ -138,7 +138,8 @@ def docker_required() -> bool:
 @pytest.fixture(scope="session")
 def chromium() -> str:
     """The Chromium executable of the browser tests. Missing, the tests skip, except under ``CI=true`` or
-    AGENTRL_REQUIRE_CHROMIUM=1 (scripts/test.sh sets it once it installed Debian's chromium): then they fail."""
+    AGENTRL_REQUIRE_CHROMIUM=1 (scripts/test.sh sets it once it installed Debian's chromium): then they
+    fail."""
     from agentrl.testing.browser import chromium_path
 
     path = chromium_path()

@@ -171,7 +171,8 @@ FLAKY_ENV = textwrap.dedent(
 
     async def partial(trajectory, label):
         text = trajectory.final_answer or ""
-        return RewardResult(float(label in text), parts={"wrote_digit": float(any(c.isdigit() for c in text))})
+        parts = {"wrote_digit": float(any(c.isdigit() for c in text))}
+        return RewardResult(float(label in text), parts=parts)
     '''
 )
 

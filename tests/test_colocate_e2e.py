@@ -47,8 +47,8 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     parts = [summary[f"mean_weight_sync_{p}_s"] for p in ("gather", "pack", "push")]
     assert all(p > 0 for p in parts) and sum(parts) <= summary["mean_weight_sync_s"] * 1.01
     # the release and the onload run side by side inside to_trainer (how much they overlap is timing);
-    # from step 2 on the onload starts while the batch is still generating (colocation.trainer_offload: ahead),
-    # and to_trainer waits only for its rest
+    # from step 2 on the onload starts while the batch is still generating (colocation.trainer_offload:
+    # ahead), and to_trainer waits only for its rest
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "time/to_trainer_s" in r]
     assert len(steps) == 2 and "time/trainer_onload_wait_s" in steps[1]

@@ -100,8 +100,8 @@ def test_command_line_from_config() -> None:
     with pytest.raises(ValueError, match="duplicate"):
         SGLangLauncher(SGLangConfig(model_path="m", extra_args={"tp-size": 4})).command()
     # one of agentrl's own flags in extra_args too: said once, as extra_args says it
-    both = SGLangConfig(model_path="m", memory_saver=True, extra_args={"enable_memory_saver": True,
-                                                                        "attention-backend": "fa3"})  # fmt: skip
+    both = SGLangConfig(model_path="m", memory_saver=True,
+                        extra_args={"enable_memory_saver": True, "attention-backend": "fa3"})  # fmt: skip
     cmd = SGLangLauncher(both).command()
     assert cmd.count("--enable-memory-saver") == 1 and cmd.count("--attention-backend") == 1
     assert cmd[cmd.index("--attention-backend") + 1] == "fa3"

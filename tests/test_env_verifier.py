@@ -125,7 +125,8 @@ async def test_no_verifier_anywhere_fails_at_start_up_naming_the_field(
 def test_an_unknown_verifier_is_named_with_the_known_ones() -> None:
     with pytest.raises(
         ConfigError,
-        match=r"rollout\.verifier: unknown verifier 'exact_mach'; did you mean 'exact_match'\? known.*exact_match",
+        match=r"rollout\.verifier: unknown verifier 'exact_mach'; "
+        r"did you mean 'exact_match'\? known.*exact_match",
     ):
         resolve_verifier("exact_mach", "math")
     with pytest.raises(ConfigError, match=r"env 'x''s verifier attribute: unknown verifier 'nope'"):

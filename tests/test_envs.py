@@ -200,17 +200,18 @@ def _example_lines() -> int:
 # ---- SearchEnv ----------------------------------------------------------------------------------
 def test_search_r1_prompt_is_verbatim():
     assert PROMPT.format(question="Who?") == (
-        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
-        "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
-        "<search> query </search> and it will return the top searched results between <information> and "
-        "</information>. You can search as many times as your want. If you find no further external knowledge "
-        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-        "illustrations. For example, <answer> Beijing </answer>. Question: Who?\n"
+        "Answer the given question. You must conduct reasoning inside <think> and </think> "
+        "first every time you get new information. After reasoning, if you find you lack "
+        "some knowledge, you can call a search engine by <search> query </search> and it "
+        "will return the top searched results between <information> and </information>. You "
+        "can search as many times as your want. If you find no further external knowledge "
+        "needed, you can directly provide the answer inside <answer> and </answer>, without "
+        "detailed illustrations. For example, <answer> Beijing </answer>. Question: Who?\n"
     )
     assert INVALID_ACTION == (
-        "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
-        "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
-        "Let me try again.\n"
+        "\nMy previous action is invalid. If I want to search, I should put the "
+        "query between <search> and </search>. If I want to give the final answer, "
+        "I should put the answer between <answer> and </answer>. Let me try again.\n"
     )
 
 
@@ -224,7 +225,8 @@ async def test_search_env_episode_against_a_real_server():
         assert srv.requests[-1] == {"queries": ["capital of France"], "topk": 3, "return_scores": True}
         assert r.observation_format == "raw" and not r.terminated
         assert r.observation.startswith(
-            '\n\n<information>Doc 1(Title: "Paris") Paris is the capital and largest city of France.\nDoc 2(Title: '
+            '\n\n<information>Doc 1(Title: "Paris") Paris is the '
+            "capital and largest city of France.\nDoc 2(Title: "
         )
         assert r.observation.endswith("</information>\n\n") and r.observation.count("Doc ") == 3
         [call] = r.tool_calls  # the search as it ran: query, passages, latency
@@ -368,7 +370,8 @@ async def test_math_env():
     assert msgs == [
         {
             "role": "user",
-            "content": "What is 1/2 + 1/4?\nPlease reason step by step, and put your final answer within \\boxed{}.",
+            "content": "What is 1/2 + 1/4?\nPlease reason step by step, and put your final answer "
+            "within \\boxed{}.",
         }
     ]
     r = await env.step("\\boxed{3/4}")

@@ -399,8 +399,8 @@ def test_viewer_shows_an_episode_of_the_run_in_chromium(run_dir: Path, chromium:
             await b.wait_for("window.agentrlViewerReady")
             # open the rewarded episode: step 2, its group and sample
             index = await b.evaluate(
-                f"ROWS.findIndex(r => r[0] === 2 && r[1] === 0 && r[2] === {json.dumps(rewarded['group_id'])} "
-                f"&& r[3] === {rewarded['sample_index']})"
+                "ROWS.findIndex(r => r[0] === 2 && r[1] === 0 && r[2] === "
+                f"{json.dumps(rewarded['group_id'])} && r[3] === {rewarded['sample_index']})"
             )
             await b.evaluate(f"window.agentrlViewer.select({index})")
             text = await b.evaluate("document.getElementById('detail').innerText")

@@ -9,8 +9,8 @@
   teacher-forced HF forward, seeded sampling reproducible, a next turn reusing its prefix's KV.
 * One GPU, bitwise: the deterministic config that once crashed, two runs at once, the same weight bytes
   and metrics; the batch-invariant ops (a row's matmul bits across row counts and tilings, the fused
-  epilogue and RoPE against torch's); the batch-invariant engine in bf16 (a request alone or among 255 others, any slot, prefix
-  reuse, chunked prefill); true on-policy parity (SmolLM2-135M, the Qwen2.5-0.5B shape).
+  epilogue and RoPE against torch's); the batch-invariant engine in bf16 (a request alone or among 255 others,
+  any slot, prefix reuse, chunked prefill); true on-policy parity (SmolLM2-135M, the Qwen2.5-0.5B shape).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _max_gap(trainer, trajs: list[Trajectory]) -> float:
 
 
 def _random_trajs(n: int, prompt_len: int, lengths: list[int], seed: int) -> list[Trajectory]:
-    """``n`` rewarded trajectories (groups of 4) of random ids below 500, response lengths drawn from ``lengths``."""
+    """``n`` rewarded trajectories (groups of 4) of random ids below 500, response lengths drawn from
+    ``lengths``."""
     import random
 
     rng = random.Random(seed)
@@ -424,7 +425,8 @@ def test_batch_invariant_ops_on_gpu_bf16() -> None:
     # megatron's fused projections (qkv per KV group; [gate; up]) give each column the bits of its own
     # projection, and SwiGLU reads the halves in place
     a = torch.randn(4096, 896, device=dev, dtype=dt, generator=g)
-    for n, parts in ((1152, [range(0, 448), range(448, 512), range(512, 576)]), (9728, [range(0, 4864), range(4864, 9728)])):  # fmt: skip
+    for n, parts in ((1152, [range(0, 448), range(448, 512), range(512, 576)]),
+                     (9728, [range(0, 4864), range(4864, 9728)])):  # fmt: skip
         w = torch.randn(n, 896, device=dev, dtype=dt, generator=g) / 30
         for m in (1, 64, 4096):
             fused = tri.matmul(a[:m], w)
@@ -455,8 +457,8 @@ async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:
         return RequestSampling(temperature=1.0, max_new_tokens=16, sampling_seed=seed, ignore_eos=True)
 
     def engine(**kw) -> EmbeddedEngine:
-        return EmbeddedEngine(model, device="cuda", dtype="bfloat16", max_batch_size=256, batch_invariant=True,
-                              context_len=1024, memory_mode="copy", **kw)  # fmt: skip
+        return EmbeddedEngine(model, device="cuda", dtype="bfloat16", max_batch_size=256,
+                              batch_invariant=True, context_len=1024, memory_mode="copy", **kw)  # fmt: skip
 
     e = engine(prefix_cache_slots=0)
     assert e.warmup(64) > 0  # decode graphs, and the Triton kernels' prefill variants (it writes slots 0..79)
@@ -526,8 +528,9 @@ async def test_true_on_policy_on_gpu_bf16(model: str, tmp_path: Path) -> None:
         model_path=str(model_dir), device="cuda", dtype="bfloat16", lr=1e-5, micro_batch_size=4,
         true_on_policy=True, old_logprobs="recompute", loss=LossConfig(tis="token"),
     ))  # fmt: skip
-    engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", max_batch_size=16, batch_invariant=True,
-                            context_len=1024, mem_fraction=0.3, memory_mode="copy")  # fmt: skip
+    engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", max_batch_size=16,
+                            batch_invariant=True, context_len=1024, mem_fraction=0.3,
+                            memory_mode="copy")  # fmt: skip
 
     async def episode(i: int, version: int, seed: int) -> Trajectory:
         prompt = [(seed * 7919 + i * 104729 + j * 31) % 900 + 3 for j in range(40 + 3 * i)]

@@ -218,10 +218,11 @@ async def test_update_interrupts_and_recomputes_without_stale_kv(
 async def test_distributed_weight_update(
     models: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SGLang's distributed update protocol (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-    ``/destroy_weights_update_group``) against agentrl's trainer side: NCCL from GPU 0 to a server on GPU 1
-    when there are two GPUs (an NCCL group cannot hold two processes of one GPU), else gloo on one GPU (the
-    same requests and broadcasts). Afterwards the server answers as the broadcast weights do."""
+    """SGLang's distributed update protocol (``/init_weights_update_group``,
+    ``/update_weights_from_distributed``, ``/destroy_weights_update_group``) against agentrl's trainer side:
+    NCCL from GPU 0 to a server on GPU 1 when there are two GPUs (an NCCL group cannot hold two processes of
+    one GPU), else gloo on one GPU (the same requests and broadcasts). Afterwards the server answers as the
+    broadcast weights do."""
     from agentrl.cluster import free_port
     from agentrl.engine.dist import init_custom_process_group, leave_process_group
     from agentrl.weight_sync import SGLANG_PEER_ENV
@@ -277,7 +278,8 @@ async def test_distributed_weight_update(
     got = gaps(out.logprobs, reference_logprobs(models[1], prompt + out.output_ids, len(prompt)))
     old = gaps(out.logprobs, reference_logprobs(models[0], prompt + out.output_ids, len(prompt)))
     print(
-        f"{backend}: |d logp| to the broadcast weights {statistics.mean(got):.4f}, to the old {statistics.mean(old):.4f}"
+        f"{backend}: |d logp| to the broadcast weights "
+        f"{statistics.mean(got):.4f}, to the old {statistics.mean(old):.4f}"
     )
     assert statistics.mean(got) < 0.15 and statistics.mean(old) > 4 * statistics.mean(got)
 
@@ -419,8 +421,9 @@ async def test_lora_adapters_served_by_name(
                 to_adapted = gaps(out.logprobs, _adapted_logprobs(models[0], peft, seq, len(prompt)))
                 to_previous = gaps(out.logprobs, _adapted_logprobs(models[0], previous, seq, len(prompt)))
                 print(
-                    f"{'/'.join(targets)} v{version}: |d logp| to base + adapter {statistics.mean(to_adapted):.4f} "
-                    f"(max {max(to_adapted):.3f}), to the version before {statistics.mean(to_previous):.4f}"
+                    f"{'/'.join(targets)} v{version}: |d logp| to base + adapter "
+                    f"{statistics.mean(to_adapted):.4f} (max {max(to_adapted):.3f}), "
+                    f"to the version before {statistics.mean(to_previous):.4f}"
                 )
                 assert statistics.mean(to_adapted) < 0.2
                 assert statistics.mean(to_previous) > 4 * statistics.mean(to_adapted)

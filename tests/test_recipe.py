@@ -162,15 +162,17 @@ def test_finish_plots_and_prints_the_summary(tmp_path: Path, capsys: pytest.Capt
         {"step": 2.0, "eval/reward": 0.5},
     ]
     result = {"eval_before": {"eval/reward": 0.25}, "eval_after": {"eval/reward": 0.5}, "steps": 2,
-              "policy_version": 2, "wall_s": 3.0, "mean_wait_batch_s": 0.5, "accounting": {"trained": 4}}  # fmt: skip
+              "policy_version": 2, "wall_s": 3.0, "mean_wait_batch_s": 0.5,
+              "accounting": {"trained": 4}}  # fmt: skip
     assert (
         DefaultRecipe(cfg).finish(result, history, [(0, {"eval/reward": 0.25}), (2, {"eval/reward": 0.5})])
         == result
     )
     assert (tmp_path / "reward.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    for row in (r"held-out reward before +0\.250", r"held-out reward after +0\.500", r"final train reward +0\.200",
-                r"tasks trained / dropped +4 / 0", rf"outputs +{tmp_path}/ \(reward.png, summary.json\)\n"):  # fmt: skip
+    for row in (r"held-out reward before +0\.250", r"held-out reward after +0\.500",
+                r"final train reward +0\.200", r"tasks trained / dropped +4 / 0",
+                rf"outputs +{tmp_path}/ \(reward.png, summary.json\)\n"):  # fmt: skip
         assert re.search(row, out), (row, out)
 
 
@@ -204,7 +206,8 @@ data: {{path: {data}}}
 env: {{name: math}}
 engine: {{max_batch_size: 8}}
 rollout: {{group_size: 2, batch_size: 2, max_concurrency: 8, max_turns: 1, max_total_tokens: 256,
-          sampling: {{temperature: 1.0, max_new_tokens: 12}}, eval_sampling: {{temperature: 0.0, max_new_tokens: 12}},
+          sampling: {{temperature: 1.0, max_new_tokens: 12}},
+          eval_sampling: {{temperature: 0.0, max_new_tokens: 12}},
           filter_zero_variance: false}}
 trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 4}}
 ray: {{num_cpus: 2}}

@@ -41,7 +41,8 @@ def corpus_file(world, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(corpus_file):
-    handle = start_retrieval_server(corpus_file, limits=ServerLimits(max_queries=64, max_topk=20, max_query_chars=500,
+    handle = start_retrieval_server(corpus_file, limits=ServerLimits(max_queries=64, max_topk=20,
+                                                                     max_query_chars=500,
                                                                      max_body_bytes=64 * 1024))  # fmt: skip
     yield handle
     handle.stop()

@@ -1,6 +1,6 @@
-"""``python train_async.py`` with ``rollout.shards: 2`` on the CI-sized Search-R1 config: two embedded engines,
-two orchestrator actors (one engine each), one trainer rank. The run trains, evaluates, checkpoints the two
-shards' state and leaves no process behind."""
+"""``python train_async.py`` with ``rollout.shards: 2`` on the CI-sized Search-R1 config: two embedded
+engines, two orchestrator actors (one engine each), one trainer rank. The run trains, evaluates, checkpoints
+the two shards' state and leaves no process behind."""
 
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ async def worker_info(workers) -> list[dict]:
 def orchestrator(url: str, model_dir: Path, env_factory) -> Orchestrator:
     cfg = RolloutConfig(
         group_size=2, batch_size=2, max_staleness=1, max_concurrency=8, max_turns=2, max_total_tokens=300,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=12), filter_zero_variance=False, shuffle=False,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=12), filter_zero_variance=False,
+        shuffle=False,
     )  # fmt: skip
     tasks = [{"prompt": f"task {i}", "label": "x"} for i in range(8)]
     client = EngineClient(url, router=True, timeout=120)

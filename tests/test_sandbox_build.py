@@ -18,8 +18,8 @@ def test_system_mirror_reads_deb822_and_one_line_sources(tmp_path: Path):
     (tmp_path / "sources.list.d").mkdir()
     assert system_mirror("bookworm", tmp_path) is None
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
-        "Types: deb\nURIs: http://mirror.invalid/debian\nSuites: bookworm bookworm-updates\nComponents: main\n\n"
-        "Types: deb\nURIs: http://mirror.invalid/debian-security\nSuites: bookworm-security\n"
+        "Types: deb\nURIs: http://mirror.invalid/debian\nSuites: bookworm bookworm-updates\nComponents: "
+        "main\n\nTypes: deb\nURIs: http://mirror.invalid/debian-security\nSuites: bookworm-security\n"
     )
     assert system_mirror("bookworm", tmp_path) == "http://mirror.invalid/debian"
     (tmp_path / "sources.list").write_text(

@@ -36,7 +36,8 @@ def _faults(marker: str) -> dict[str, tuple[str, float]]:
             10,
         ),
         "children": (
-            f"import subprocess\nfor _ in range(5): subprocess.Popen(['sleep', '300', '{marker}'])\nprint('ok')",
+            "import subprocess\nfor _ in range(5): "
+            f"subprocess.Popen(['sleep', '300', '{marker}'])\nprint('ok')",
             10,
         ),
         "flood": ("import sys; sys.stdout.write('y' * 2_000_000)", 10),

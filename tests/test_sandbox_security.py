@@ -252,8 +252,8 @@ async def test_no_privilege_gain(sandbox):
 async def test_unshare_fallback_isolates_network():
     sb = ProcessSandbox(isolation="unshare")
     r = await sb.run(
-        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n"
-        "    print(type(e).__name__)\nprint(open('/proc/net/dev').read().count(':'))"
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept "
+        "OSError as e:\n    print(type(e).__name__)\nprint(open('/proc/net/dev').read().count(':'))"
     )
     await sb.close()
     assert r.ok, r

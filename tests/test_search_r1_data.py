@@ -213,8 +213,10 @@ def test_loader_reads_real_search_r1_rows(tmp_path):
             "extra_info": {"split": "train", "index": 0},
         },
         {  # no question column: recovered from the prompt; answers only in golden_answers
-            "id": "train_1", "question": None, "golden_answers": ["Paris", "Paris, France"], "data_source": "hotpotqa",
-            "prompt": [{"role": "user", "content": make_prompt("capital of France?")}], "ability": "fact-reasoning",
+            "id": "train_1", "question": None, "golden_answers": ["Paris", "Paris, France"],
+            "data_source": "hotpotqa",
+            "prompt": [{"role": "user", "content": make_prompt("capital of France?")}],
+            "ability": "fact-reasoning",
             "reward_model": {"style": "rule", "ground_truth": {"target": []}},
             "extra_info": {"split": "train", "index": 1},
         },
@@ -392,9 +394,9 @@ def practice_setup(tmp_path_factory):
     )
     world = generate_world(**cfg.world.model_dump())
     model_dir = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(model_dir, vocab_corpus=world.corpus_text() + world.questions_for_vocab(), vocab_size=600,
-                     hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                     intermediate_size=64)  # fmt: skip
+    build_tiny_model(model_dir, vocab_corpus=world.corpus_text() + world.questions_for_vocab(),
+                     vocab_size=600, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, intermediate_size=64)  # fmt: skip
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     return cfg, model_dir, tok, practice_rows(tok, cfg)
 

@@ -277,7 +277,8 @@ async def test_requests_resubmitted_after_an_update_name_the_new_adapter(tiny_mo
         sync = NamedAdapterSync(trainer_side, "/unused", lora)
         await sync.push(_peft(ALL), 0)  # version 0's adapter: what the rollout starts under
         orch = Orchestrator(
-            cfg(group_size=2, batch_size=4, max_staleness=2, max_turns=1, sampling=SamplingParams(max_new_tokens=64)),
+            cfg(group_size=2, batch_size=4, max_staleness=2, max_turns=1,
+                sampling=SamplingParams(max_new_tokens=64)),
             rollout, tok, lambda: SyntheticEnv(turns=1), tasks(20),
         )  # fmt: skip
         await orch.start()

@@ -92,7 +92,8 @@ def test_staleness_bound_and_liveness_hold_for_any_interleaving(
 
 
 def test_staleness_random_sweep() -> None:
-    """The same simulation on 300 seeded random schedules of 120 events (long runs hypothesis rarely draws)."""
+    """The same simulation on 300 seeded random schedules of 120 events (long runs hypothesis rarely
+    draws)."""
     rng = random.Random(1234)
     kinds = ["admit", "admit", "finish", "finish", "drop", "train", "resume"]
     for _ in range(300):

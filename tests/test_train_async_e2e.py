@@ -293,9 +293,9 @@ def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None
 
 @pytest.mark.slow
 def test_a_run_that_can_never_score_stops_with_the_cause_and_the_field(tmp_path: Path) -> None:
-    """Every group zero-variance (one new token: no answer, reward 0 everywhere) with rollout.filter_zero_variance
-    on: the job exits non-zero within minutes, printing one line that names the cause and the field, instead of
-    waiting for a batch that can never form."""
+    """Every group zero-variance (one new token: no answer, reward 0 everywhere) with
+    rollout.filter_zero_variance on: the job exits non-zero within minutes, printing one line that names the
+    cause and the field, instead of waiting for a batch that can never form."""
     cfg = tmp_path / "e2e.yaml"
     cfg.write_text(CONFIG.format(out=tmp_path / "run", cache=tmp_path / "cache"))
     args = [

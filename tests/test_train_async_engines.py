@@ -1,6 +1,6 @@
-"""The run's engine start-up (agentrl.placement) for ``engine.backend: sglang``: each SGLang server is launched inside a
-Ray actor (here the labelled SGLang stand-in, tests/fixtures/fake_sglang.py), reported by URL, and
-stopped with no process left behind."""
+"""The run's engine start-up (agentrl.placement) for ``engine.backend: sglang``: each SGLang server is
+launched inside a Ray actor (here the labelled SGLang stand-in, tests/fixtures/fake_sglang.py), reported by
+URL, and stopped with no process left behind."""
 
 from __future__ import annotations
 

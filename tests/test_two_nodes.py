@@ -226,8 +226,8 @@ def _start_two_nodes() -> Cluster:
     """Head node: 2 CPUs and ``trainer_node``; second node: 1 CPU and ``engine_node``. Token authentication
     on, with a token of this cluster's own (every process of it, and the job, get it)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="agentrl-2n-", dir=os.environ.get("RAY_TMPDIR", "/tmp")))
-    env = {**os.environ, MARK: str(temp_dir), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+    env = {**os.environ, MARK: str(temp_dir), "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
     cluster = Cluster(f"127.0.0.1:{free_port()}", env, temp_dir)
     try:
         cluster.nodes.append(_ray_start(cluster, True, 2, {"trainer_node": 1}))

@@ -46,7 +46,8 @@ def test_ten_thousand_episodes_load_filter_and_open(tmp_path: Path, chromium: st
             }
             # steps 1 and 2 only (click their chips in turn), then the filters on top
             out["step1"] = await b.evaluate(
-                "document.querySelector('#steps span[data-step=\"1\"]').click(); window.agentrlViewer.shown().length"
+                "document.querySelector('#steps span[data-step=\"1\"]').click(); "
+                "window.agentrlViewer.shown().length"
             )
             await b.evaluate("document.querySelector('#steps span[data-step=\"\"]').click()")
             out["failed"] = await b.evaluate(_set("f-status", "failed"))
@@ -176,12 +177,14 @@ def test_calls_table_cuts_long_results_and_reads_format_1_dumps() -> None:
         "id": None,
     }
     rec = {"kind": "train", "step": 1, "group_id": "g", "sample_index": 0, "task_id": "t", "reward": 1.0,
-           "status": "completed", "response_ids": [0, 1], "loss_mask": [1, 0], "rollout_logprobs": [-0.5, 0.0],
-           "policy_versions": [0, -1], "turns": [{"role": "assistant", "start": 0, "end": 1, "text": "a", "tool_calls": [call]},
-                                                 {"role": "observation", "start": 1, "end": 2, "text": "x" * 5000}]}  # fmt: skip
+           "status": "completed", "response_ids": [0, 1], "loss_mask": [1, 0],
+           "rollout_logprobs": [-0.5, 0.0], "policy_versions": [0, -1],
+           "turns": [{"role": "assistant", "start": 0, "end": 1, "text": "a", "tool_calls": [call]},
+                     {"role": "observation", "start": 1, "end": 2, "text": "x" * 5000}]}  # fmt: skip
     [shown] = detail(rec)["calls"]
     assert shown["result"] == "x" * RESULT_CHARS + " ..." and shown["turn"] == 0 and shown["latency_s"] == 0.5
     assert rec["turns"][0]["tool_calls"][0]["result"] == "x" * 5000  # the record itself is left whole
     old = {**rec, "turns": [{k: v for k, v in t.items() if k != "tool_calls"} for t in rec["turns"]],
-           "tool_calls": [{"turn": 0, "name": "search", "arguments": {"query": "q"}, "latency_s": 0.1}]}  # fmt: skip
+           "tool_calls": [{"turn": 0, "name": "search", "arguments": {"query": "q"},
+                           "latency_s": 0.1}]}  # fmt: skip
     assert detail(old)["calls"] == old["tool_calls"]
