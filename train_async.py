@@ -1,9 +1,9 @@
 """train_async.py: the main job. Asynchronous agentic RL, top to bottom in one file.
 
-    python train_async.py                                  # Search-R1 CPU demo (examples/search_r1/config.yaml)
+    python train_async.py                     # Search-R1 CPU demo (examples/search_r1/config.yaml)
     python train_async.py --config my.yaml rollout.group_size=8 trainer.lr=1e-5
-    python train_async.py --resume                         # continue from <output_dir>/checkpoints
-    python train_async.py --ray-address auto               # an existing Ray cluster
+    python train_async.py --resume            # continue from <output_dir>/checkpoints
+    python train_async.py --ray-address auto  # an existing Ray cluster
 
 The loop below is the same for every env and verifier: take a batch from the buffer, train, sync
 weights to the engines (policy version + 1), log, evaluate and checkpoint at intervals. What a run does
@@ -70,7 +70,8 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     fleet, handover = Fleet(cfg), None
     try:
         check_cluster(cfg)
-        # 2. the servers the env needs (the recipe's; the config's env.kwargs win), then engines, trainer, rollout
+        # 2. the servers the env needs (the recipe's; the config's env.kwargs win),
+        #    then engines, trainer, rollout
         env_kwargs = {**recipe.start_services(fleet.services), **cfg.env.kwargs}
         verifier = await check_verifier(cfg, env_kwargs)  # before the engines: fails if nothing scores
         env_factory = functools.partial(make_env, cfg.env.name, **env_kwargs)

@@ -103,8 +103,9 @@ def main() -> None:
         "--engine-threads",
         type=int,
         default=1,
-        help="torch threads of the engine process (OMP_NUM_THREADS); 1 leaves a core to the orchestrator, and "
-        "on a loaded machine keeps OpenMP's spinning threads from making the engine's speed swing tenfold",
+        help="torch threads of the engine process (OMP_NUM_THREADS); 1 leaves "
+        "a core to the orchestrator, and on a loaded machine keeps OpenMP's "
+        "spinning threads from making the engine's speed swing tenfold",
     )
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(a.engine_threads)  # inherited by the engine's process

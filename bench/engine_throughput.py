@@ -541,7 +541,8 @@ def main(argv: list[str] | None = None) -> None:
                 "server_args": a.server_args,
                 "engine_info": {k: info.get(k) for k in ("engine", "context_len", "prefix_cache_slots")},
                 "sglang_config": {k: sglang_info.get(k) for k in SGLANG_INFO} if sglang_info else None,
-                "note": "engine: HTTP + continuous batching, 2*C requests with C in flight; hf: generate on batches of C",
+                "note": "engine: HTTP + continuous batching, 2*C requests with C in flight; "
+                "hf: generate on batches of C",
             }
         )
     )

@@ -150,7 +150,8 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "moe_replay",
-                "model": f"qwen3_moe tiny: {a.layers} layers, hidden {a.hidden}, {a.experts} experts top-{a.topk}",
+                "model": f"qwen3_moe tiny: {a.layers} layers, hidden {a.hidden}, "
+                f"{a.experts} experts top-{a.topk}",
                 "trajectories": a.trajectories,
                 "new_tokens": a.new_tokens,
                 "trainer": "megatron fp32 CPU",

@@ -199,8 +199,8 @@ def main() -> None:
         "--shape",
         default=None,
         choices=["tiny", "tiny-moe", "qwen2.5-0.5b", "qwen3-moe-1b"],
-        help="default: tiny on cpu, qwen2.5-0.5b on cuda; qwen3-moe-1b: 16 experts top-2, 0.96B (0.30B active); "
-        "tiny-moe: the MoE test model (8 experts top-2), a CPU smoke check of the MoE path",
+        help="default: tiny on cpu, qwen2.5-0.5b on cuda; qwen3-moe-1b: 16 experts top-2, 0.96B (0.30B "
+        "active); tiny-moe: the MoE test model (8 experts top-2), a CPU smoke check of the MoE path",
     )
     p.add_argument("--batch", type=int, default=None, help="trajectories per train step")
     p.add_argument("--prompt-len", type=int, default=None)
@@ -228,7 +228,8 @@ def main() -> None:
         "--pack-budget",
         type=int,
         default=None,
-        help="--long-tail: real tokens per packed micro-batch (default micro-batch size x (prompt + response))",
+        help="--long-tail: real tokens per packed micro-batch "
+        "(default micro-batch size x (prompt + response))",
     )
     p.add_argument(
         "--old-logprobs",

@@ -107,9 +107,9 @@ def true_on_policy(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> 
 
 
 def long_tail(trainer, a, batch: int, plen: int, rlen: int, vocab: int) -> dict:
-    """The same long-tail batch trained padded (``micro_batch_size`` rows) and packed (budget ``--pack-budget``,
-    default ``micro_batch_size x (prompt + response)`` real tokens): real tokens/s of each and the padding
-    share."""
+    """The same long-tail batch trained padded (``micro_batch_size`` rows) and packed (budget
+    ``--pack-budget``, default ``micro_batch_size x (prompt + response)`` real tokens): real tokens/s of each
+    and the padding share."""
     lens = long_tail_lengths(batch, rlen, seed=7)
     cfg = trainer.cfg
     saved = (cfg.pack_sequences, cfg.max_tokens_per_micro_batch)

@@ -112,7 +112,8 @@ PYTHON_SYSTEM_PROMPT = (
 
 @register_env("python")
 class PythonToolEnv(ToolEnv):
-    """Code-interpreter tool use: a ``python`` tool running in a sandbox; the answer is scored by ``verifier``.
+    """Code-interpreter tool use: a ``python`` tool running in a sandbox; the answer is scored by
+    ``verifier``.
 
     ``sandbox``: a shared :class:`~agentrl.sandboxes.Sandbox` (one warm pool for all episodes); None takes
     the process-wide shared sandbox of ``backend`` (docker | process | auto). The env never closes a

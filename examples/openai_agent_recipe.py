@@ -18,9 +18,9 @@ from typing import Any
 from agentrl.recipe import DefaultRecipe, Evals, History, Prepared
 
 SMOKE_NOTE = (
-    "smoke run: {steps} steps of a randomly initialised model, so the reward is not expected to move; it "
-    "checks that the agent's openai-SDK calls train token-exact. RL from a trained warm start on a real task: "
-    "python train_async.py (the Search-R1 demo)"
+    "smoke run: {steps} steps of a randomly initialised model, so the reward is not "
+    "expected to move; it checks that the agent's openai-SDK calls train token-exact. RL "
+    "from a trained warm start on a real task: python train_async.py (the Search-R1 demo)"
 )
 
 

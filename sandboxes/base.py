@@ -41,9 +41,10 @@ class ExecResult:
     """What one sandboxed run produced.
 
     ``exit_code`` is the process's exit status, shell style on every backend (128 + N: killed by signal
-    N; None: no status, e.g. killed at the timeout). ``killed_reason`` says why the sandbox stopped it: ``"timeout"``, ``"memory"`` (out of
-    memory), ``"cpu"`` (CPU-time limit), ``"signal:N"``, or ``"sandbox_error: ..."``; None when it
-    exited on its own. Output is decoded UTF-8 (invalid bytes replaced) and capped with a visible marker.
+    N; None: no status, e.g. killed at the timeout). ``killed_reason`` says why the sandbox stopped it:
+    ``"timeout"``, ``"memory"`` (out of memory), ``"cpu"`` (CPU-time limit), ``"signal:N"``, or
+    ``"sandbox_error: ..."``; None when it exited on its own. Output is decoded UTF-8 (invalid bytes replaced)
+    and capped with a visible marker.
     """
 
     stdout: str

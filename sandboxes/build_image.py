@@ -118,7 +118,8 @@ def build_debootstrap(tag: str = DEFAULT_IMAGE, suite: str = SUITE, mirror: str 
         changes = [
             f"USER {SANDBOX_UID}:{SANDBOX_UID}",
             "WORKDIR /work",
-            "ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/work LANG=C.UTF-8 PATH=/usr/local/bin:/usr/bin:/bin",
+            "ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 "
+            "HOME=/work LANG=C.UTF-8 PATH=/usr/local/bin:/usr/bin:/bin",
             'CMD ["python3"]',
             "LABEL agentrl.image=sandbox",
         ]

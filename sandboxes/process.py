@@ -82,7 +82,8 @@ _PRCTL = _libc_prctl()
 
 @SANDBOX_BACKENDS.register("process")
 class ProcessSandbox(Sandbox):
-    """Namespace + rlimit sandbox. ``ProcessSandbox()`` works with defaults on any Linux with bwrap or unshare."""
+    """Namespace + rlimit sandbox. ``ProcessSandbox()`` works with defaults on any Linux with bwrap or
+    unshare."""
 
     def __init__(self, config: ProcessSandboxConfig | None = None, **overrides: Any) -> None:
         if config is not None and overrides:
@@ -327,7 +328,8 @@ class UidLease:
 
     @staticmethod
     def lock_dir() -> str:
-        """Where the lock files live: ``AGENTRL_SANDBOX_UID_DIR``, else ``/run`` (root's), else the temp dir."""
+        """Where the lock files live: ``AGENTRL_SANDBOX_UID_DIR``, else ``/run`` (root's), else the temp
+        dir."""
         path = os.environ.get("AGENTRL_SANDBOX_UID_DIR")
         if not path:
             base = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()

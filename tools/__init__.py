@@ -1,5 +1,5 @@
-"""Tools: typed async callables with JSON schemas, tool-call parsers, the built-in search and python tools, and
-the tool registry that lets a config name them (``env.kwargs.tools: [python, search]``)."""
+"""Tools: typed async callables with JSON schemas, tool-call parsers, the built-in search and python tools,
+and the tool registry that lets a config name them (``env.kwargs.tools: [python, search]``)."""
 
 from .base import (
     DEFAULT_TIMEOUT,

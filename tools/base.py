@@ -351,7 +351,8 @@ def tool(
     timeout: float | None = DEFAULT_TIMEOUT,
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
 ) -> Any:
-    """Decorator: ``@tool`` or ``@tool(name=..., timeout=...)`` turns a typed function into a :class:`Tool`."""
+    """Decorator: ``@tool`` or ``@tool(name=..., timeout=...)`` turns a typed function into a
+    :class:`Tool`."""
 
     def wrap(f: Callable[..., Any]) -> Tool:
         return Tool(f, name=name, description=description, timeout=timeout, max_output_chars=max_output_chars)

@@ -88,8 +88,8 @@ class SFTConfig(ConfigModel):
     lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (5% warm-up, then the schedule)")
     schedule: Literal["cosine", "wsd"] = Field(
         "cosine",
-        description="after the warm-up: cosine decay to 0, or wsd (the peak rate held, then a linear decay to "
-        "0 over the last decay_fraction of the steps)",
+        description="after the warm-up: cosine decay to 0, or wsd (the peak rate "
+        "held, then a linear decay to 0 over the last decay_fraction of the steps)",
     )
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -362,7 +362,8 @@ def sft(
 def calibrate_first_action(
     model: Any, tokenizer: Any, prompts: list[list[int]], cfg: SFTConfig, batch_size: int = 32
 ) -> dict[str, float]:
-    """Make the model open its response with ``<search>`` with probability ``cfg.search_prob``, else ``<answer>``.
+    """Make the model open its response with ``<search>`` with probability ``cfg.search_prob``, else
+    ``<answer>``.
 
     A soft-label cross-entropy on the first response token only (target ``p`` on ``<search>``, ``1 - p`` on
     ``<answer>``), a few Adam steps at a small learning rate: how to search, read and copy stays as the SFT

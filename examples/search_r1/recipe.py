@@ -1,4 +1,5 @@
-"""The Search-R1 demo as a recipe for ``train_async.py``: ``recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe``.
+"""The Search-R1 demo as a recipe for ``train_async.py``:
+``recipe: agentrl.examples.search_r1.recipe:SearchR1Recipe``.
 
 Around the generic loop it adds (see :mod:`agentrl.recipe` for the hooks):
 
@@ -240,8 +241,10 @@ class SearchR1Recipe(DefaultRecipe):
             figures = gain(self.per_task[0], self.per_task[-1])
             f, n = figures, int(figures["eval_tasks"])
             shown = {
-                "held-out exact match before": f"{f['em_before']:.3f} ± {f['em_before_se']:.3f} (greedy, {n} tasks)",
-                "held-out exact match after": f"{f['em_after']:.3f} ± {f['em_after_se']:.3f} (the same tasks)",
+                "held-out exact match before": f"{f['em_before']:.3f} ± {f['em_before_se']:.3f} "
+                f"(greedy, {n} tasks)",
+                "held-out exact match after": f"{f['em_after']:.3f} ± {f['em_after_se']:.3f} "
+                "(the same tasks)",
             }
             rows = [(k, shown.get(k, v)) for k, v in rows]
             at = next(i for i, (k, _) in enumerate(rows) if k == "held-out exact match after") + 1
