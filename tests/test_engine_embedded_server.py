@@ -376,8 +376,7 @@ async def test_update_weights_from_distributed_gloo(client, tiny_model_dir, hf_m
     assert (await client.generate(PROMPTS[1], SamplingParams(max_new_tokens=2))).weight_version == "v4"
 
 
-# ------------------------------------------------------------------------------------------ protocol /
-# security
+# ---------------------------------------------------------------------------------------- protocol / security
 async def test_api_key_guards_every_endpoint_but_health(server: EmbeddedServer) -> None:
     async with aiohttp.ClientSession() as s:
         for path, body in [
