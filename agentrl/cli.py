@@ -32,6 +32,7 @@ from agentrl.config import ConfigError
 JOB = Path(__file__).resolve().parent.parent / "train_async.py"  # the checkout's job (pip install -e .)
 COMMANDS = {
     "train": "run the training job: python train_async.py with the same arguments",
+    "sft": "supervised warm start from demonstrations (agentrl sft --help)",
     "list": "registered envs, tools, verifiers and recipes (what env.name, env.kwargs.tools, "
     "rollout.verifier and recipe can name)",
 }
@@ -167,6 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     if command == "list":
         put_cwd_on_path()
         print(list_names())
+        return
+    if command == "sft":
+        from agentrl.sft import main as sft_main
+
+        sft_main(rest, prog="agentrl sft")
         return
     train(load_job(), rest, prog="agentrl train")
 

@@ -220,3 +220,15 @@ def test_a_run_by_path_imports_the_working_directory_and_shows_failures(
     assert len(steps) == 2 and all("train_reward=" in s and "held-out@0 reward=" in s for s in steps), err
     logged = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "batch/reward" in r]
     assert len(logged) == 2 and all("reward/wrote_digit" in r for r in logged)
+
+
+def test_sft_command_is_the_warm_start(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["sft", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: agentrl sft") and "--demos" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["sft"])  # the required flags are named
+    assert exit_.value.code == 2
+    assert "--demos" in capsys.readouterr().err

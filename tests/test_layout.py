@@ -46,3 +46,17 @@ def test_package_imports_stay_below(folder: str, forbidden: tuple[str, ...]) -> 
 
 def test_chat_tokenizer_sits_below_rollout_and_engines() -> None:
     assert not {n for n in _imports(ROOT / "chat.py") if n.startswith("agentrl")}
+
+
+def test_every_package_is_installed() -> None:
+    # a package missing from pyproject's list works in an editable install and is absent from a wheel
+    import tomllib
+
+    root = ROOT.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in ROOT.rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found <= listed, sorted(found - listed)

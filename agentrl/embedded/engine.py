@@ -1,4 +1,5 @@
-"""The embedded engine: one HF causal LM served with continuous batching, with what an RL rollout engine needs.
+"""The embedded engine: one HF causal LM served with continuous batching, with what an RL rollout engine
+needs.
 
 :class:`EmbeddedEngine` loads the model and plans the KV cache on its one device thread, checks requests,
 holds them while paused or while a weight update drains the engine, and hands them to its
@@ -293,8 +294,8 @@ class EmbeddedEngine(AdapterEndpoints):
             raise EngineBadRequest(f"input_ids out of the vocabulary (size {self.vocab_size}): {bad[:5]}")
         if len(input_ids) + sampling.max_new_tokens > self.max_context:
             raise EngineBadRequest(
-                f"prompt ({len(input_ids)}) + max_new_tokens ({sampling.max_new_tokens}) exceeds the engine's "
-                f"context of {self.max_context} tokens"
+                f"prompt ({len(input_ids)}) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                f"engine's context of {self.max_context} tokens"
             )
         if not self.healthy:
             raise EngineFailed(f"the generation loop is not running: {self.scheduler.fatal!r}")
