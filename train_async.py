@@ -118,8 +118,10 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             dumped = cfg.rollout.dump.wants(step + 1)
             train_metrics = await trainer.train_step(batch, cfg.rollout.max_staleness, dumped)
             t_train = time.monotonic() - t_train
+            failed = await rollout.take_failed() if cfg.rollout.dump.enabled else []
             if dumped:
                 await asyncio.to_thread(dump.train, step + 1, batch, await trainer.last_logprobs())
+                await asyncio.to_thread(dump.failed, step + 1, failed)
             version = await handover.to_engines()  # paused; new weights; the GPU back to the engines
             rollout_stats = await rollout.stats()  # while paused: with deterministic, a fixed point
             await rollout.resume_after_update(version)

@@ -3,8 +3,10 @@
 With ``rollout.dump`` on, ``train_async.py`` writes under ``<output_dir>/trajectories/``:
 
 * ``step_000012.jsonl.gz``: one JSON record per line, the episodes of step 12's training batch
-  (``"kind": "train"``, in the order the trainer got them) and, when an evaluation ran after that step,
-  its episodes (``"kind": "eval"``; step 0 holds the evaluation before training);
+  (``"kind": "train"``, in the order the trainer got them), the training episodes that failed while it
+  was gathered (``"kind": "failed"``: status failed, with the error; never trained) and, when an
+  evaluation ran after that step, its episodes (``"kind": "eval"``; step 0 holds the evaluation before
+  training);
 * ``run.json``: what a retrain (:mod:`agentrl.retrain`) needs besides the episodes (the trainer's config, η,
   its thread count);
 * ``tokens.json``: the text of every token id (what the viewer shows per token).
@@ -213,6 +215,16 @@ class EpisodeDump:
         ]
         return self._write(step, records, "wb")
 
+    def failed(self, step: int, trajs: Sequence[Trajectory]) -> Path | None:
+        """Append the training episodes that failed while step ``step``'s batch was gathered (kind
+        ``"failed"``, never trained: their groups were dropped or they were removed from them); None when
+        the step is not dumped or there are none."""
+        if not (self.cfg.wants(step) and trajs):
+            return None
+        return self._write(
+            step, [episode_record(t, "failed", step, None, self._prompt_text(t)) for t in trajs], "ab"
+        )
+
     def evaluation(self, step: int, trajs: Sequence[Trajectory]) -> Path | None:
         """Write the episodes of the evaluation after step ``step`` (0: before training)."""
         if not (self.cfg.enabled and self.cfg.eval):
@@ -258,7 +270,8 @@ def _problem(err: DumpError, errors: Errors) -> None:
 
 
 def read_dump(path: str | Path, kind: str | None = None, errors: Errors = "raise") -> list[dict[str, Any]]:
-    """The records of one dump file (``kind``: only "train" or "eval" ones); see :func:`iter_dump`."""
+    """The records of one dump file (``kind``: only "train", "failed" or "eval" ones); see
+    :func:`iter_dump`."""
     return [r for r in iter_dump(path, errors) if kind is None or r.get("kind") == kind]
 
 

@@ -183,7 +183,7 @@ def test_a_run_by_path_imports_the_working_directory_and_shows_failures(
 ) -> None:
     """``python <checkout>/train_async.py`` run in the user's directory: its env module imports in the
     driver and the workers, the first env error is on the console with its count, the progress line shows
-    the training reward of each step, and the verifier's parts are logged."""
+    the training reward of each step, the verifier's parts are logged and the failed episodes dumped."""
     import json
 
     from agentrl.metrics import read_metrics
@@ -204,7 +204,7 @@ def test_a_run_by_path_imports_the_working_directory_and_shows_failures(
             env: {{name: flaky_env:FlakyEnv}}
             engine: {{max_batch_size: 8}}
             rollout: {{group_size: 2, batch_size: 2, max_concurrency: 8, max_turns: 1, max_total_tokens: 256,
-                      verifier: flaky_env:partial, max_retries: 0, filter_zero_variance: false,
+                      verifier: flaky_env:partial, max_retries: 0, filter_zero_variance: false, dump: all,
                       sampling: {{temperature: 1.0, max_new_tokens: 8}},
                       eval_sampling: {{temperature: 0.0, max_new_tokens: 8}}}}
             trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 4}}
@@ -220,6 +220,11 @@ def test_a_run_by_path_imports_the_working_directory_and_shows_failures(
     assert len(steps) == 2 and all("train_reward=" in s and "held-out@0 reward=" in s for s in steps), err
     logged = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "batch/reward" in r]
     assert len(logged) == 2 and all("reward/wrote_digit" in r for r in logged)
+    # the failed training episodes are in the episode dumps, marked, with their error
+    from agentrl.episodes import iter_steps
+
+    failed = [r for _, records in iter_steps(tmp_path / "run") for r in records if r["kind"] == "failed"]
+    assert failed and all(r["status"] == "failed" and "unknown unit" in r["error"] for r in failed)
 
 
 def test_sft_command_is_the_warm_start(capsys: pytest.CaptureFixture[str]) -> None:

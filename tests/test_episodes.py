@@ -25,7 +25,9 @@ import torch
 
 from agentrl.config import ConfigError, build_config
 from agentrl.episodes import (
+    DumpConfig,
     DumpError,
+    EpisodeDump,
     episode_record,
     iter_dump,
     iter_steps,
@@ -180,6 +182,23 @@ def _write(path: Path, lines: list[str]) -> Path:
     with gzip.open(path, "wb") as f:
         f.write("".join(lines).encode())
     return path
+
+
+def test_failed_training_episodes_are_dumped_marked_and_never_trained(tmp_path: Path) -> None:
+    from agentrl.types import Status, Trajectory
+
+    dump = EpisodeDump(tmp_path, DumpConfig(every=1))
+    ok = Trajectory(task_id="a", group_id="g", prompt_ids=[1, 2], reward=1.0)
+    bad = Trajectory(task_id="b", group_id="h", prompt_ids=[1, 2], status=Status.FAILED, error="env: boom")
+    dump.train(1, [ok], {"logprobs": [[]], "threads": 1})
+    dump.failed(1, [bad])
+    assert dump.failed(1, []) is None  # nothing to write
+    assert [r["task_id"] for r in read_dump(step_path(tmp_path, 1), kind="train")] == ["a"]
+    [rec] = read_dump(step_path(tmp_path, 1), kind="failed")
+    assert rec["status"] == "failed" and rec["error"] == "env: boom" and not rec["trained"]
+    assert to_trajectory(rec) == bad
+    dump.train(1, [ok], {"logprobs": [[]]})  # a resumed run rewrites its step: the old records go
+    assert read_dump(step_path(tmp_path, 1), kind="failed") == []
 
 
 def test_reader_names_file_and_line_of_a_bad_record_and_keeps_the_rest(tmp_path: Path) -> None:

@@ -554,3 +554,7 @@ async def test_failure_isolation_and_group_policy(tok: Any, policy: str) -> None
     )
     assert {t.status for t in got} <= {Status.COMPLETED}
     assert orch.accounting() == {**orch.accounting(), "drawn": 6, "trained": 3, "dropped": 3, "in_flight": 0}
+    # the failed episodes (their last attempts) are kept for the episode dumps, once
+    failed = orch.take_failed()
+    assert len(failed) == bad_tasks * 2 and all(t.status == Status.FAILED and t.error for t in failed)
+    assert orch.take_failed() == []

@@ -86,6 +86,7 @@ if TYPE_CHECKING:
     from agentrl.rollout.agent import AgentRunner
 
 log = logging.getLogger(__name__)
+FAILED_EPISODES_KEPT = 256  # a shard keeps at most this many failed episodes between two takes
 
 # Outcomes of a draw (what accounting() counts).
 TRAINED = "trained"
@@ -180,6 +181,8 @@ class Orchestrator:
         self.outcomes: list[tuple[str, str]] = []  # (uid, outcome) when config.record_outcomes
         # (uid, sample index, attempt, error text) of every failed attempt, when config.record_outcomes
         self.failed_attempts: list[tuple[str, int, int, str]] = []
+        # the failed training episodes since the driver last took them (episode dumps show them, marked)
+        self.failed_episodes: deque[Trajectory] = deque(maxlen=FAILED_EPISODES_KEPT)
         self.trained_uids: set[str] = set()
         self._verifier_checked = False
         # a run that can never form a batch stops with the reason (agentrl.rollout.progress)
@@ -337,6 +340,7 @@ class Orchestrator:
         """Failure policy, then dynamic filtering. Returns (kept, "") or (None, drop reason)."""
         failed = [t for t in trajs if t.status == Status.FAILED]
         kept = trajs
+        self.failed_episodes.extend(failed)
         if failed:
             reason = f"failed:{failure_kind(failed[0])}"
             if self.cfg.failed_member_policy == "drop_group":
@@ -353,6 +357,13 @@ class Orchestrator:
             if len(rewards) <= 1:
                 return None, "zero_variance"
         return kept, ""
+
+    def take_failed(self) -> list[Trajectory]:
+        """The failed training episodes since the last call (at most the latest
+        ``FAILED_EPISODES_KEPT``), oldest first; the driver writes them to the episode dumps, marked."""
+        out = list(self.failed_episodes)
+        self.failed_episodes.clear()
+        return out
 
     async def _drop(self, draw: Draw, reason: str, trajs: Sequence[Trajectory] = ()) -> None:
         self.schedule.dropped(draw.uid)  # lockstep: the batch takes the next draw in its place

@@ -225,6 +225,11 @@ class RolloutGroup:
         parts = await self._all("buffer.get_batch", per_shard, timeout)
         return [t for part in parts for t in part]
 
+    async def take_failed(self) -> list[Trajectory]:
+        """Every shard's failed training episodes since the last take (for the episode dumps)."""
+        parts = await self._all("take_failed")
+        return [t for part in parts for t in part]
+
     async def pause_for_update(self) -> None:
         await self._all("pause_for_update")
 

@@ -69,6 +69,9 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=True, separators=(",", ":"), default=str).replace("<", "\\u003c")
 
 
+KIND_CODES = {"train": 0, "eval": 1, "failed": 2}  # a row's kind column (page.html names them again)
+
+
 def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title: str = "run") -> str:
     """The viewer page for dump records (any order; shown by step, kind, group, sample)."""
     recs = sorted(
@@ -102,7 +105,7 @@ def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title
         rows.append(
             [
                 rec.get("step", 0),
-                0 if rec.get("kind") == "train" else 1,
+                KIND_CODES.get(rec.get("kind"), 1),
                 str(rec.get("group_id", "")),
                 rec.get("sample_index", 0),
                 str(rec.get("task_id", "")),
