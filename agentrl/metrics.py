@@ -87,7 +87,9 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
-        self._file = self.path.open("a", buffering=1)
+        # one write call per row on an append-only descriptor: a reader of a live run sees whole lines,
+        # and at most a last line still without its newline (read_metrics leaves that one out)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._tb = None
         if tensorboard:
             try:
@@ -106,7 +108,8 @@ class MetricsLogger:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": float(step), "time": time.time(), **_clean(metrics)}
         self.history.append(row)
-        self._file.write(json.dumps(row) + "\n")
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(row) + "\n").encode())
         if self._tb is not None:
             for k, v in row.items():
                 if k not in ("step", "time"):
@@ -131,8 +134,9 @@ class MetricsLogger:
             self._tb.flush()
             self._tb.close()
             self._tb = None
-        if not self._file.closed:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -181,8 +185,12 @@ def without_timings(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """Rows of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Rows of a metrics.jsonl file. A last line without its newline is a row a live run is still writing:
+    it is left out."""
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    lines = lines[:-1]  # "" after a final newline, or the unfinished last row
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 class ProgressLine:

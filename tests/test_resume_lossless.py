@@ -243,6 +243,12 @@ class Job:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def kill(self) -> None:
+        """SIGKILL the job's group if it still runs (a failed test must not leave it to the next ones)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
     def wait(self, timeout: float = 300) -> str:
         assert self.proc is not None
         self.proc.wait(timeout=timeout)
@@ -283,7 +289,9 @@ def _leftover_processes() -> list[str]:
 
 
 @pytest.mark.slow
-def test_job_killed_after_a_checkpoint_resumes_losslessly(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_job_killed_after_a_checkpoint_resumes_losslessly(
+    tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> None:
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"task_id": f"q{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(16)]
@@ -301,6 +309,7 @@ def test_job_killed_after_a_checkpoint_resumes_losslessly(tmp_path: Path, tiny_m
         "lockstep": Job(tmp_path, "lockstep", True, 0, tiny_model_dir, data),
     }
     kill_at = {name: rng.randint(CKPT + 1, STEPS - 1) for name in jobs}
+    request.addfinalizer(lambda: [job.kill() for job in jobs.values()])
     for job in jobs.values():
         job.start(admit=(STEPS - 1) * B)  # the tasks of steps 1 .. STEPS - 1: never the last step
     with ThreadPoolExecutor(len(jobs)) as pool:  # each job watched (and killed) on its own

@@ -83,3 +83,16 @@ def test_verifiers_read_the_final_answer_and_the_tool_results() -> None:
     t.info["answer"] = "0.91"  # an env that parsed the answer out of the last turn
     assert t.final_answer == "0.91"
     assert Trajectory.from_json(t.to_json()).tool_results()[0].arguments == {"value": 3, "unit": "ft"}
+
+
+def test_the_metrics_of_a_live_run_read_as_whole_rows(tmp_path) -> None:
+    from agentrl.metrics import MetricsLogger, read_metrics
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log({"a": 1.0, "text": "x" * 20_000}, 1)  # a row longer than any write buffer
+    logger.log({"a": 2.0}, 2)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3.0, "a": ')  # a row the run is still writing
+    assert [r["a"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 2.0]
+    logger.close()
+    logger.close()  # idempotent

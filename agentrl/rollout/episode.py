@@ -156,15 +156,18 @@ class EpisodeRunner:
                 phase = "env"
                 ts = time.monotonic()
                 res = await self._env_call(env.step(text))
-                tool_time += time.monotonic() - ts
+                step_time = time.monotonic() - ts
+                tool_time += step_time
                 if res.info:
                     traj.info.update(res.info)
                 # the calls the env ran for this action, on its turn (what episode dumps show)
                 calls = list(getattr(res, "tool_calls", None) or [])
                 traj.turns[-1].tool_calls = calls
-                for call in calls:  # tool latency is the calls' own time, not the whole env step's
-                    if call.latency_s is not None:
-                        m.tool(call.latency_s)
+                # tool latency: the calls' own time when the env reports its calls with their latency;
+                # an env that reports none has its whole step timed instead
+                timed = [c.latency_s for c in calls if c.latency_s is not None]
+                for latency in timed or [step_time]:
+                    m.tool(latency)
                 if res.reward is not None:
                     traj.reward = float(res.reward)
                 if res.terminated:
