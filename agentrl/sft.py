@@ -222,7 +222,7 @@ def demo_rows(tokenizer: Any, demos: Iterable[dict[str, Any]]) -> list[Row]:
 
 
 # ---- training ----------------------------------------------------------------------------------------
-def _right_pad(seqs: list[list[int]], value: int) -> Any:
+def right_pad(seqs: list[list[int]], value: int) -> Any:
     """A ``[len(seqs), longest]`` long tensor: each sequence followed by ``value`` up to the longest."""
     import torch
 
@@ -267,9 +267,9 @@ def train_rows(
         loss_value = 0.0
         size = -(-len(batch) // cfg.micro_batches)
         for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):
-            ids = _right_pad([r["input_ids"] for r in chunk], pad_id).to(cfg.device)
-            mask = _right_pad([r["loss_mask"] for r in chunk], 0).float().to(cfg.device)
-            attn = _right_pad([[1] * len(r["input_ids"]) for r in chunk], 0).to(cfg.device)
+            ids = right_pad([r["input_ids"] for r in chunk], pad_id).to(cfg.device)
+            mask = right_pad([r["loss_mask"] for r in chunk], 0).float().to(cfg.device)
+            attn = right_pad([[1] * len(r["input_ids"]) for r in chunk], 0).to(cfg.device)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"

@@ -262,100 +262,29 @@ def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[i
     return rows[: cfg.sft.max_demos]
 
 
-def _right_pad(seqs: list[list[int]], value: int) -> Any:
-    """A ``[len(seqs), longest]`` long tensor: each sequence followed by ``value`` up to the longest."""
-    import torch
-
-    n = max(len(x) for x in seqs)
-    return torch.tensor([list(x) + [value] * (n - len(x)) for x in seqs])
-
-
 def sft(
     model_dir: Path, out_dir: Path, rows: list[dict[str, list[int]]], cfg: SFTConfig, log: Any = print
 ) -> dict[str, float]:
-    """Cross-entropy on loss_mask-1 tokens; writes an HF directory to ``out_dir``."""
-    import math
-
+    """Cross-entropy on loss_mask-1 tokens (the generic loop, :func:`agentrl.sft.train_rows`), then the
+    first-action calibration when ``search_prob`` asks for it; writes an HF directory to ``out_dir``."""
     import torch
-    import transformers
 
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).to(cfg.device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    warm = max(1, cfg.steps // 20)
+    from agentrl.sft import SFTConfig as LoopConfig
+    from agentrl.sft import load_model, save_model, train_rows
 
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return cfg.lr * (step + 1) / warm
-        if cfg.schedule == "wsd":
-            decay = max(1, round(cfg.decay_fraction * cfg.steps))
-            return cfg.lr * min(1.0, (cfg.steps - step) / decay)
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
-
+    loop = LoopConfig(**cfg.model_dump(include=set(LoopConfig.model_fields)))
+    model, tok = load_model(model_dir, loop)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    losses: list[float] = []
-    order: list[int] = []
-    for step in range(cfg.steps):
-        if len(order) < cfg.batch_size:
-            perm = list(range(len(rows)))
-            rng.shuffle(perm)
-            order += perm
-        batch = sorted((rows[order.pop()] for _ in range(cfg.batch_size)), key=lambda r: len(r["input_ids"]))
-        n_model = sum(sum(r["loss_mask"][1:]) for r in batch)
-        n_all = sum(len(r["input_ids"]) - 1 for r in batch)
-        opt.zero_grad(set_to_none=True)
-        loss_value = 0.0
-        size = -(-len(batch) // cfg.micro_batches)
-        for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):  # less padding
-            ids = _right_pad([r["input_ids"] for r in chunk], pad).to(cfg.device)
-            mask = _right_pad([r["loss_mask"] for r in chunk], 0).float().to(cfg.device)
-            attn = _right_pad([[1] * len(r["input_ids"]) for r in chunk], 0).to(cfg.device)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-            ).view(len(chunk), -1)
-            loss = (nll * mask[:, 1:]).sum() / max(1, n_model)
-            if cfg.lm_weight:
-                loss = loss + cfg.lm_weight * (nll * attn[:, 1:]).sum() / n_all
-            loss.backward()
-            loss_value += loss.item()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss_value)
-        if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
-            recent = losses[-100:]
-            log(f"bootstrap: SFT step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.3f}")
-    tail = losses[-20:] or [float("nan")]
-    stats = {
-        "sft/final_loss": sum(tail) / len(tail),
-        "sft/steps": float(cfg.steps),
-        "sft/demos": float(len(rows)),
-    }
+    stats = train_rows(model, rows, loop, pad, lambda line: log(f"bootstrap: {line}"))
     if cfg.search_prob is not None:
         prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
         stats.update(calibrate_first_action(model, tok, prompts, cfg))
         log(f"bootstrap: first action calibrated: <search> with p = {stats['sft/search_prob']:.2f}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.cpu().save_pretrained(out_dir, safe_serialization=True)
+    save_model(model, tok, model_dir, out_dir)
     if str(cfg.device).startswith("cuda"):  # hand the GPU memory back: the engine and trainer start next
-        # the last micro-batch's tensors (its logits alone are GiBs) are still bound to the loop's names
-        del opt
-        ids = mask = attn = logits = nll = loss = None
+        del model
         gc.collect()
         torch.cuda.empty_cache()
-    tok.save_pretrained(out_dir)
-    # keep the exact tokenizer files of the base model (save_pretrained may re-serialize them)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = model_dir / name
-        if src.is_file():
-            (out_dir / name).write_bytes(src.read_bytes())
     return stats
 
 
@@ -373,6 +302,8 @@ def calibrate_first_action(
     the last batches).
     """
     import torch
+
+    from agentrl.sft import right_pad
 
     ids = {}
     for name in ("<search>", "<answer>"):
@@ -392,9 +323,9 @@ def calibrate_first_action(
     target = target.to(dev)
     for _ in range(cfg.calibration_steps):
         batch = rng.sample(prompts, min(batch_size, len(prompts)))
-        attn = _right_pad([[1] * len(p) for p in batch], 0).to(dev)
+        attn = right_pad([[1] * len(p) for p in batch], 0).to(dev)
         last = torch.tensor([len(p) - 1 for p in batch], device=dev)
-        logits = model(input_ids=_right_pad(batch, pad).to(dev), attention_mask=attn).logits
+        logits = model(input_ids=right_pad(batch, pad).to(dev), attention_mask=attn).logits
         logits = logits[torch.arange(len(batch), device=dev), last].float()
         logp = torch.log_softmax(logits, dim=-1)
         loss = -(target * logp).sum(-1).mean()
