@@ -56,9 +56,12 @@ def moe_expert_parallel_worker(
     dist_env(rank, world, port)
     # no balancing loss: it is a per-micro-batch statistic, and the runs split the batch differently
     cfg = TrainerConfig(
-        model_path=model_dir, lr=1e-3, micro_batch_size=2, ep=world,
+        model_path=model_dir,
+        lr=1e-3,
+        micro_batch_size=2,
+        ep=world,
         moe={"aux_loss_coef": 0.0, "grouped_gemm": grouped},
-    )  # fmt: skip
+    )
     tr = MegatronTrainer(cfg)
     trajs = make_trajectories(tr.arch.vocab_size, num_groups=4, seed=3)
     offset_rollout_logprobs(trajs, tr.compute_logprobs(trajs))
@@ -119,9 +122,15 @@ async def start_broadcaster(weights: str, names: list[str], group: str) -> tuple
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _BROADCASTER, weights, json.dumps(names), group,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        "-c",
+        _BROADCASTER,
+        weights,
+        json.dumps(names),
+        group,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
     if not line.startswith("port "):

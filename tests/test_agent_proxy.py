@@ -294,20 +294,33 @@ def test_the_proxy_records_an_agents_tool_calls_and_their_results() -> None:
 
     traj = Trajectory(task_id="t", group_id="g", prompt_ids=[1, 2])
     traj.append_model_tokens([3, 4], [-0.1, -0.2], 0, "<tool_call>...</tool_call>")
-    reply = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "Paris"}'}},
-        {"id": "c2", "type": "function", "function": {"name": "calc", "arguments": "{}"}},
-    ]}  # fmt: skip
+    reply = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "search", "arguments": '{"query": "Paris"}'},
+            },
+            {"id": "c2", "type": "function", "function": {"name": "calc", "arguments": "{}"}},
+        ],
+    }
     record_tool_calls(traj, reply)
     calls = traj.turns[-1].tool_calls
     assert [(c.name, c.arguments, c.id, c.result) for c in calls] == [
-        ("search", {"query": "Paris"}, "c1", None), ("calc", {}, "c2", None)
-    ]  # fmt: skip
-    record_tool_results(traj, [
-        {"role": "user", "content": "go"}, reply,
-        {"role": "tool", "tool_call_id": "c1", "content": "Paris is in France"},
-        {"role": "tool", "tool_call_id": "c9", "content": "nobody asked"},
-    ])  # fmt: skip
+        ("search", {"query": "Paris"}, "c1", None),
+        ("calc", {}, "c2", None),
+    ]
+    record_tool_results(
+        traj,
+        [
+            {"role": "user", "content": "go"},
+            reply,
+            {"role": "tool", "tool_call_id": "c1", "content": "Paris is in France"},
+            {"role": "tool", "tool_call_id": "c9", "content": "nobody asked"},
+        ],
+    )
     record_tool_results(traj, [{"role": "tool", "tool_call_id": "c1", "content": "a second answer"}])
     assert [c.result for c in calls] == ["Paris is in France", None]
     assert Trajectory.from_dict(traj.to_dict()).turns[-1].tool_calls == calls  # dumps keep them

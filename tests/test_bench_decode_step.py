@@ -38,8 +38,12 @@ def test_the_profile_summary_counts_kernels_a_step_largest_first() -> None:
 def test_without_a_cuda_device_it_says_so_and_exits() -> None:
     proc = subprocess.run(
         [sys.executable, "bench/decode_step.py", "--shape", "qwen3-moe-1b"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": "", "PATH": ""},
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": ""},
+    )
     assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
 
 

@@ -17,8 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_lora_bench_reports_both_modes_and_the_engine_serves_the_push() -> None:
     proc = subprocess.run(
         [sys.executable, "bench/lora.py", "--engine", "--steps", "1", "--rank", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     full, lora = out["full"], out["lora"]

@@ -23,16 +23,24 @@ def test_tp2_logprobs_match_tp1_within_fp32_rounding() -> None:
     assert len(lines) == 1, proc.stdout[-3000:]  # ONE JSON line
     out = json.loads(lines[0])
     assert (out["bench"], out["device"], out["gpus"], out["dtype"], out["shape"], out["tp"]) == (
-        "tp_logprobs", "cpu", None, "float32", "tiny", 2,
-    )  # fmt: skip
+        "tp_logprobs",
+        "cpu",
+        None,
+        "float32",
+        "tiny",
+        2,
+    )
     # every response token of the default batch (8 x 32) is a sampled one
     assert out["tokens_compared"] == out["batch"] * out["response_len"] == 256
 
     # the noise floor: each side computes the same logprobs twice, bit for bit
     for floor in (out["tp1_vs_tp1"], out["tp_vs_tp"]):
         assert floor == {
-            "logprob_abs_diff_max": 0.0, "logprob_abs_diff_mean": 0.0, "exact_fraction": 1.0, "kl_k3": 0.0,
-        }  # fmt: skip
+            "logprob_abs_diff_max": 0.0,
+            "logprob_abs_diff_mean": 0.0,
+            "exact_fraction": 1.0,
+            "kl_k3": 0.0,
+        }
     tp = out["tp_vs_tp1"]
     assert 0.0 <= tp["logprob_abs_diff_mean"] <= tp["logprob_abs_diff_max"] <= 1e-5
     assert 0.0 <= tp["exact_fraction"] <= 1.0
@@ -47,6 +55,8 @@ def test_tp2_logprobs_match_tp1_within_fp32_rounding() -> None:
 
     wall = out["wall_s"]
     assert len(wall["tp1_logprobs"]) == len(wall["tp_logprobs"]) == 2
-    assert all(t > 0 for t in [*wall["tp1_logprobs"], *wall["tp_logprobs"], wall["tp1_train_step"],
-                               wall["tp_train_step"]])  # fmt: skip
+    assert all(
+        t > 0
+        for t in [*wall["tp1_logprobs"], *wall["tp_logprobs"], wall["tp1_train_step"], wall["tp_train_step"]]
+    )
     assert wall["total"] > max(wall["tp1_logprobs"]) + max(wall["tp_logprobs"])

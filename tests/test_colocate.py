@@ -275,9 +275,12 @@ def _run_job(model_dir: Path, out: Path, offload: bool) -> dict:
         f"_trainer_job({str(model_dir)!r}, {str(out)!r}, {offload})"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 

@@ -60,10 +60,16 @@ def _fused(t: dict) -> LayerWeights:
 
     bias = None if t["q_bias"] is None else qkv(t["q_bias"], t["k_bias"], t["v_bias"])
     return LayerWeights(
-        input_norm=t["input_norm"], qkv=qkv(t["q"], t["k"], t["v"]), qkv_bias=bias,
-        q_norm=t["q_norm"], k_norm=t["k_norm"], o=t["o"], mlp_norm=t["mlp_norm"],
-        gate_up=torch.cat([t["gate"], t["up"]]), down=t["down"],
-    )  # fmt: skip
+        input_norm=t["input_norm"],
+        qkv=qkv(t["q"], t["k"], t["v"]),
+        qkv_bias=bias,
+        q_norm=t["q_norm"],
+        k_norm=t["k_norm"],
+        o=t["o"],
+        mlp_norm=t["mlp_norm"],
+        gate_up=torch.cat([t["gate"], t["up"]]),
+        down=t["down"],
+    )
 
 
 def _inputs(rows: int = 20) -> tuple[torch.Tensor, ...]:

@@ -213,8 +213,10 @@ def _deterministic_run(
     cfg.write_text(CONFIG.format(out=out, cache=tmp / "cache"))
     proc = subprocess.run(
         [sys.executable, "train_async.py", "--config", str(cfg), *overrides],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]

@@ -461,8 +461,10 @@ async def test_decode_runs_give_the_tokens_of_single_steps(tiny_model_dir: Path)
         ]
         tasks = [asyncio.ensure_future(c) for c in first]
         await asyncio.sleep(0.05)  # the last two arrive while the first four decode
-        tasks += [asyncio.ensure_future(engine.generate(p, sp, f"l{i}")) for i, (p, sp) in
-                  enumerate(zip(prompts[4:], params[4:], strict=True))]  # fmt: skip
+        tasks += [
+            asyncio.ensure_future(engine.generate(p, sp, f"l{i}"))
+            for i, (p, sp) in enumerate(zip(prompts[4:], params[4:], strict=True))
+        ]
         recs = await asyncio.gather(*tasks)
         return [(r.output_ids, r.logprobs, r.finish_reason) for r in recs], lengths
 

@@ -318,8 +318,11 @@ def test_mismatch_bench_prints_one_line_where_fp8_moves_the_logprobs() -> None:
     args = ["--prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8"]
     proc = subprocess.run(
         [sys.executable, str(root / "bench" / "fp8_mismatch.py"), *args],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout

@@ -118,8 +118,13 @@ def test_lora_trains_only_the_adapters_on_gpu(smol_dir: Path) -> None:
         assert isinstance(tr.model, DistributedDataParallel)  # the GPU path, not the CPU's torch AdamW
         adapters = lora_parameters(tr.module)
         a = tr.arch
-        r, q, kv, h, f = LORA["rank"], a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim, \
-            a.hidden_size, a.ffn_hidden_size  # fmt: skip
+        r, q, kv, h, f = (
+            LORA["rank"],
+            a.num_attention_heads * a.head_dim,
+            a.num_kv_heads * a.head_dim,
+            a.hidden_size,
+            a.ffn_hidden_size,
+        )
         per_layer = r * ((h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h))
         assert sum(p.numel() for p in adapters.values()) == a.num_layers * per_layer
         assert all(p.device.type == DEVICE and p.dtype == torch.bfloat16 for p in adapters.values())
@@ -160,10 +165,15 @@ def test_ddp_with_a_frozen_base_on_the_search_r1_gpu_path(smol_dir: Path, compil
 
     # the run's own trainer config (packed micro-batches, its loss); a larger lr, so that bf16 adapters
     # visibly move in two steps
-    run = load_run_config(SEARCH_R1_GPU, [
-        f"model_path={smol_dir}", "trainer.lora.rank=8", "trainer.lr=1e-2",
-        f"trainer.compile_layers={str(compile_layers).lower()}",
-    ])  # fmt: skip
+    run = load_run_config(
+        SEARCH_R1_GPU,
+        [
+            f"model_path={smol_dir}",
+            "trainer.lora.rank=8",
+            "trainer.lr=1e-2",
+            f"trainer.compile_layers={str(compile_layers).lower()}",
+        ],
+    )
     assert run.trainer.pack_sequences and run.trainer.device == DEVICE and run.trainer.dtype == "bfloat16"
     torch._dynamo.reset()  # compiled layers: a fresh cache, not another test's graphs
     tr = _start(run.trainer)  # with compiled layers, their compile warm-up runs a backward through DDP here

@@ -48,9 +48,14 @@ from agentrl.weight_sync.tensor import push_tensors
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.usefixtures("sglang_required")]
 
 SHAPE = dict(
-    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=4096, initializer_range=0.15,
-)  # fmt: skip
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.15,
+)
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +122,14 @@ def _served(cfg: SGLangConfig, log: Path):
 def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("sglang_log") / "sglang.log"
     cfg = SGLangConfig(
-        model_path=str(models[0]), port=0, mem_fraction_static=0.3, memory_saver=True,
-        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900, log_file=str(log),
-    )  # fmt: skip
+        model_path=str(models[0]),
+        port=0,
+        mem_fraction_static=0.3,
+        memory_saver=True,
+        extra_args={"cuda-graph-max-bs": 8},
+        startup_timeout=900,
+        log_file=str(log),
+    )
     yield from _served(cfg, log)
 
 
@@ -234,9 +244,13 @@ async def test_distributed_weight_update(
         monkeypatch.setenv(key, value)
     torch.cuda.set_device(0)
     cfg = SGLangConfig(
-        model_path=str(models[0]), port=0, mem_fraction_static=0.3, env=child_gpu_env(1) if two else {},
-        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900,
-    )  # fmt: skip
+        model_path=str(models[0]),
+        port=0,
+        mem_fraction_static=0.3,
+        env=child_gpu_env(1) if two else {},
+        extra_args={"cuda-graph-max-bs": 8},
+        startup_timeout=900,
+    )
     weights = hf_weights(models[1])
     names = list(weights)
     prompt = ids(40, seed=5)
@@ -264,11 +278,14 @@ async def test_distributed_weight_update(
 
             await asyncio.gather(
                 client.update_weights_from_distributed(
-                    names, [str(weights[n].dtype) for n in names], [list(weights[n].shape) for n in names],
-                    "agentrl_test", weight_version="1",
+                    names,
+                    [str(weights[n].dtype) for n in names],
+                    [list(weights[n].shape) for n in names],
+                    "agentrl_test",
+                    weight_version="1",
                 ),
                 asyncio.to_thread(broadcast),
-            )  # fmt: skip
+            )
             out = await client.generate(prompt, sp)
             left = await asyncio.gather(
                 client.destroy_weights_update_group("agentrl_test"), leave_process_group(pg)
@@ -292,9 +309,14 @@ async def test_fp8_update_is_quantized_again(models: tuple[Path, Path], tmp_path
     (fp8's own error), and far from A's."""
     log = tmp_path / "sglang_fp8.log"
     cfg = SGLangConfig(
-        model_path=str(models[0]), port=0, mem_fraction_static=0.2, quantization="fp8",
-        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900, log_file=str(log),
-    )  # fmt: skip
+        model_path=str(models[0]),
+        port=0,
+        mem_fraction_static=0.2,
+        quantization="fp8",
+        extra_args={"cuda-graph-max-bs": 8},
+        startup_timeout=900,
+        log_file=str(log),
+    )
     prompt = ids(40, seed=7)
     sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, sampling_seed=11)
     with SGLangLauncher(cfg) as launcher:
@@ -327,10 +349,14 @@ def lora_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFact
     """SGLang with LoRA serving on, room for rank-8 adapters on every module the trainer adapts."""
     log = tmp_path_factory.mktemp("sglang_lora_log") / "sglang.log"
     cfg = SGLangConfig(
-        model_path=str(models[0]), port=0, mem_fraction_static=0.2,
+        model_path=str(models[0]),
+        port=0,
+        mem_fraction_static=0.2,
         lora=SGLangLoRAConfig.for_adapters(LORA_RANK, ALL_TARGETS),
-        extra_args={"cuda-graph-max-bs": 8}, startup_timeout=900, log_file=str(log),
-    )  # fmt: skip
+        extra_args={"cuda-graph-max-bs": 8},
+        startup_timeout=900,
+        log_file=str(log),
+    )
     yield from _served(cfg, log)
 
 

@@ -99,9 +99,16 @@ async def test_orchestrator_reports_its_loop(tiny_model_dir: Path) -> None:
     from agentrl.testing.stub_engine import stub_engine_in_process
 
     tok: Any = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = RolloutConfig(group_size=2, batch_size=2, max_staleness=1, max_concurrency=8, max_turns=2,
-                        max_total_tokens=512, filter_zero_variance=False,
-                        sampling=SamplingParams(temperature=1.0, max_new_tokens=8))  # fmt: skip
+    cfg = RolloutConfig(
+        group_size=2,
+        batch_size=2,
+        max_staleness=1,
+        max_concurrency=8,
+        max_turns=2,
+        max_total_tokens=512,
+        filter_zero_variance=False,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=8),
+    )
     tasks = [{"id": f"t{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(8)]
     async with stub_engine_in_process(max_tokens=8) as (_, url):
         client = EngineClient(url)
@@ -120,11 +127,16 @@ def test_summary_keeps_step_weighted_means_of_loop_and_retrieval_load() -> None:
     from agentrl.metrics import step_time_summary
 
     history = [
-        {"step": 1, "time/step_s": 1.0, "rollout/loop_busy_frac": 0.2, "rollout/loop_lag_ms_p90": 2.0,
-         "retrieval/busy_frac": 0.1},
+        {
+            "step": 1,
+            "time/step_s": 1.0,
+            "rollout/loop_busy_frac": 0.2,
+            "rollout/loop_lag_ms_p90": 2.0,
+            "retrieval/busy_frac": 0.1,
+        },
         {"step": 2, "time/step_s": 3.0, "rollout/loop_busy_frac": 0.6, "rollout/loop_lag_ms_p90": 10.0},
         {"step": 2, "eval/exact_match": 0.5},  # an evaluation row: no step time, not a step
-    ]  # fmt: skip
+    ]
     out = step_time_summary(history)
     assert out["rollout_loop_busy_frac"] == (0.2 * 1 + 0.6 * 3) / 4
     assert out["rollout_loop_lag_ms_p90"] == (2.0 * 1 + 10.0 * 3) / 4
@@ -138,12 +150,23 @@ def test_without_timings_keeps_what_deterministic_runs_agree_on() -> None:
     from agentrl.metrics import without_timings
 
     row = {
-        "step": 3, "loss": 0.5, "reward/mean": 0.25, "trainer/policy_version": 3, "retrieval/workers": 2,
-        "time": 12.0, "time/step_s": 1.2, "train_seconds": 0.4, "rollout/trajectories_per_s": 50.0,
-        "rollout/engine_idle_frac": 0.1, "engine/decode_steps": 80, "engine_decode_rows_per_step": 6.0,
-        "rollout/loop_busy_frac": 0.3, "rollout/shard1/loop_lag_ms_p90": 4.0, "retrieval/busy_frac": 0.2,
+        "step": 3,
+        "loss": 0.5,
+        "reward/mean": 0.25,
+        "trainer/policy_version": 3,
+        "retrieval/workers": 2,
+        "time": 12.0,
+        "time/step_s": 1.2,
+        "train_seconds": 0.4,
+        "rollout/trajectories_per_s": 50.0,
+        "rollout/engine_idle_frac": 0.1,
+        "engine/decode_steps": 80,
+        "engine_decode_rows_per_step": 6.0,
+        "rollout/loop_busy_frac": 0.3,
+        "rollout/shard1/loop_lag_ms_p90": 4.0,
+        "retrieval/busy_frac": 0.2,
         "retrieval/latency_ms_p50": 3.0,
-    }  # fmt: skip
+    }
     kept = without_timings(row)
     assert kept == {
         "step": 3,

@@ -198,9 +198,14 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> No
     from agentrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(
-        model_path=model_dir, tp=world, lr=1e-2, grad_clip=0.5, micro_batch_size=2, vocab_divisible_by=4,
+        model_path=model_dir,
+        tp=world,
+        lr=1e-2,
+        grad_clip=0.5,
+        micro_batch_size=2,
+        vocab_divisible_by=4,
         lora={"rank": 4, "alpha": 8},
-    )  # fmt: skip
+    )
     tr = MegatronTrainer(cfg)
     init = peft_state_dict(tr.module, tr.arch, cfg.lora, tr.ps)  # the initial adapters, gathered
     load_peft_state_dict(tr.module, _random_peft(model_dir, 4), tr.arch, world, tr.tp_rank)

@@ -85,8 +85,11 @@ def test_convert_cli_expert_parallel_round_trip(moe_dir: Path, tmp_path: Path) -
     ):
         subprocess.run([sys.executable, "-m", "agentrl.convert", *args], check=True, capture_output=True)
     assert sorted(p.name for p in mc.iterdir() if p.is_dir()) == [
-        "mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_01_000_000", "mp_rank_01_000_001",
-    ]  # fmt: skip
+        "mp_rank_00_000_000",
+        "mp_rank_00_000_001",
+        "mp_rank_01_000_000",
+        "mp_rank_01_000_001",
+    ]
     a, b = load_hf_state_dict(moe_dir), load_hf_state_dict(out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -143,9 +146,15 @@ def test_engine_refuses_an_unsupported_moe_family() -> None:
     from agentrl.embedded.runner import ModelRunner
 
     cfg = transformers.MixtralConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match="Mixtral mixture-of-experts models"):
         ModelRunner(model, num_slots=2, context_len=32, max_batch=1)

@@ -277,11 +277,23 @@ def test_grouped_mm_equals_the_expert_loop_on_gpu(monkeypatch: pytest.MonkeyPatc
     import agentrl.trainer.experts as experts
 
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, moe_ffn_hidden_size=384,
-        num_moe_experts=16, moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, bias_activation_fusion=False, params_dtype=torch.bfloat16, bf16=True,
-        perform_initialization=True, init_method_std=0.05, use_cpu_initialization=True,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=256,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        moe_ffn_hidden_size=384,
+        num_moe_experts=16,
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        perform_initialization=True,
+        init_method_std=0.05,
+        use_cpu_initialization=True,
+    )
     mod = experts.GroupedExperts(16, cfg).cuda()
     x, counts, probs = _permuted_inputs(16, 256, seed=2)
     x = x.repeat(16, 1).to("cuda", torch.bfloat16)  # a few hundred rows

@@ -204,9 +204,15 @@ class Job:
         self.out = tmp / name
         self.cfg = tmp / f"{name}.yaml"
         self.fields = {
-            "out": self.out, "steps": STEPS, "deterministic": str(deterministic).lower(), "model": model,
-            "data": data, "b": B, "eta": eta, "ckpt": CKPT,
-        }  # fmt: skip
+            "out": self.out,
+            "steps": STEPS,
+            "deterministic": str(deterministic).lower(),
+            "model": model,
+            "data": data,
+            "b": B,
+            "eta": eta,
+            "ckpt": CKPT,
+        }
         self.proc: subprocess.Popen | None = None
 
     def start(self, *args: str, admit: int | None = None) -> None:
@@ -217,8 +223,13 @@ class Job:
         env = {**os.environ, "PYTHONPATH": path}  # the driver and Ray's workers import the gated env
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "train_async.py", "--config", str(self.cfg), *args],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
-        )  # fmt: skip
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
         self.log = Path(log.name)
 
     def logged_steps(self) -> list[int]:
@@ -274,12 +285,18 @@ def _training_view(records: list[dict[str, Any]], version_offset: int) -> list[t
     ``version_offset`` (the policy versions a resumed run counts, see the test)."""
     return [
         (
-            r["group_id"], r["sample_index"], r["prompt_ids"], r["response_ids"], r["loss_mask"],
-            r["rollout_logprobs"], r["trainer_logprobs"], r["reward"],
+            r["group_id"],
+            r["sample_index"],
+            r["prompt_ids"],
+            r["response_ids"],
+            r["loss_mask"],
+            r["rollout_logprobs"],
+            r["trainer_logprobs"],
+            r["reward"],
             [v - version_offset if v >= 0 else v for v in r["policy_versions"]],
         )
         for r in records
-    ]  # fmt: skip
+    ]
 
 
 def _leftover_processes() -> list[str]:

@@ -85,10 +85,16 @@ async def worker_info(workers) -> list[dict]:
 
 def orchestrator(url: str, model_dir: Path, env_factory) -> Orchestrator:
     cfg = RolloutConfig(
-        group_size=2, batch_size=2, max_staleness=1, max_concurrency=8, max_turns=2, max_total_tokens=300,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=12), filter_zero_variance=False,
+        group_size=2,
+        batch_size=2,
+        max_staleness=1,
+        max_concurrency=8,
+        max_turns=2,
+        max_total_tokens=300,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=12),
+        filter_zero_variance=False,
         shuffle=False,
-    )  # fmt: skip
+    )
     tasks = [{"prompt": f"task {i}", "label": "x"} for i in range(8)]
     client = EngineClient(url, router=True, timeout=120)
     return Orchestrator(cfg, client, AutoTokenizer.from_pretrained(model_dir), env_factory, tasks)
@@ -205,9 +211,14 @@ async def test_train_async_trains_through_the_router(cluster, tiny_model_dir, tm
     cfg.write_text(RUN.format(out=tmp_path / "run", model=tiny_model_dir, data=data, router=url))
     root = Path(__file__).resolve().parent.parent
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "train_async.py", "--config", str(cfg), cwd=root,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        "train_async.py",
+        "--config",
+        str(cfg),
+        cwd=root,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), 300)
         assert proc.returncode == 0, f"train_async failed:\n{out.decode()[-5000:]}"

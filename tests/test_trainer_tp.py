@@ -84,9 +84,14 @@ def test_packed_micro_batches_match_padded(tiny_model_factory, tmp_path: Path) -
     padded = _run(1, dirs, tmp_path / "padded.pt", loss=loss)
     for world, chunk in ((1, None), (2, 7)):
         packed = _run(
-            world, dirs, tmp_path / f"packed{world}.pt", loss=loss, pack_sequences=True,
-            max_tokens_per_micro_batch=30, logprob_chunk_tokens=chunk,
-        )  # fmt: skip
+            world,
+            dirs,
+            tmp_path / f"packed{world}.pt",
+            loss=loss,
+            pack_sequences=True,
+            max_tokens_per_micro_batch=30,
+            logprob_chunk_tokens=chunk,
+        )
         for one, two in zip(padded, packed, strict=True):
             _compare(one, two)
 

@@ -83,8 +83,13 @@ def test_resource_fields_are_checked_at_load(ray: dict, message: str) -> None:
 def test_engine_resources_need_engines_the_run_starts() -> None:
     from agentrl.run_config import RunConfig
 
-    external = {"model_path": "m", "data": {"path": "d"}, "env": {"name": "search"}, "trainer": {},
-                "engine": {"backend": "external", "urls": ["http://127.0.0.1:1"]}}  # fmt: skip
+    external = {
+        "model_path": "m",
+        "data": {"path": "d"},
+        "env": {"name": "search"},
+        "trainer": {},
+        "engine": {"backend": "external", "urls": ["http://127.0.0.1:1"]},
+    }
     RunConfig.model_validate({**external, "ray": {"trainer_resources": {"trainer_node": 1}}})
     with pytest.raises(ValueError, match=r"ray\.engine_resources: engine\.backend external starts no engine"):
         RunConfig.model_validate({**external, "ray": {"engine_resources": {"engine_node": 1}}})
@@ -126,8 +131,11 @@ def test_colocated_bundles_hold_the_custom_resources() -> None:
 
         engine = {"num_gpus": 0.5, "num_cpus": 0, "resources": {"gpu_box": 0.5}}
         rank = {"num_gpus": 0.5, "num_cpus": 1, "resources": {"gpu_box": 0.5}}
-        placed = [gpu.options(**ask, scheduling_strategy=on_bundle(group, i)).remote() for i in range(2)
-                  for ask in (engine, rank)]  # fmt: skip
+        placed = [
+            gpu.options(**ask, scheduling_strategy=on_bundle(group, i)).remote()
+            for i in range(2)
+            for ask in (engine, rank)
+        ]
         engine0, rank0, engine1, rank1 = ray.get(placed, timeout=60)
         assert engine0 == rank0 != engine1 == rank1
         ray.util.remove_placement_group(group)
@@ -183,19 +191,39 @@ class Cluster:
 
 def _ray_start(cluster: Cluster, head: bool, num_cpus: int, resources: dict[str, float]) -> subprocess.Popen:
     # every port of its own (two nodes on one machine, and other Ray instances beside them)
-    ports = [f"--{name}={free_port()}" for name in
-             ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-              "runtime-env-agent-port")]  # fmt: skip
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    ]
     where = (
-        [f"--port={cluster.address.rsplit(':', 1)[1]}", f"--temp-dir={cluster.temp_dir}",
-         "--include-dashboard=false", f"--dashboard-port={free_port()}",
-         f"--ray-client-server-port={free_port()}"]
+        [
+            f"--port={cluster.address.rsplit(':', 1)[1]}",
+            f"--temp-dir={cluster.temp_dir}",
+            "--include-dashboard=false",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+        ]
         if head
         else [f"--address={cluster.address}"]
-    )  # fmt: skip
-    cmd = ["ray", "start", *(["--head"] if head else []), "--block", *where, *ports,
-           f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000",
-           f"--resources={json.dumps(resources)}", "--disable-usage-stats"]  # fmt: skip
+    )
+    cmd = [
+        "ray",
+        "start",
+        *(["--head"] if head else []),
+        "--block",
+        *where,
+        *ports,
+        f"--num-cpus={num_cpus}",
+        "--num-gpus=0",
+        "--object-store-memory=100000000",
+        f"--resources={json.dumps(resources)}",
+        "--disable-usage-stats",
+    ]
     with open(
         cluster.temp_dir / ("head.log" if head else "worker.log"), "w"
     ) as log:  # the node keeps its copy
@@ -215,8 +243,11 @@ def _wait_for_nodes(cluster: Cluster, count: int, timeout: float = 120.0) -> lis
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, cluster.address, str(count), str(timeout)],
-        env=cluster.env, capture_output=True, text=True, timeout=timeout + 60,
-    )  # fmt: skip
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 60,
+    )
     logs = "".join(p.read_text()[-2000:] for p in cluster.temp_dir.glob("*.log"))
     assert proc.returncode == 0, f"the cluster did not come up:\n{proc.stderr[-3000:]}\n{logs}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -226,8 +257,13 @@ def _start_two_nodes() -> Cluster:
     """Head node: 2 CPUs and ``trainer_node``; second node: 1 CPU and ``engine_node``. Token authentication
     on, with a token of this cluster's own (every process of it, and the job, get it)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="agentrl-2n-", dir=os.environ.get("RAY_TMPDIR", "/tmp")))
-    env = {**os.environ, MARK: str(temp_dir), "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        MARK: str(temp_dir),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     cluster = Cluster(f"127.0.0.1:{free_port()}", env, temp_dir)
     try:
         cluster.nodes.append(_ray_start(cluster, True, 2, {"trainer_node": 1}))
@@ -266,8 +302,14 @@ def two_nodes() -> Iterator[Cluster]:
 def _left_by_the_job(cluster: Cluster, timeout: float = 60.0) -> list[str]:
     """The job's processes (engine, retrieval server, its actors' workers) still alive ``timeout`` s after
     it exited; the cluster's own daemons and idle workers are not the job's."""
-    job = ("agentrl.embedded.server", "retrieval_server", "ray::ServiceWorker", "ray::TrainerWorker",
-           "ray::RolloutWorker", "train_async.py")  # fmt: skip
+    job = (
+        "agentrl.embedded.server",
+        "retrieval_server",
+        "ray::ServiceWorker",
+        "ray::TrainerWorker",
+        "ray::RolloutWorker",
+        "train_async.py",
+    )
     deadline = time.monotonic() + timeout
     while True:
         left = [args for _, args in cluster.processes() if any(p in args for p in job)]
@@ -279,8 +321,12 @@ def _left_by_the_job(cluster: Cluster, timeout: float = 60.0) -> list[str]:
 def _train_async(cluster: Cluster, cfg: Path, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "train_async.py", "--config", str(cfg), "--ray-address", cluster.address],
-        cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow

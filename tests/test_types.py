@@ -8,9 +8,15 @@ from agentrl.types import Status, ToolCallRecord, Trajectory, Turn
 
 
 def _trajectory() -> Trajectory:
-    t = Trajectory(task_id="t1", group_id="g1", prompt_ids=[5, 6, 7], label={"answers": ["x"]},
-                   info={"searches": [{"query": "q", "hits": 2}]}, reward=1.0,
-                   reward_parts={"em": 1.0})  # fmt: skip
+    t = Trajectory(
+        task_id="t1",
+        group_id="g1",
+        prompt_ids=[5, 6, 7],
+        label={"answers": ["x"]},
+        info={"searches": [{"query": "q", "hits": 2}]},
+        reward=1.0,
+        reward_parts={"em": 1.0},
+    )
     t.append_model_tokens([8, 9], [-0.5, -0.25], 3, text="ab")
     t.turns[-1].tool_calls = [
         ToolCallRecord("search", {"query": "q", "filters": {"year": 2024}}, "c", latency_s=0.25, id="call0"),

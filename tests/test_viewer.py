@@ -176,15 +176,29 @@ def test_calls_table_cuts_long_results_and_reads_format_1_dumps() -> None:
         "latency_s": 0.5,
         "id": None,
     }
-    rec = {"kind": "train", "step": 1, "group_id": "g", "sample_index": 0, "task_id": "t", "reward": 1.0,
-           "status": "completed", "response_ids": [0, 1], "loss_mask": [1, 0],
-           "rollout_logprobs": [-0.5, 0.0], "policy_versions": [0, -1],
-           "turns": [{"role": "assistant", "start": 0, "end": 1, "text": "a", "tool_calls": [call]},
-                     {"role": "observation", "start": 1, "end": 2, "text": "x" * 5000}]}  # fmt: skip
+    rec = {
+        "kind": "train",
+        "step": 1,
+        "group_id": "g",
+        "sample_index": 0,
+        "task_id": "t",
+        "reward": 1.0,
+        "status": "completed",
+        "response_ids": [0, 1],
+        "loss_mask": [1, 0],
+        "rollout_logprobs": [-0.5, 0.0],
+        "policy_versions": [0, -1],
+        "turns": [
+            {"role": "assistant", "start": 0, "end": 1, "text": "a", "tool_calls": [call]},
+            {"role": "observation", "start": 1, "end": 2, "text": "x" * 5000},
+        ],
+    }
     [shown] = detail(rec)["calls"]
     assert shown["result"] == "x" * RESULT_CHARS + " ..." and shown["turn"] == 0 and shown["latency_s"] == 0.5
     assert rec["turns"][0]["tool_calls"][0]["result"] == "x" * 5000  # the record itself is left whole
-    old = {**rec, "turns": [{k: v for k, v in t.items() if k != "tool_calls"} for t in rec["turns"]],
-           "tool_calls": [{"turn": 0, "name": "search", "arguments": {"query": "q"},
-                           "latency_s": 0.1}]}  # fmt: skip
+    old = {
+        **rec,
+        "turns": [{k: v for k, v in t.items() if k != "tool_calls"} for t in rec["turns"]],
+        "tool_calls": [{"turn": 0, "name": "search", "arguments": {"query": "q"}, "latency_s": 0.1}],
+    }
     assert detail(old)["calls"] == old["tool_calls"]
