@@ -13,9 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )  # fmt: skip
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -32,8 +30,7 @@ def test_retrieval_bench_compares_one_worker_with_two() -> None:
 
 
 def test_search_rollout_bench_reports_the_loop_and_the_server() -> None:
-    out = _bench("bench/search_rollout.py", "--concurrency", "32", "--seconds", "1.5", "--warmup", "1",
-                 "--entities", "150")  # fmt: skip
+    out = _bench(*"bench/search_rollout.py --concurrency 32 --seconds 1.5 --warmup 1 --entities 150".split())
     for row in (out["workers1"], out["workers2"]):
         assert row["turns_per_s"] > 0 and row["searches_per_s"] > 0 and row["failures"] == 0
         assert 0 < row["loop_busy_frac"] <= 1 and 0 <= row["loop_cpu_frac"] <= 1

@@ -22,8 +22,8 @@ def test_world_size_2_reports_beside_the_one_process_run() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("bench", "shape", "params", "batch", "seq_len", "update_tokens_per_s", "step_tokens_per_s",
-                "step_s", "grad_norm", "model_tflops_per_s"):  # fmt: skip
+    keys = "bench shape params batch seq_len update_tokens_per_s step_tokens_per_s step_s grad_norm"
+    for key in [*keys.split(), "model_tflops_per_s"]:
         assert key in out, key
     par = out["parallel"]
     assert (par["world_size"], par["tp"], par["dp"]) == (2, 1, 2)
@@ -38,7 +38,10 @@ def test_world_size_2_reports_beside_the_one_process_run() -> None:
 def test_tp_must_divide_the_world_size() -> None:
     proc = subprocess.run(
         [sys.executable, "bench/trainer_gpu.py", "--world-size", "3", "--tp", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "--world-size 3 is not a multiple of --tp 2" in proc.stderr

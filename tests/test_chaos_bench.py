@@ -18,16 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_chaos_bench_loses_nothing_and_names_every_failure(tmp_path: Path) -> None:
     failures = tmp_path / "failures.jsonl"
+    run = "--episodes 60 --batch-size 2 --clean-episodes 0 --step-timeout 0.5"
+    # rates high enough that 60 episodes meet every fault (about 180 env steps, 60 tool calls each)
+    faults = "--env-raise 0.05 --tool-timeout 0.05 --verifier-raise 0.15 --retrieval-500 0.5"
     proc = subprocess.run(
-        [
-            sys.executable, "bench/chaos.py", "--episodes", "60", "--batch-size", "2",
-            "--clean-episodes", "0", "--step-timeout", "0.5", "--failures-out", str(failures),
-            # rates high enough that 60 episodes meet every fault (about 180 env steps, 60 tool calls each)
-            "--env-raise", "0.05", "--tool-timeout", "0.05", "--verifier-raise", "0.15",
-            "--retrieval-500", "0.5",
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "bench/chaos.py", *run.split(), "--failures-out", str(failures), *faults.split()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     g, e = r["groups"], r["episodes"]

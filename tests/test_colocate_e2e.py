@@ -35,13 +35,18 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     assert not _leftovers(), "processes from an earlier test are still running"
     proc = subprocess.run(
         [sys.executable, "train_async.py", "--config", str(_config(tmp_path, 2))],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["policy_version"] == 2
-    for phase in ("engine_release", "trainer_onload", "engine_resume_weights", "weight_sync",
-                  "trainer_offload", "engine_resume_kv", "to_trainer"):  # fmt: skip
+    phases = (
+        "engine_release trainer_onload engine_resume_weights weight_sync trainer_offload engine_resume_kv"
+    )
+    for phase in [*phases.split(), "to_trainer"]:
         assert summary[f"mean_{phase}_s"] > 0, phase
     # the sync in memory's parts: HF weights assembled, packed into one buffer, the engines' call
     parts = [summary[f"mean_weight_sync_{p}_s"] for p in ("gather", "pack", "push")]
@@ -100,8 +105,11 @@ def test_ctrl_c_while_the_engine_sleeps_shuts_everything_down(tmp_path: Path) ->
     cfg = _config(tmp_path, 500)
     proc = subprocess.Popen(
         [sys.executable, "-u", "train_async.py", "--config", str(cfg)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = _Lines(proc)
     try:
         assert out.until("step 1/", timeout=600), "".join(out.seen[-40:])

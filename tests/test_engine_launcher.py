@@ -84,24 +84,26 @@ def test_command_line_from_config() -> None:
             "cuda-graph-bs": [1, 2, 4],
         },
     )
-    assert SGLangLauncher(cfg).command() == [
-        "/venv/bin/python", "-m", "sglang.launch_server",
-        "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "31000", "--tp-size", "2",
-        "--mem-fraction-static", "0.8", "--api-key", "k",
-        "--attention-backend", "triton", "--sampling-backend", "pytorch",
-        "--context-length", "4096", "--enable-metrics",
-        "--json-model-override-args", '{"rope_scaling": null}',
-        "--cuda-graph-bs", "1", "2", "4",
-    ]  # fmt: skip
-    minimal = SGLangLauncher(SGLangConfig(model_path="m", python="py")).command()
-    assert minimal == ["py", "-m", "sglang.launch_server", "--model-path", "m", "--host", "127.0.0.1",
-                       "--port", "30000", "--tp-size", "1",
-                       "--attention-backend", "triton", "--sampling-backend", "pytorch"]  # fmt: skip
+    flags = (
+        "/venv/bin/python -m sglang.launch_server --model-path /models/qwen --host 127.0.0.1 --port 31000"
+        " --tp-size 2 --mem-fraction-static 0.8 --api-key k --attention-backend triton"
+        " --sampling-backend pytorch --context-length 4096 --enable-metrics"
+    ).split()
+    overrides = ["--json-model-override-args", '{"rope_scaling": null}']
+    assert SGLangLauncher(cfg).command() == [*flags, *overrides, "--cuda-graph-bs", "1", "2", "4"]
+    minimal = (
+        "py -m sglang.launch_server --model-path m --host 127.0.0.1 --port 30000 --tp-size 1"
+        " --attention-backend triton --sampling-backend pytorch"
+    ).split()
+    assert SGLangLauncher(SGLangConfig(model_path="m", python="py")).command() == minimal
     with pytest.raises(ValueError, match="duplicate"):
         SGLangLauncher(SGLangConfig(model_path="m", extra_args={"tp-size": 4})).command()
     # one of agentrl's own flags in extra_args too: said once, as extra_args says it
-    both = SGLangConfig(model_path="m", memory_saver=True,
-                        extra_args={"enable_memory_saver": True, "attention-backend": "fa3"})  # fmt: skip
+    both = SGLangConfig(
+        model_path="m",
+        memory_saver=True,
+        extra_args={"enable_memory_saver": True, "attention-backend": "fa3"},
+    )
     cmd = SGLangLauncher(both).command()
     assert cmd.count("--enable-memory-saver") == 1 and cmd.count("--attention-backend") == 1
     assert cmd[cmd.index("--attention-backend") + 1] == "fa3"
@@ -119,9 +121,11 @@ def test_colocated_and_deterministic_flags(tmp_path: Path) -> None:
         skip_tokenizer_init=True,
     )
     assert SGLangLauncher(cfg).command()[11:] == [
-        "--skip-tokenizer-init", "--enable-memory-saver", "--enable-weights-cpu-backup",
+        "--skip-tokenizer-init",
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
         "--enable-deterministic-inference",
-    ]  # fmt: skip
+    ]
 
 
 def test_tokenizer_init_skipped_only_without_a_tokenizer(tmp_path: Path) -> None:
@@ -310,12 +314,13 @@ def test_router_launcher(tmp_path: Path, fake_python: str) -> None:
     )
     with SGLangRouterLauncher(cfg) as router:
         argv = json.loads((tmp_path / "argv.json").read_text())["argv"]
-        assert argv == [
-            "-m", "sglang_router.launch_router",
-            "--worker-urls", "http://127.0.0.1:30001", "http://127.0.0.1:30002",
-            "--host", "127.0.0.1", "--port", str(router.port), "--policy", "round_robin",
-            "--request-timeout-secs", "600",
-        ]  # fmt: skip
+        assert (
+            argv
+            == (
+                "-m sglang_router.launch_router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002"
+                f" --host 127.0.0.1 --port {router.port} --policy round_robin --request-timeout-secs 600"
+            ).split()
+        )
         assert router.healthy()
         child = int((tmp_path / "child.pid").read_text())
     assert _wait_dead(child)

@@ -41,9 +41,10 @@ def corpus_file(world, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(corpus_file):
-    handle = start_retrieval_server(corpus_file, limits=ServerLimits(max_queries=64, max_topk=20,
-                                                                     max_query_chars=500,
-                                                                     max_body_bytes=64 * 1024))  # fmt: skip
+    handle = start_retrieval_server(
+        corpus_file,
+        limits=ServerLimits(max_queries=64, max_topk=20, max_query_chars=500, max_body_bytes=64 * 1024),
+    )
     yield handle
     handle.stop()
 
@@ -248,12 +249,20 @@ def test_loopback_only_by_default(corpus_file):
     )
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.org")
     # The CLI refuses before it binds anything.
+    server = [
+        sys.executable,
+        "-m",
+        "agentrl.examples.search_r1.retrieval_server",
+        "--corpus",
+        str(corpus_file),
+    ]
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.examples.search_r1.retrieval_server", "--corpus", str(corpus_file),
-         "--host", "0.0.0.0", "--port", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 2 and "refusing to bind non-loopback host" in out.stderr
+        [*server, "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "refusing to serve on non-loopback host" in out.stderr
 
 
 def test_server_lifecycle_leaves_no_process(corpus_file):
@@ -417,9 +426,15 @@ def test_stats_give_the_servers_load_over_a_window(corpus_file, world):
         figures = load.read()
         stats = s.stats()
     assert stats["requests"] == 80 and stats["errors"] == 1
-    assert set(figures) == {"retrieval/workers", "retrieval/requests_per_s", "retrieval/busy_frac",
-                            "retrieval/request_ms_mean", "retrieval/queue_ms_mean",
-                            "retrieval/inflight_mean", "retrieval/inflight"}  # fmt: skip
+    assert set(figures) == {
+        "retrieval/workers",
+        "retrieval/requests_per_s",
+        "retrieval/busy_frac",
+        "retrieval/request_ms_mean",
+        "retrieval/queue_ms_mean",
+        "retrieval/inflight_mean",
+        "retrieval/inflight",
+    }
     assert 0 < figures["retrieval/busy_frac"] <= 1 and figures["retrieval/requests_per_s"] > 0
     assert 0 <= figures["retrieval/queue_ms_mean"] <= figures["retrieval/request_ms_mean"] < 5000
     assert figures["retrieval/inflight_mean"] > 0 and figures["retrieval/inflight"] == 0
@@ -431,11 +446,19 @@ def test_stats_give_the_servers_load_over_a_window(corpus_file, world):
 
 
 def test_cli_starts_and_stops_its_workers(corpus_file):
+    server = [
+        sys.executable,
+        "-m",
+        "agentrl.examples.search_r1.retrieval_server",
+        "--corpus",
+        str(corpus_file),
+    ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.examples.search_r1.retrieval_server", "--corpus", str(corpus_file),
-         "--port", "0", "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [*server, "--port", "0", "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         info = json.loads(proc.stdout.readline())
         assert info["event"] == "ready" and len(info["pids"]) == 2 and proc.pid not in info["pids"]

@@ -207,20 +207,26 @@ def test_loader_reads_real_search_r1_rows(tmp_path):
     q = "who got the first nobel prize in physics?"
     rows = [
         {  # nq_search.py layout: question/golden_answers columns, numpy-ish list answers
-            "id": "train_0", "question": q, "golden_answers": ["Wilhelm Conrad Röntgen"], "data_source": "nq",
-            "prompt": [{"role": "user", "content": make_prompt(q)}], "ability": "fact-reasoning",
+            "id": "train_0",
+            "question": q,
+            "golden_answers": ["Wilhelm Conrad Röntgen"],
+            "data_source": "nq",
+            "prompt": [{"role": "user", "content": make_prompt(q)}],
+            "ability": "fact-reasoning",
             "reward_model": {"style": "rule", "ground_truth": {"target": ["Wilhelm Conrad Röntgen"]}},
             "extra_info": {"split": "train", "index": 0},
         },
         {  # no question column: recovered from the prompt; answers only in golden_answers
-            "id": "train_1", "question": None, "golden_answers": ["Paris", "Paris, France"],
+            "id": "train_1",
+            "question": None,
+            "golden_answers": ["Paris", "Paris, France"],
             "data_source": "hotpotqa",
             "prompt": [{"role": "user", "content": make_prompt("capital of France?")}],
             "ability": "fact-reasoning",
             "reward_model": {"style": "rule", "ground_truth": {"target": []}},
             "extra_info": {"split": "train", "index": 1},
         },
-    ]  # fmt: skip
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     tasks = load_tasks(tmp_path, "train")
     assert tasks[0]["task_id"] == "nq-train_0" and tasks[0]["prompt"] == q
@@ -240,8 +246,11 @@ def test_loader_reads_real_search_r1_rows(tmp_path):
 
 
 def test_loader_names_rows_without_answers(tmp_path):
-    row = {"data_source": "nq", "prompt": [{"role": "user", "content": make_prompt("q?")}],
-           "reward_model": {"style": "rule", "ground_truth": {"target": []}}}  # fmt: skip
+    row = {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": make_prompt("q?")}],
+        "reward_model": {"style": "rule", "ground_truth": {"target": []}},
+    }
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "x.parquet")
     with pytest.raises(ValueError, match="row 0: no gold answers"):
         load_tasks(tmp_path / "x.parquet")
@@ -271,11 +280,13 @@ def test_iter_corpus_gz_and_errors(tmp_path):
 
 
 def test_world_cli(tmp_path):
+    args = ["--out", str(tmp_path), "--seed", "3", "--num-entities", "60"]
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.examples.search_r1.world", "--out", str(tmp_path), "--seed", "3",
-         "--num-entities", "60"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "agentrl.examples.search_r1.world", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     summary = json.loads(out.stdout)
     assert summary["digest"] == generate_world(seed=3, num_entities=60).digest()
     for name in ("corpus.jsonl", "train.parquet", "test.parquet", "world.json"):
@@ -334,9 +345,16 @@ def test_practice_rows_come_from_other_worlds(tmp_path):
         }
     )
     world = generate_world(**cfg.world.model_dump())
-    build_tiny_model(tmp_path, vocab_corpus=world.corpus_text() + world.questions_for_vocab(), vocab_size=600,
-                     hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                     intermediate_size=64)  # fmt: skip
+    build_tiny_model(
+        tmp_path,
+        vocab_corpus=world.corpus_text() + world.questions_for_vocab(),
+        vocab_size=600,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     rows = practice_rows(tok, cfg)
     assert len(rows) == 150
@@ -394,9 +412,16 @@ def practice_setup(tmp_path_factory):
     )
     world = generate_world(**cfg.world.model_dump())
     model_dir = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(model_dir, vocab_corpus=world.corpus_text() + world.questions_for_vocab(),
-                     vocab_size=600, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1, intermediate_size=64)  # fmt: skip
+    build_tiny_model(
+        model_dir,
+        vocab_corpus=world.corpus_text() + world.questions_for_vocab(),
+        vocab_size=600,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     return cfg, model_dir, tok, practice_rows(tok, cfg)
 

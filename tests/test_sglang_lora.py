@@ -73,8 +73,11 @@ def test_launcher_flags_for_lora_and_fp8() -> None:
     assert lora.target_modules == FUSED and (lora.max_loaded, lora.max_per_batch) == (2, 2)
     cmd = SGLangLauncher(SGLangConfig(model_path="m", python="py", lora=lora)).command()
     tail = cmd[cmd.index("--enable-lora") :]
-    assert tail == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *FUSED,
-                    "--max-loras-per-batch", "2", "--max-loaded-loras", "2"]  # fmt: skip
+    assert tail == [
+        *"--enable-lora --max-lora-rank 8 --lora-target-modules".split(),
+        *FUSED,
+        *"--max-loras-per-batch 2 --max-loaded-loras 2".split(),
+    ]
     partial = SGLangLoRAConfig.for_adapters(16, ["up_proj", "k_proj"])
     assert partial.target_modules == ["qkv_proj", "gate_up_proj"]  # the fused layers they are part of
     with pytest.raises(ValueError, match="q_proj are not SGLang module names"):
@@ -176,9 +179,10 @@ async def test_each_sync_loads_a_new_name_and_unloads_the_last(tmp_path: Path, m
     async with stub_engine_in_process(**LORA_STUB) as (engine, url):
         async with EngineClient(url) as earlier:  # an earlier trainer's adapter, still loaded
             await earlier.load_lora_adapter_from_tensors(
-                adapter_name(7), {"r": 2, "lora_alpha": 4, "target_modules": ALL, "peft_type": "LORA"},
+                adapter_name(7),
+                {"r": 2, "lora_alpha": 4, "target_modules": ALL, "peft_type": "LORA"},
                 adapter_payload(_peft(ALL)),
-            )  # fmt: skip
+            )
         trainer_side, rollout = EngineClient(url), EngineClient(url)
         assert await trainer_side.serves_adapters_by_name()
         sync = NamedAdapterSync(trainer_side, "/unused", lora, out_dir)
@@ -277,10 +281,18 @@ async def test_requests_resubmitted_after_an_update_name_the_new_adapter(tiny_mo
         sync = NamedAdapterSync(trainer_side, "/unused", lora)
         await sync.push(_peft(ALL), 0)  # version 0's adapter: what the rollout starts under
         orch = Orchestrator(
-            cfg(group_size=2, batch_size=4, max_staleness=2, max_turns=1,
-                sampling=SamplingParams(max_new_tokens=64)),
-            rollout, tok, lambda: SyntheticEnv(turns=1), tasks(20),
-        )  # fmt: skip
+            cfg(
+                group_size=2,
+                batch_size=4,
+                max_staleness=2,
+                max_turns=1,
+                sampling=SamplingParams(max_new_tokens=64),
+            ),
+            rollout,
+            tok,
+            lambda: SyntheticEnv(turns=1),
+            tasks(20),
+        )
         await orch.start()
         await asyncio.sleep(0.08)  # mid-generation
         await orch.pause_for_update()
@@ -311,9 +323,11 @@ def trainer(tiny_model_dir: Path):
 
     targets = ["k_proj", "o_proj", "up_proj", "down_proj"]  # q/v and gate: completed for SGLang
     cfg = TrainerConfig(
-        model_path=str(tiny_model_dir), lr=5e-2, micro_batch_size=3,
+        model_path=str(tiny_model_dir),
+        lr=5e-2,
+        micro_batch_size=3,
         lora={"rank": 4, "alpha": 8, "target_modules": targets},
-    )  # fmt: skip
+    )
     tr = MegatronTrainer(cfg)
     yield tr
     tr.shutdown()
