@@ -164,9 +164,12 @@ async def test_engine_graphs_and_compile_on_gpu(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     server = start_embedded_server(
-        tiny_model_dir, device="cuda", dtype="bfloat16", timeout=600,
+        tiny_model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        timeout=600,
         extra_args=["--compile", "--warmup-len", "256", "--max-batch-size", "16"],
-    )  # fmt: skip
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
     try:
         async with EngineClient(server.url, timeout=300) as client:
@@ -349,8 +352,15 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
             (TINY_SEARCH_R1 + DETERMINISTIC_GPU).format(out=tmp_path / name, cache=tmp_path / f"cache_{name}")
         )
         log = open(tmp_path / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen([sys.executable, "train_async.py", "--config", str(cfg)], cwd=root,
-                                        stdout=log, stderr=subprocess.STDOUT), log)  # fmt: skip
+        procs[name] = (
+            subprocess.Popen(
+                [sys.executable, "train_async.py", "--config", str(cfg)],
+                cwd=root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ),
+            log,
+        )
     for name, (proc, log) in procs.items():
         rc = proc.wait(timeout=900)
         log.close()
@@ -425,8 +435,10 @@ def test_batch_invariant_ops_on_gpu_bf16() -> None:
     # megatron's fused projections (qkv per KV group; [gate; up]) give each column the bits of its own
     # projection, and SwiGLU reads the halves in place
     a = torch.randn(4096, 896, device=dev, dtype=dt, generator=g)
-    for n, parts in ((1152, [range(0, 448), range(448, 512), range(512, 576)]),
-                     (9728, [range(0, 4864), range(4864, 9728)])):  # fmt: skip
+    for n, parts in (
+        (1152, [range(0, 448), range(448, 512), range(512, 576)]),
+        (9728, [range(0, 4864), range(4864, 9728)]),
+    ):
         w = torch.randn(n, 896, device=dev, dtype=dt, generator=g) / 30
         for m in (1, 64, 4096):
             fused = tri.matmul(a[:m], w)
@@ -447,8 +459,14 @@ async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:
     from agentrl.embedded.engine import EmbeddedEngine
     from agentrl.embedded.sampling import RequestSampling
 
-    model = tiny_model_factory("qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                               intermediate_size=512, dtype="bfloat16")  # fmt: skip
+    model = tiny_model_factory(
+        "qwen3",
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        dtype="bfloat16",
+    )
     rng = random.Random(0)
     mine = [rng.randrange(3, 600) for _ in range(70)]
     others = [[rng.randrange(3, 600) for _ in range(rng.randrange(5, 150))] for _ in range(255)]
@@ -457,8 +475,16 @@ async def test_batch_invariant_engine_on_gpu_bf16(tiny_model_factory) -> None:
         return RequestSampling(temperature=1.0, max_new_tokens=16, sampling_seed=seed, ignore_eos=True)
 
     def engine(**kw) -> EmbeddedEngine:
-        return EmbeddedEngine(model, device="cuda", dtype="bfloat16", max_batch_size=256,
-                              batch_invariant=True, context_len=1024, memory_mode="copy", **kw)  # fmt: skip
+        return EmbeddedEngine(
+            model,
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_size=256,
+            batch_invariant=True,
+            context_len=1024,
+            memory_mode="copy",
+            **kw,
+        )
 
     e = engine(prefix_cache_slots=0)
     assert e.warmup(64) > 0  # decode graphs, and the Triton kernels' prefill variants (it writes slots 0..79)
@@ -524,13 +550,28 @@ async def test_true_on_policy_on_gpu_bf16(model: str, tmp_path: Path) -> None:
     from agentrl.trainer.losses import LossConfig
     from agentrl.trainer.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(TrainerConfig(
-        model_path=str(model_dir), device="cuda", dtype="bfloat16", lr=1e-5, micro_batch_size=4,
-        true_on_policy=True, old_logprobs="recompute", loss=LossConfig(tis="token"),
-    ))  # fmt: skip
-    engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", max_batch_size=16,
-                            batch_invariant=True, context_len=1024, mem_fraction=0.3,
-                            memory_mode="copy")  # fmt: skip
+    trainer = MegatronTrainer(
+        TrainerConfig(
+            model_path=str(model_dir),
+            device="cuda",
+            dtype="bfloat16",
+            lr=1e-5,
+            micro_batch_size=4,
+            true_on_policy=True,
+            old_logprobs="recompute",
+            loss=LossConfig(tis="token"),
+        )
+    )
+    engine = EmbeddedEngine(
+        model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=16,
+        batch_invariant=True,
+        context_len=1024,
+        mem_fraction=0.3,
+        memory_mode="copy",
+    )
 
     async def episode(i: int, version: int, seed: int) -> Trajectory:
         prompt = [(seed * 7919 + i * 104729 + j * 31) % 900 + 3 for j in range(40 + 3 * i)]
@@ -556,8 +597,8 @@ async def test_true_on_policy_on_gpu_bf16(model: str, tmp_path: Path) -> None:
             ]
             m = trainer.train_step(trajs)
             keys = ("mismatch_kl", "mismatch_logprob_abs_diff_max", "ppo_kl", "tis_weight_mean")
-            print(json.dumps({"model": model, "step": step, "tokens": len(gaps), "max_gap": max(gaps),
-                              **{k: m[k] for k in keys}}))  # fmt: skip
+            row = {"model": model, "step": step, "tokens": len(gaps), "max_gap": max(gaps)}
+            print(json.dumps({**row, **{k: m[k] for k in keys}}))
             assert max(gaps) == 0.0
             assert m["mismatch_kl"] == 0.0 and m["mismatch_logprob_abs_diff_max"] == 0.0
             assert m["ppo_kl"] == 0.0 and m["tis_weight_mean"] == 1.0

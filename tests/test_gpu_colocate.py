@@ -47,9 +47,11 @@ async def _greedy(client: EngineClient, n: int = 3) -> list[tuple[list[int], lis
 async def test_engine_sleep_frees_and_wake_restores_gpu_memory(tiny_model_dir: Path, mode: str) -> None:
     torch.cuda.init()
     server = start_embedded_server(
-        tiny_model_dir, device="cuda", dtype="bfloat16",
+        tiny_model_dir,
+        device="cuda",
+        dtype="bfloat16",
         extra_args=["--mem-fraction", "0.15", "--memory-mode", mode, "--warmup-len", "256", "--no-compile"],
-    )  # fmt: skip
+    )
     client = EngineClient(server.url, timeout=300)
     try:
         before = await _greedy(client)
@@ -175,13 +177,14 @@ def _trained_gpu_bytes(model_dir: Path, offload: bool, steps: int) -> tuple[int,
 def test_cpu_adam_steps_like_gpu_adam(tiny_model_dir: Path) -> None:
     """CPU Adam (megatron-core's optimizer_cpu_offload, all of it) makes the same updates as the GPU's
     fused AdamW, within float rounding; the trainer's GPU memory after the steps is printed for each."""
+    from agentrl.trainer.model import load_hf_state_dict
+
     weights, sizes = {}, {}
     for offload in (False, True):
         held, _, weights[offload] = _trained_gpu_bytes(tiny_model_dir, offload, steps=2)
         sizes[offload] = held / 2**20
     print(f"trainer GPU memory after 2 steps: GPU Adam {sizes[False]:.0f}, CPU Adam {sizes[True]:.0f} MiB")
-    init = {k: v.float() for k, v in __import__("agentrl.trainer.model", fromlist=["x"]).load_hf_state_dict(
-        tiny_model_dir).items()}  # fmt: skip
+    init = {k: v.float() for k, v in load_hf_state_dict(tiny_model_dir).items()}
     moved = {k: float((w - init[k]).abs().max()) for k, w in weights[False].items()}
     assert sum(m > 0 for m in moved.values()) >= len(moved) // 2  # the steps changed the weights
     for k, w in weights[False].items():  # the same updates, up to a bf16 rounding step of the weight
@@ -193,15 +196,23 @@ def test_cpu_adam_frees_the_gpu_memory_of_adam(tiny_model_factory) -> None:
     """On a model large enough to see it (~48M parameters), CPU Adam leaves the trainer's GPU without the
     Adam moments and fp32 main weights (12 bytes a parameter; at least two thirds of that must show):
     the trainer keeps its bf16 weights and fp32 grad buffer (6 bytes a parameter) there."""
-    model_dir = tiny_model_factory("qwen2", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                                   num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    model_dir = tiny_model_factory(
+        "qwen2",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     allocated, params = {}, 0
     for offload in (False, True):
         allocated[offload], params, _ = _trained_gpu_bytes(model_dir, offload, steps=1)
     saved = allocated[False] - allocated[True]
-    print(f"{params / 1e6:.1f}M parameters: GPU Adam {allocated[False] / 2**30:.2f} GiB, "
-          f"CPU Adam {allocated[True] / 2**30:.2f} GiB, saved {saved / 2**30:.2f} GiB "
-          f"({saved / params:.1f} bytes a parameter)")  # fmt: skip
+    print(
+        f"{params / 1e6:.1f}M parameters: GPU Adam {allocated[False] / 2**30:.2f} GiB, "
+        f"CPU Adam {allocated[True] / 2**30:.2f} GiB, saved {saved / 2**30:.2f} GiB "
+        f"({saved / params:.1f} bytes a parameter)"
+    )
     assert saved >= 8 * params, (saved, params)
 
 

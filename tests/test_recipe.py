@@ -95,8 +95,8 @@ def test_the_recipe_picks_the_config_model_and_bad_fields_are_named() -> None:
 
 def test_a_config_of_another_recipe_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"recipe: .* takes a SearchR1Config, got a RunConfig"):
-        make_recipe(RunConfig.model_validate({"recipe": SEARCH_R1, "model_path": "/m", "data": {"path": "/d"},
-                                              "env": {"name": "search"}}))  # fmt: skip
+        run = {"recipe": SEARCH_R1, "model_path": "/m", "data": {"path": "/d"}, "env": {"name": "search"}}
+        make_recipe(RunConfig.model_validate(run))
 
 
 def test_the_core_imports_nothing_from_the_examples() -> None:
@@ -118,8 +118,16 @@ def test_default_recipe_reads_jsonl_and_parquet_splits(tmp_path: Path) -> None:
         "\n".join(json.dumps({"prompt": f"{i}+1", "label": i + 1}) for i in range(5))
     )
     pq.write_table(pa.Table.from_pylist([{"prompt": "2+2", "label": "4"}] * 3), tmp_path / "test.parquet")
-    cfg = load_run_config(None, ["model_path=/m", f"data.path={tmp_path}", "env.name=math",
-                                 "data.max_train_tasks=4", "eval.num_tasks=2"])  # fmt: skip
+    cfg = load_run_config(
+        None,
+        [
+            "model_path=/m",
+            f"data.path={tmp_path}",
+            "env.name=math",
+            "data.max_train_tasks=4",
+            "eval.num_tasks=2",
+        ],
+    )
     model_dir, train, held_out = DefaultRecipe(cfg).prepare()
     assert model_dir == "/m"
     assert train == [{"prompt": f"{i}+1", "label": i + 1} for i in range(4)]
@@ -161,18 +169,28 @@ def test_finish_plots_and_prints_the_summary(tmp_path: Path, capsys: pytest.Capt
         {"step": 1.0, "batch/reward": 0.2, "batch/response_tokens": 9.0},
         {"step": 2.0, "eval/reward": 0.5},
     ]
-    result = {"eval_before": {"eval/reward": 0.25}, "eval_after": {"eval/reward": 0.5}, "steps": 2,
-              "policy_version": 2, "wall_s": 3.0, "mean_wait_batch_s": 0.5,
-              "accounting": {"trained": 4}}  # fmt: skip
+    result = {
+        "eval_before": {"eval/reward": 0.25},
+        "eval_after": {"eval/reward": 0.5},
+        "steps": 2,
+        "policy_version": 2,
+        "wall_s": 3.0,
+        "mean_wait_batch_s": 0.5,
+        "accounting": {"trained": 4},
+    }
     assert (
         DefaultRecipe(cfg).finish(result, history, [(0, {"eval/reward": 0.25}), (2, {"eval/reward": 0.5})])
         == result
     )
     assert (tmp_path / "reward.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    for row in (r"held-out reward before +0\.250", r"held-out reward after +0\.500",
-                r"final train reward +0\.200", r"tasks trained / dropped +4 / 0",
-                rf"outputs +{tmp_path}/ \(reward.png, summary.json\)\n"):  # fmt: skip
+    for row in (
+        r"held-out reward before +0\.250",
+        r"held-out reward after +0\.500",
+        r"final train reward +0\.200",
+        r"tasks trained / dropped +4 / 0",
+        rf"outputs +{tmp_path}/ \(reward.png, summary.json\)\n",
+    ):
         assert re.search(row, out), (row, out)
 
 
@@ -324,8 +342,14 @@ def test_search_r1_finish_prints_the_gain_with_its_standard_error(
     for t in trajs:
         t.reward = 1.0 if t.task_id != "t3" else 0.0
     recipe.eval_metrics(trajs)  # after: t0, t1, t2 right
-    result = {"eval_before": {"eval/exact_match": 0.5}, "eval_after": {"eval/exact_match": 0.75}, "steps": 2,
-              "policy_version": 2, "wall_s": 3.0, "accounting": {"trained": 4}}  # fmt: skip
+    result = {
+        "eval_before": {"eval/exact_match": 0.5},
+        "eval_after": {"eval/exact_match": 0.75},
+        "steps": 2,
+        "policy_version": 2,
+        "wall_s": 3.0,
+        "accounting": {"trained": 4},
+    }
     history = [{"step": 1.0, "batch/reward": 0.2, "batch/response_tokens": 9.0}]
     summary = recipe.finish(
         result, history, [(0, {"eval/exact_match": 0.5}), (2, {"eval/exact_match": 0.75})]
