@@ -1,0 +1,765 @@
+"""A scale model of one RL step past one host: step time and weight-sync time from per-GPU figures.
+
+An RL step has four parts, each modelled from a figure measured on one or two GPUs (or a vendor
+spec where nothing was measured), and composed per placement:
+
+- **rollout**: generated tokens / (engines x one engine's tokens/s). A decode step of ``c`` rows
+  costs a fixed part, a part per row, and the larger of reading the bytes it touches (weights, or
+  for a mixture of experts the experts its rows reach, plus every row's KV cache) at the engine's
+  share of HBM bandwidth and its matmul FLOPs at a share of peak. Prompts prefill at a share of peak.
+- **training**: 6 x active parameters x tokens (plus causal attention) / (GPUs x MFU x peak), then
+  the data-parallel gradient reduce-scatter and parameter all-gather and, for experts spread over a
+  host, the all-to-all of each token's hidden state to its experts and back.
+- **weight sync**: bytes / bandwidth, plus a fixed cost per push and a cost per HF tensor:
+  colocated in memory (CUDA IPC, HBM copies), broadcast over NVLink in a host, or over the network
+  between hosts (NCCL from trainer rank 0: one NIC's bandwidth, however many engines listen).
+- **hand-overs** (colocated only): the trainer's state to host memory and back, the engine's
+  weights saved and restored, the KV pool released and mapped again.
+
+Placements: colocated (every GPU generates, then trains, in turns), disaggregated with the rollout
+waiting for the trainer (no overlap), and disaggregated one-step off-policy (the platform's async
+mode: the engines generate batch k+1 while the trainer trains on batch k; the step is the longer of
+the two plus the sync, which pauses both).
+
+Every input sits in :class:`ScaleInputs` with its kind (measured, fit, vendor, assumption) and its
+source. ``python bench/scale_model.py`` prints one JSON line per prediction, one per measured point
+the model is checked against, and a summary line. Why each part is shaped as it is, and what the
+predictions say: docs/design/scale-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+GB = 1e9
+
+
+def _fig(value: float, kind: str, source: str) -> Any:
+    """A dataclass field holding one input with where it comes from."""
+    return field(default=value, metadata={"kind": kind, "source": source})
+
+
+_ENGINE_FIT = "embedded engine, 0.5B and 7B shapes at 64 and 256 in flight, 1x H200, b8a69bd and 30f3000"
+_IPC_FIT = "in-memory syncs, SmolLM2 0.047 s (e8793d1) and the 0.5B shape 0.050 s (1d1fbc2), 1x H100"
+_KV_FIT = "one engine's KV pool, 1x H200 of a 4x host, a269f59 (multi-gpu.md)"
+
+
+@dataclass(frozen=True)
+class ScaleInputs:
+    """Every number the model uses. ``kind``: measured (commit, GPU), fit (to measured points, named),
+    vendor (a datasheet), assumption (nothing measured; the doc says what would change it)."""
+
+    # The GPU (H100 SXM and H200 share the compute; H200 has more and faster memory)
+    peak_flops: float = _fig(989e12, "vendor", "NVIDIA H100/H200 SXM datasheet: dense BF16 989 TFLOPS")
+    hbm_bytes_per_s: float = _fig(4.8e12, "vendor", "NVIDIA H200 datasheet: HBM3e 4.8 TB/s")
+    gpu_memory: float = _fig(141 * GB, "vendor", "NVIDIA H200 datasheet: 141 GB")
+    gpus_per_host: int = _fig(8, "vendor", "HGX/DGX H200: 8 GPUs a host")
+    nvlink_bytes_per_s: float = _fig(450 * GB, "vendor", "NVLink 4: 900 GB/s a GPU, both directions")
+    nic_bytes_per_s: float = _fig(
+        50 * GB, "vendor", "ConnectX-7 NDR InfiniBand / 400GbE RoCE: 400 Gb/s a GPU"
+    )
+    pcie_bytes_per_s: float = _fig(64 * GB, "vendor", "PCIe Gen5 x16: 64 GB/s each direction")
+    # Links as NCCL drives them
+    nvlink_allreduce_bus: float = _fig(
+        319 * GB, "measured", "NCCL all-reduce bus bandwidth, 1 GiB, 2x H200, e3f220d (multi-gpu.md)"
+    )
+    nvlink_broadcast: float = _fig(
+        367 * GB, "measured", "NCCL broadcast 1 GiB, 2x H200, e3f220d (multi-gpu.md)"
+    )
+    nic_efficiency: float = _fig(
+        0.8, "assumption", "share of a NIC's line rate NCCL reaches (ring, no SHARP)"
+    )
+    # One engine (embedded engine, bf16)
+    engine_step_fixed_s: float = _fig(1.36e-3, "fit", _ENGINE_FIT + ": fixed cost a decode step")
+    engine_row_s: float = _fig(28.0e-6, "fit", _ENGINE_FIT + ": host cost a row a decode step")
+    engine_hbm_efficiency: float = _fig(0.7, "fit", _ENGINE_FIT + ": share of HBM bandwidth read")
+    engine_flops_efficiency: float = _fig(0.3, "fit", _ENGINE_FIT + ": share of peak in decode matmuls")
+    prefill_flops_efficiency: float = _fig(0.5, "assumption", "prefill matmuls at half of peak")
+    # The trainer
+    mfu_dense: float = _fig(
+        0.385, "measured", "update MFU, Qwen2.5-0.5B shape, micro-batch 32, 1x H100, ed9a9bf"
+    )
+    mfu_moe: float = _fig(
+        0.20,
+        "assumption",
+        "grouped expert GEMMs are not measured on a GPU (1.1% with SequentialMLP, d547cdf)",
+    )
+    rl_step_over_update: float = _fig(0.9, "measured", "RL step / update alone 0.88-0.91, 1x H100, ed9a9bf")
+    grad_bytes: float = _fig(4, "assumption", "agentrl.trainer.optim: grads reduced in fp32")
+    optimizer_bytes: float = _fig(12, "assumption", "fp32 main weights + two Adam moments, sharded over DP")
+    activation_reserve: float = _fig(25 * GB, "assumption", "a trainer rank's activations and workspace")
+    # Weight sync
+    push_fixed_s: float = _fig(
+        0.0173, "fit", "NCCL push of the 0.5B shape, 0.020 s for 0.99 GB, 2x H200, e3f220d"
+    )
+    ipc_fixed_s: float = _fig(0.0207, "fit", _IPC_FIT + ": fixed cost a sync")
+    tensor_s: float = _fig(95e-6, "fit", _IPC_FIT + ": a HF tensor's naming, packing and copy")
+    ipc_copy_passes: float = _fig(6, "assumption", "gather, pack, copy in place: each a read and a write")
+    pause_s: float = _fig(0.05, "assumption", "pausing generation and resubmitting around a sync")
+    # Colocated hand-overs
+    host_copy_bytes_per_s: float = _fig(
+        33 * GB, "fit", "trainer offload 0.073 s of 18 B x 134.5M, 1x H200, a269f59 (multi-gpu.md)"
+    )
+    kv_release_fixed_s: float = _fig(0.0157, "fit", _KV_FIT + ": release 0.034 s (27.6 GB), 0.076 s (91 GB)")
+    kv_release_s_per_gb: float = _fig(0.66e-3, "fit", _KV_FIT + ": the same two releases")
+    kv_resume_fixed_s: float = _fig(0.0024, "fit", _KV_FIT + ": resume 0.015 s (27.6 GB), 0.044 s (91 GB)")
+    kv_resume_s_per_gb: float = _fig(0.457e-3, "fit", _KV_FIT + ": the same two resumes")
+    engine_weights_backup: bool = _fig(True, "assumption", "engine weights saved to host on release")
+
+    def table(self) -> list[dict[str, Any]]:
+        """The inputs as rows: name, value, kind, source."""
+        return [
+            {"name": f.name, "value": getattr(self, f.name), **f.metadata} for f in dataclasses.fields(self)
+        ]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's size as the model needs it (bf16 weights)."""
+
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width; 0 for a mixture of experts
+    vocab: int
+    tied: bool
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    qk_norm: bool = False
+    qkv_bias: bool = False
+
+    def _attn_params(self) -> int:
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return self.hidden * (q + 2 * kv) + q * self.hidden + bias
+
+    def _expert_params(self) -> int:
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        mlp = self.experts * self._expert_params() + self.experts * self.hidden if self.experts else 0
+        mlp = mlp or 3 * self.hidden * self.intermediate
+        return self.layers * (self._attn_params() + mlp) + self.embed_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Parameters a token multiplies through (experts: its top-k; the LM head included)."""
+        mlp = self.top_k * self._expert_params() if self.experts else 3 * self.hidden * self.intermediate
+        return self.layers * (self._attn_params() + mlp) + self.vocab * self.hidden
+
+    @property
+    def hf_tensors(self) -> int:
+        """Tensors in the HF checkpoint: what a sync names, one by one."""
+        attn = 4 + (3 if self.qkv_bias else 0) + (2 if self.qk_norm else 0)
+        mlp = 3 * self.experts + 1 if self.experts else 3
+        return self.layers * (attn + mlp + 2) + 1 + (1 if self.tied else 2)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+    def weight_bytes_touched(self, rows: int) -> float:
+        """Bytes one decode step of ``rows`` rows reads: all dense weights, and of the experts the ones
+        its rows reach (routing taken as uniform)."""
+        if not self.experts:
+            return 2.0 * self.params
+        reached = self.experts * (1 - (1 - self.top_k / self.experts) ** rows)
+        dense = self.params - self.layers * self.experts * self._expert_params()
+        return 2.0 * (dense + self.layers * reached * self._expert_params())
+
+
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in [
+        Shape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True),
+        Shape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, True, qkv_bias=True),
+        Shape("qwen3-moe-1b", 20, 1024, 16, 4, 64, 0, 151936, True, 16, 2, 768, qk_norm=True),
+        Shape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, qkv_bias=True),
+        Shape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 0, 151936, False, 128, 8, 768, qk_norm=True),
+        Shape("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 0, 151936, False, 128, 8, 1536, qk_norm=True),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step generates and trains: the issue's 7B workload (prompts of 512 tokens, responses to
+    1,024, 32 groups of 8 on 4 GPUs). By default the batch a GPU stays fixed as GPUs are added (weak
+    scaling, as the measured DP runs did); ``trajectories`` fixes the whole step's batch instead."""
+
+    trajectories_per_gpu: int = 64
+    trajectories: int | None = None
+    prompt_tokens: int = 512
+    response_tokens: int = 1024  # random weights seldom stop early: responses run to the cap
+
+    def batch(self, gpus: int) -> int:
+        return self.trajectories if self.trajectories is not None else self.trajectories_per_gpu * gpus
+
+
+# --- the parts -----------------------------------------------------------------------------------
+
+
+def decode_step_s(shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs) -> float:
+    """One decode step of an engine spread over ``gpus`` GPUs with ``rows`` rows of ``context`` tokens."""
+    read = shape.weight_bytes_touched(rows) + rows * context * shape.kv_bytes_per_token
+    memory = read / (gpus * inp.hbm_bytes_per_s * inp.engine_hbm_efficiency)
+    compute = rows * 2 * shape.active_matmul_params / (gpus * inp.peak_flops * inp.engine_flops_efficiency)
+    return inp.engine_step_fixed_s + rows * inp.engine_row_s + max(memory, compute)
+
+
+def engine_tokens_per_s(shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs) -> float:
+    """One engine's decode tokens/s at ``rows`` in flight."""
+    return rows / decode_step_s(shape, rows, context, gpus, inp)
+
+
+def rollout_s(
+    shape: Shape, trajectories: int, engines: int, engine_gpus: int, w: Workload, inp: ScaleInputs
+) -> float:
+    """Generating a batch: every engine prefills its prompts, then decodes its rows to the cap."""
+    rows = math.ceil(trajectories / engines)
+    prefill = rows * w.prompt_tokens * 2 * shape.active_matmul_params
+    prefill /= engine_gpus * inp.peak_flops * inp.prefill_flops_efficiency
+    context = w.prompt_tokens + w.response_tokens / 2
+    return prefill + w.response_tokens * rows / engine_tokens_per_s(shape, rows, context, engine_gpus, inp)
+
+
+def train_flops_per_token(shape: Shape, seq: float) -> float:
+    return 6 * shape.active_matmul_params + 6 * shape.layers * shape.q_heads * shape.head_dim * seq
+
+
+def model_parallel(shape: Shape, gpus: int, inp: ScaleInputs) -> int | None:
+    """The fewest GPUs one copy of the trainer's model is split over (experts, then pipeline stages)
+    so that a rank's weights, gradients, optimizer shard and activations fit; None if none does."""
+    state = (2 + inp.grad_bytes) * shape.params
+    m = 1
+    while m <= gpus:
+        if state / m + inp.optimizer_bytes * shape.params / gpus + inp.activation_reserve <= inp.gpu_memory:
+            return m
+        m *= 2
+    return None
+
+
+def allreduce_bus(gpus: int, inp: ScaleInputs) -> float:
+    """A collective's bus bandwidth a GPU over ``gpus`` GPUs: NVLink within a host, its NIC across hosts."""
+    return inp.nvlink_allreduce_bus if gpus <= inp.gpus_per_host else _nic(inp)
+
+
+def _nic(inp: ScaleInputs) -> float:
+    return inp.nic_bytes_per_s * inp.nic_efficiency
+
+
+def train_s(shape: Shape, tokens: float, gpus: int, seq: float, inp: ScaleInputs) -> dict[str, float]:
+    """A trainer step on ``gpus`` GPUs: compute, data-parallel collectives, expert all-to-all."""
+    mfu = inp.mfu_moe if shape.experts else inp.mfu_dense
+    compute = (
+        tokens * train_flops_per_token(shape, seq) / (gpus * mfu * inp.peak_flops * inp.rl_step_over_update)
+    )
+    m = model_parallel(shape, gpus, inp) or gpus
+    dp = gpus // m
+    # reduce-scatter of fp32 gradients and all-gather of bf16 weights over the data-parallel group
+    dp_bytes = (inp.grad_bytes + 2) * shape.params / m * (dp - 1) / max(dp, 1)
+    collectives = dp_bytes / allreduce_bus(gpus, inp) if dp > 1 else 0.0
+    all_to_all = 0.0
+    if shape.experts:
+        ep = min(m, inp.gpus_per_host, shape.experts)
+        # dispatch and combine, forward and backward: 4 x top-k copies of a token's hidden state a layer
+        per_token = 4 * shape.top_k * shape.hidden * 2 * shape.layers * (ep - 1) / ep
+        all_to_all = tokens / gpus * per_token / inp.nvlink_allreduce_bus
+    return {"compute": compute, "collectives": collectives, "all_to_all": all_to_all}
+
+
+def sync_s(
+    shape: Shape,
+    transport: str,
+    inp: ScaleInputs,
+    trainer_split: int = 1,
+    engine_gpus: int = 1,
+    gbytes: float | None = None,
+) -> float:
+    """One weight sync. ``transport``: ipc (colocated: each GPU's engine shard assembled from the
+    trainer ranks holding it, over NVLink in a host and the NICs beyond, then copied in place), nvlink
+    (NCCL broadcast from trainer rank 0 in a host), network (the same between hosts: one NIC's
+    bandwidth, pipelined however many engines listen), bench (the NCCL push alone, as
+    bench/weight_broadcast.py times it: no naming or loading of tensors). ``trainer_split``: the GPUs
+    one copy of the trainer's weights is split over."""
+    nbytes = gbytes * GB if gbytes is not None else 2.0 * shape.params
+    per_tensor = shape.hf_tensors * inp.tensor_s
+    if transport == "ipc":
+        shard, m = nbytes / engine_gpus, trainer_split
+        in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
+        across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
+        copies = inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
+        return inp.ipc_fixed_s + per_tensor + in_host + across + copies
+    if transport == "bench":
+        return inp.push_fixed_s + nbytes / inp.nvlink_broadcast
+    link = inp.nvlink_broadcast if transport == "nvlink" else _nic(inp)
+    return inp.push_fixed_s + per_tensor + nbytes / link
+
+
+def handover_s(shape: Shape, gpus: int, engine_gpus: int, kv_gb: float, inp: ScaleInputs) -> float:
+    """Colocated turns a step: the trainer's state out and back, the engine's weights saved and
+    restored, the KV pool released and mapped again."""
+    m = model_parallel(shape, gpus, inp) or gpus
+    trainer_state = (2 + inp.grad_bytes) * shape.params / m + inp.optimizer_bytes * shape.params / gpus
+    engine_weights = 2.0 * shape.params / engine_gpus if inp.engine_weights_backup else 0.0
+    host = 2 * (trainer_state + engine_weights) / inp.host_copy_bytes_per_s
+    kv = (
+        inp.kv_release_fixed_s
+        + inp.kv_release_s_per_gb * kv_gb
+        + inp.kv_resume_fixed_s
+        + inp.kv_resume_s_per_gb * kv_gb
+    )
+    return host + kv
+
+
+# --- a step at scale -----------------------------------------------------------------------------
+
+
+def engine_gpus_for(shape: Shape, inp: ScaleInputs) -> int:
+    """GPUs an engine spans: the fewest (a power of two) whose memory holds the weights twice over."""
+    g = 1
+    while 2.0 * shape.params / g > inp.gpu_memory / 2:
+        g *= 2
+    return g
+
+
+def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInputs) -> dict[str, Any]:
+    """Step time, its parts and its bottleneck for ``hosts`` x 8 GPUs. ``placement``: colocated,
+    disaggregated (no overlap) or async (disaggregated, one step off-policy)."""
+    gpus = hosts * inp.gpus_per_host
+    eg = engine_gpus_for(shape, inp)
+    trajectories = w.batch(gpus)
+    seq = w.prompt_tokens + w.response_tokens
+    tokens = trajectories * seq
+    out: dict[str, Any] = {"shape": shape.name, "hosts": hosts, "gpus": gpus, "placement": placement}
+    if placement == "colocated":
+        if model_parallel(shape, gpus, inp) is None:
+            return {**out, "fits": False}
+        rollout = rollout_s(shape, trajectories, gpus // eg, eg, w, inp)
+        train = sum(train_s(shape, tokens, gpus, seq, inp).values())
+        kv_gb = inp.gpu_memory * 0.85 / GB - 2.0 * shape.params / eg / GB
+        parts = {
+            "rollout": rollout,
+            "train": train,
+            "sync": sync_s(shape, "ipc", inp, model_parallel(shape, gpus, inp) or gpus, eg),
+            "handover": handover_s(shape, gpus, eg, kv_gb, inp),
+        }
+        step, split = sum(parts.values()), None
+    else:
+        best = None
+        for engine_share in range(eg, gpus, eg):
+            trainer_gpus = gpus - engine_share
+            if model_parallel(shape, trainer_gpus, inp) is None:
+                continue
+            rollout = rollout_s(shape, trajectories, engine_share // eg, eg, w, inp)
+            train = sum(train_s(shape, tokens, trainer_gpus, seq, inp).values())
+            sync = sync_s(shape, "nvlink" if hosts == 1 else "network", inp) + inp.pause_s
+            core = max(rollout, train) if placement == "async" else rollout + train
+            if best is None or core + sync < best[0]:
+                best = (core + sync, engine_share, {"rollout": rollout, "train": train, "sync": sync})
+        if best is None:
+            return {**out, "fits": False}
+        step, engine_share, parts = best
+        split = {"engine_gpus": engine_share, "trainer_gpus": gpus - engine_share}
+    bottleneck = max(parts, key=parts.get)
+    return {
+        **out,
+        "fits": True,
+        "step_s": round(step, 2),
+        "parts_s": {k: round(v, 3) for k, v in parts.items()},
+        "bottleneck": bottleneck,
+        "split": split,
+        "engine_gpus_each": eg,
+        "trained_tokens_per_s_per_gpu": round(tokens / step / gpus),
+        "extrapolated": extrapolated(shape, hosts),
+    }
+
+
+def extrapolated(shape: Shape, hosts: int) -> list[str]:
+    """What a prediction rests on beyond measured ground."""
+    notes = ["no whole RL step measured at this size (7B and 30B-A3B on 4 GPUs: not yet)"]
+    if shape.experts:
+        notes.append("trainer MoE MFU assumed: grouped expert GEMMs not measured on a GPU")
+        notes.append("engine's expert reads checked on a 1B MoE only")
+        notes.append(f"per-tensor sync cost fit on 272-290 tensors, applied to {shape.hf_tensors:,}")
+    else:
+        notes.append("trainer MFU measured on the 0.5B shape, applied to 7B")
+    if 2.0 * shape.params > ScaleInputs.gpu_memory / 2:
+        notes.append("an engine spread over several GPUs: not measured")
+    if hosts > 1:
+        notes.append("cross-host links from vendor specs: nothing measured across hosts")
+    return notes
+
+
+# --- the check against measured points ----------------------------------------------------------
+
+H100 = {"hbm_bytes_per_s": 3.35e12}  # NVIDIA H100 SXM datasheet: HBM3 3.35 TB/s; the same compute
+
+
+def _engine_point(shape: str, rows: int, gpu: dict[str, float] | None = None) -> Any:
+    def predict(inp: ScaleInputs) -> float:
+        return engine_tokens_per_s(SHAPES[shape], rows, 64, 1, dataclasses.replace(inp, **(gpu or {})))
+
+    return predict
+
+
+def _trainer_dp2(inp: ScaleInputs) -> float:
+    """DP2 tokens/s of the 0.5B shape from its one-GPU rate in the same run (39,269)."""
+    shape, tokens = SHAPES["qwen2.5-0.5b"], 32 * 1023
+    collectives = (inp.grad_bytes + 2) * shape.params / 2 / inp.nvlink_allreduce_bus
+    return tokens / (tokens / 39_269 / 2 + collectives)
+
+
+def _trainer_tp2(inp: ScaleInputs) -> float:
+    """TP2 tokens/s from the one-GPU rate in the same run (46,906): half the matmuls a GPU, and two
+    all-reduces of the activations a layer forward and two backward."""
+    shape, tokens = SHAPES["qwen2.5-0.5b"], 32 * 1023
+    all_reduce = 4 * shape.layers * tokens * shape.hidden * 2 / inp.nvlink_allreduce_bus
+    return tokens / (tokens / 46_906 / 2 + all_reduce)
+
+
+def _offload(gpus: int) -> Any:
+    def predict(inp: ScaleInputs) -> float:
+        shape = SHAPES["smollm2-135m"]
+        state = (2 + inp.grad_bytes) * shape.params + inp.optimizer_bytes * shape.params / gpus
+        return state / inp.host_copy_bytes_per_s
+
+    return predict
+
+
+def _weak_scaling(one_gpu_step: float, gpus: int) -> Any:
+    """A colocated DP run from the one-GPU run of the same call, at the same batch a GPU: each GPU
+    generates, trains, syncs and hands over what the one GPU did; the gradients cross NVLink."""
+
+    def predict(inp: ScaleInputs) -> float:
+        shape = SHAPES["smollm2-135m"]
+        dp_bytes = (inp.grad_bytes + 2) * shape.params * (gpus - 1) / gpus
+        return one_gpu_step + dp_bytes / inp.nvlink_allreduce_bus
+
+    return predict
+
+
+def _disaggregated_1_1(inp: ScaleInputs) -> float:
+    """1 engine GPU + 1 trainer GPU, one step off-policy, from the colocated run of the same call
+    (wait 0.427 s = the engine's time for a batch, train 0.482 s)."""
+    sync = sync_s(SHAPES["smollm2-135m"], "nvlink", inp)
+    return max(0.427, 0.482 + sync) + inp.pause_s
+
+
+@dataclass(frozen=True)
+class Point:
+    """A figure the project measured on 1, 2 or 4 GPUs, and how the model predicts it."""
+
+    what: str
+    gpus: int
+    measured: float
+    unit: str
+    source: str  # commit, GPU kind, results page
+    predict: Callable[[ScaleInputs], float]
+    role: str = "check"  # "fit": an input was fit to it, so it checks the fit and predicts nothing
+    why: str = ""  # why it misses the bound, where it does
+
+
+_MOE_ENGINE = (
+    "the embedded engine's MoE round: about 70% of it outside the decode forward (eager MoE prefill, "
+    "routing bookkeeping; sglang.md), which the read model does not have; the two runs of this bench "
+    "gave 25,899 and 16,882 tok/s at 256; SGLang's fused MoE kernel is within the bound at 64 and 256"
+)
+_H100_SPREAD = (
+    "the same bench on the same GPU kind spread 9,842-19,410 tok/s at 64 in flight and 24,239-43,584 "
+    "at 256 between runs and hosts (engine-throughput.md: part of it the host); the row cost is fit on "
+    "H200 runs of later commits"
+)
+_SGLANG_DENSE = (
+    "SGLang on the dense 0.5B shape at 64 in flight: 0.65x the embedded engine in the same run, a "
+    "per-row host cost the model, fit on the embedded engine, does not have"
+)
+_H200_ENGINE = [
+    ("qwen2.5-0.5b", 64, 19_315, "b8a69bd, 1x H200, fp8-rollout.md"),
+    ("qwen2.5-0.5b", 256, 30_303, "b8a69bd, 1x H200, fp8-rollout.md"),
+    ("qwen2.5-7b", 64, 8_174, "30f3000, 1x H200, fp8-rollout.md"),
+    ("qwen2.5-7b", 256, 11_314, "30f3000, 1x H200, fp8-rollout.md"),
+]
+_OTHER_ENGINE = [
+    ("embedded engine", "qwen3-moe-1b", 64, 9_130, "b8a69bd, 1x H200, fp8-rollout.md", _MOE_ENGINE),
+    ("embedded engine", "qwen3-moe-1b", 256, 25_899, "b8a69bd, 1x H200, fp8-rollout.md", ""),
+    ("embedded engine", "qwen3-moe-1b", 64, 9_809, "30f3000, 1x H200, sglang.md", _MOE_ENGINE),
+    ("embedded engine", "qwen3-moe-1b", 256, 16_882, "30f3000, 1x H200, sglang.md", _MOE_ENGINE),
+    ("SGLang", "qwen3-moe-1b", 64, 15_222, "30f3000, 1x H200, sglang.md", ""),
+    ("SGLang", "qwen3-moe-1b", 256, 30_045, "30f3000, 1x H200, sglang.md", ""),
+    ("embedded engine", "qwen2.5-0.5b", 64, 19_410, "185b92d, 1x H100, sglang.md", ""),
+    ("embedded engine", "qwen2.5-0.5b", 256, 43_584, "185b92d, 1x H100, sglang.md", _H100_SPREAD),
+    ("SGLang", "qwen2.5-0.5b", 64, 12_647, "185b92d, 1x H100, sglang.md", _SGLANG_DENSE),
+    ("SGLang", "qwen2.5-0.5b", 256, 27_337, "185b92d, 1x H100, sglang.md", ""),
+    ("embedded engine", "qwen2.5-0.5b", 64, 9_842, "6e95082, 1x H100, engine-throughput.md", _H100_SPREAD),
+    ("embedded engine", "qwen2.5-0.5b", 256, 24_239, "6e95082, 1x H100, engine-throughput.md", ""),
+]
+_MULTI = "multi-gpu.md"
+
+
+def _sync(
+    shape: str, transport: str, gbytes: float | None = None, gpu: dict[str, float] | None = None
+) -> Any:
+    return lambda inp: sync_s(
+        SHAPES[shape], transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes
+    )
+
+
+POINTS: list[Point] = [
+    *[
+        Point(f"embedded engine tok/s, {s}, {c} in flight", 1, v, "tok/s", src, _engine_point(s, c), "fit")
+        for s, c, v, src in _H200_ENGINE
+    ],
+    *[
+        Point(
+            f"{e} tok/s, {s}, {c} in flight",
+            1,
+            v,
+            "tok/s",
+            src,
+            _engine_point(s, c, None if "H200" in src else H100),
+            why=why,
+        )
+        for e, s, c, v, src, why in _OTHER_ENGINE
+    ],
+    Point("trainer DP2 tok/s, 0.5B shape", 2, 71_356, "tok/s", f"e3f220d, 2x H200, {_MULTI}", _trainer_dp2),
+    Point(
+        "trainer TP2 tok/s, 0.5B shape",
+        2,
+        37_478,
+        "tok/s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _trainer_tp2,
+        why="the model keeps the one-GPU MFU under tensor parallelism; the 0.5B shape's half-width "
+        "matmuls (896 wide) run far below it. The predictions use no tensor parallelism in the trainer",
+    ),
+    Point(
+        "NCCL push, 0.5B shape (0.99 GB)",
+        2,
+        0.020,
+        "s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _sync("qwen2.5-0.5b", "bench", 0.99),
+        "fit",
+    ),
+    Point(
+        "NCCL push, 7B shape (15.2 GB)",
+        2,
+        0.059,
+        "s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _sync("qwen2.5-7b", "bench", 15.2),
+    ),
+    Point(
+        "in-memory sync, SmolLM2",
+        1,
+        0.047,
+        "s",
+        "e8793d1, 1x H100, colocation.md",
+        _sync("smollm2-135m", "ipc", gpu=H100),
+        "fit",
+    ),
+    Point(
+        "in-memory sync, 0.5B shape",
+        1,
+        0.050,
+        "s",
+        "1d1fbc2, 1x H100, colocation.md",
+        _sync("qwen2.5-0.5b", "ipc", gpu=H100),
+        "fit",
+    ),
+    Point(
+        "in-memory sync in a Search-R1 step, 1 GPU",
+        1,
+        0.052,
+        "s",
+        f"e3f220d, 2x H200 host, {_MULTI}",
+        _sync("smollm2-135m", "ipc"),
+    ),
+    Point(
+        "in-memory sync in a Search-R1 step, DP2 (each GPU)",
+        2,
+        0.060,
+        "s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _sync("smollm2-135m", "ipc"),
+        why="two engine-trainer pairs syncing at once took 0.060 s against 0.052 s alone; the model has "
+        "no contention between the pairs of a host (the same run's release and resume grew too)",
+    ),
+    Point(
+        "NCCL sync in a Search-R1 step, disaggregated 1+1, embedded",
+        2,
+        0.046,
+        "s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _sync("smollm2-135m", "nvlink"),
+    ),
+    Point(
+        "NCCL sync in a Search-R1 step, disaggregated 1+1, SGLang",
+        2,
+        0.055,
+        "s",
+        "a269f59, 2 GPUs of 4x H200, sglang.md",
+        _sync("smollm2-135m", "nvlink"),
+        why="SGLang's receiving side (a request a bucket, its own load of each tensor) costs 9 ms more "
+        "than the embedded engine's; its per-tensor cost is not measured apart",
+    ),
+    Point(
+        "trainer offload, SmolLM2, 1 GPU, KV pool 0.2",
+        1,
+        0.073,
+        "s",
+        f"a269f59, 4x H200 host, {_MULTI}",
+        _offload(1),
+        "fit",
+    ),
+    Point(
+        "trainer offload, SmolLM2, 1 GPU, KV pool 0.7",
+        1,
+        0.070,
+        "s",
+        f"a269f59, 4x H200 host, {_MULTI}",
+        _offload(1),
+    ),
+    Point(
+        "trainer offload, SmolLM2, DP2 (each rank), KV pool 0.2",
+        2,
+        0.046,
+        "s",
+        f"a269f59, 4x H200 host, {_MULTI}",
+        _offload(2),
+    ),
+    Point(
+        "trainer offload, SmolLM2, DP2 (each rank), KV pool 0.7",
+        2,
+        0.112,
+        "s",
+        f"a269f59, 4x H200 host, {_MULTI}",
+        _offload(2),
+        why="with a 91 GB KV pool on each of two GPUs, release, KV resume and offload all took 2-3x their "
+        "one-GPU time (multi-gpu.md); with the 0.2 pool the same offload is within 6%",
+    ),
+    Point(
+        "Search-R1 step, colocated DP2, one rollout shard (1 GPU: 1.305 s)",
+        2,
+        1.562,
+        "s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _weak_scaling(1.305, 2),
+        why="one rollout event loop and one retrieval server fed both engines (multi-gpu.md): the wait "
+        "grew 0.43 -> 0.58 s; the model assumes a rollout shard per engine, which later runs have",
+    ),
+    Point(
+        "Search-R1 step, colocated DP2, 2 shards (1 GPU: 1.556 s)",
+        2,
+        1.738,
+        "s",
+        f"30f3000, 4x H200 host, {_MULTI}",
+        _weak_scaling(1.556, 2),
+    ),
+    Point(
+        "Search-R1 step, colocated DP2, KV pool 0.7 (1 GPU: 1.586 s)",
+        2,
+        1.639,
+        "s",
+        f"a269f59, 4x H200 host, {_MULTI}",
+        _weak_scaling(1.586, 2),
+    ),
+    Point(
+        "Search-R1 step, colocated DP2, KV pool 0.2 (1 GPU: 1.423 s)",
+        2,
+        1.406,
+        "s",
+        f"a269f59, 4x H200 host, {_MULTI}",
+        _weak_scaling(1.423, 2),
+    ),
+    Point(
+        "Search-R1 step, colocated DP4, 4 shards, KV pool 0.2 (1 GPU: 1.330 s)",
+        4,
+        1.667,
+        "s",
+        "ae2ef79, 4x H200, issue record",
+        _weak_scaling(1.330, 4),
+        why="the record gives the DP4 wait (0.42 s) and sync (0.28 s) but no breakdown of the one-GPU "
+        "run of the same call; the 0.34 s the model lacks is the hand-overs of four pairs at once and "
+        "time not broken down. Not explained by the model",
+    ),
+    Point(
+        "Search-R1 step, disaggregated 1+1, async (colocated 1 GPU: wait 0.427, train 0.482 s)",
+        2,
+        0.612,
+        "s",
+        f"e3f220d, 2x H200, {_MULTI}",
+        _disaggregated_1_1,
+    ),
+]
+
+
+def check_points(inp: ScaleInputs, bound: float = 0.15) -> list[dict[str, Any]]:
+    """Every measured point beside the model's value, with the relative error."""
+    rows = []
+    for point in POINTS:
+        predicted = point.predict(inp)
+        error = predicted / point.measured - 1
+        row = {k: v for k, v in dataclasses.asdict(point).items() if k not in ("predict", "why")}
+        row.update(predicted=round(predicted, 4), error=round(error, 3), within=abs(error) <= bound)
+        if not row["within"]:
+            row["why"] = point.why or "not explained"
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", default="1,2,4,8,16", help="host counts (8 GPUs each)")
+    p.add_argument("--shapes", default="qwen2.5-7b,qwen3-30b-a3b,qwen3-235b-a22b", help=", ".join(SHAPES))
+    p.add_argument("--trajectories-per-gpu", type=int, default=64, help="the batch a GPU (weak scaling)")
+    p.add_argument("--trajectories", type=int, default=None, help="a fixed batch a step (strong scaling)")
+    p.add_argument("--mfu-moe", type=float, default=ScaleInputs.mfu_moe, help="the MoE trainer's MFU")
+    p.add_argument("--inputs", action="store_true", help="also print the inputs table, one line each")
+    a = p.parse_args()
+    inp = ScaleInputs(mfu_moe=a.mfu_moe)
+    w = Workload(trajectories_per_gpu=a.trajectories_per_gpu, trajectories=a.trajectories)
+    if a.inputs:
+        for row in inp.table():
+            print(json.dumps({"bench": "scale_model", "kind": "input", **row}))
+    for name in a.shapes.split(","):
+        for hosts in (int(h) for h in a.hosts.split(",")):
+            for placement in ("colocated", "disaggregated", "async"):
+                row = predict(SHAPES[name], hosts, placement, w, inp)
+                print(json.dumps({"bench": "scale_model", "kind": "prediction", **row}))
+    rows = check_points(inp)
+    for row in rows:
+        print(json.dumps({"bench": "scale_model", "kind": "check", **row}))
+    checked = [r for r in rows if r["role"] == "check"]
+    summary = {
+        "bench": "scale_model",
+        "kind": "summary",
+        "workload": dataclasses.asdict(w),
+        "points": len(rows),
+        "fit_points": len(rows) - len(checked),
+        "checked": len(checked),
+        "within_15pct": sum(r["within"] for r in checked),
+        "misses": [f"{r['what']} ({r['source']})" for r in rows if not r["within"]],
+        "max_abs_error_fit": max(abs(r["error"]) for r in rows if r["role"] == "fit"),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

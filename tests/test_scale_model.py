@@ -1,0 +1,161 @@
+"""bench/scale_model.py: the scale model's arithmetic on cases worked by hand, and its check against the
+measured 1-, 2- and 4-GPU points staying within what it states (15 %, or a stated reason)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "scale_model.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("scale_model", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scale_model"] = module  # dataclasses resolve the module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+sm = _load()
+INP = sm.ScaleInputs()
+
+
+def test_shapes_have_the_published_sizes() -> None:
+    # bench/lora.py's 7B count, Qwen3's model cards: 30.5B (3.3B active), 235B (22B active)
+    assert sm.SHAPES["qwen2.5-7b"].params == pytest.approx(7_615.6e6, rel=1e-4)
+    assert sm.SHAPES["smollm2-135m"].params == pytest.approx(134.5e6, rel=1e-3)
+    assert sm.SHAPES["qwen3-30b-a3b"].params == pytest.approx(30.5e9, rel=0.01)
+    assert sm.SHAPES["qwen3-235b-a22b"].params == pytest.approx(235e9, rel=0.01)
+    # active matmul parameters leave out the input embedding: 3.3B - 0.31B, 22B - 0.62B
+    assert sm.SHAPES["qwen3-30b-a3b"].active_matmul_params == pytest.approx(3.03e9, rel=0.01)
+    assert sm.SHAPES["qwen3-235b-a22b"].active_matmul_params == pytest.approx(21.5e9, rel=0.01)
+    # HF tensors: SmolLM2's checkpoint has 272; a Qwen3-MoE layer has 128 x 3 expert tensors
+    assert sm.SHAPES["smollm2-135m"].hf_tensors == 272
+    assert sm.SHAPES["qwen2.5-7b"].hf_tensors == 339
+    assert sm.SHAPES["qwen3-30b-a3b"].hf_tensors == 48 * (4 + 2 + 3 * 128 + 1 + 2) + 3
+
+
+def test_decode_step_is_the_larger_of_reads_and_matmuls_plus_host_costs() -> None:
+    shape = sm.SHAPES["qwen2.5-7b"]
+    rows, context = 64, 1000
+    read = 2 * shape.params + rows * context * 28 * 2 * 4 * 128 * 2
+    memory = read / (4.8e12 * 0.7)
+    compute = rows * 2 * shape.active_matmul_params / (989e12 * 0.3)
+    assert memory > compute  # 64 rows of a 7B model are bound by HBM
+    expected = 1.36e-3 + rows * 28e-6 + memory
+    assert sm.decode_step_s(shape, rows, context, 1, INP) == pytest.approx(expected)
+    # a second GPU halves the reads and the matmuls, not the host costs
+    two = sm.decode_step_s(shape, rows, context, 2, INP)
+    assert two == pytest.approx(1.36e-3 + rows * 28e-6 + memory / 2)
+
+
+def test_moe_decode_reads_only_the_experts_its_rows_reach() -> None:
+    shape = sm.SHAPES["qwen3-30b-a3b"]
+    one_row = shape.weight_bytes_touched(1)
+    expert = 3 * 2048 * 768 * 2
+    dense = 2 * shape.params - 48 * 128 * expert
+    assert one_row == pytest.approx(dense + 48 * 8 * expert)
+    assert shape.weight_bytes_touched(4096) == pytest.approx(2 * shape.params, rel=1e-6)
+
+
+def test_training_is_six_flops_a_parameter_a_token_over_mfu_and_peak() -> None:
+    shape = sm.SHAPES["qwen2.5-7b"]
+    tokens, seq = 1_000_000, 1536
+    flops = 6 * shape.active_matmul_params + 6 * 28 * 28 * 128 * seq
+    parts = sm.train_s(shape, tokens, 8, seq, INP)
+    assert parts["compute"] == pytest.approx(tokens * flops / (8 * 0.385 * 989e12 * 0.9))
+    # 7B fits a rank unsplit: data parallel over 8, fp32 gradients and bf16 weights over NVLink
+    assert sm.model_parallel(shape, 8, INP) == 1
+    assert parts["collectives"] == pytest.approx(6 * shape.params * 7 / 8 / 319e9)
+    assert parts["all_to_all"] == 0
+    # across hosts the same collective goes at a NIC's 40 GB/s
+    assert sm.train_s(shape, tokens, 16, seq, INP)["collectives"] == pytest.approx(
+        6 * shape.params * 15 / 16 / 40e9
+    )
+
+
+def test_sync_is_bytes_over_bandwidth_plus_fixed_and_per_tensor_costs() -> None:
+    shape = sm.SHAPES["qwen2.5-7b"]
+    # the bench's NCCL push: 15.2 GB at the measured broadcast bandwidth after the fitted fixed cost
+    assert sm.sync_s(shape, "bench", INP, gbytes=15.2) == pytest.approx(0.0173 + 15.2e9 / 367e9)
+    per_tensor = 339 * 95e-6
+    between_hosts = sm.sync_s(shape, "network", INP)
+    assert between_hosts == pytest.approx(0.0173 + per_tensor + 2 * shape.params / 40e9)
+    colocated = sm.sync_s(shape, "ipc", INP)
+    assert colocated == pytest.approx(0.0207 + per_tensor + 6 * 2 * shape.params / 4.8e12)
+    assert colocated < 1.0 and between_hosts < 2.0  # the issue's 7B targets, as the model sees them
+
+
+def test_placements_compose_the_parts() -> None:
+    shape, w = sm.SHAPES["qwen2.5-7b"], sm.Workload()
+    colocated = sm.predict(shape, 1, "colocated", w, INP)
+    assert colocated["step_s"] == pytest.approx(sum(colocated["parts_s"].values()), abs=0.02)
+    serial = sm.predict(shape, 1, "disaggregated", w, INP)
+    overlapped = sm.predict(shape, 1, "async", w, INP)
+    parts = overlapped["parts_s"]
+    assert overlapped["step_s"] == pytest.approx(
+        max(parts["rollout"], parts["train"]) + parts["sync"], abs=0.02
+    )
+    assert overlapped["step_s"] < serial["step_s"]
+    assert overlapped["bottleneck"] in ("rollout", "train", "sync")
+    # weak scaling: the same batch a GPU, so only the collectives and the sync change with the hosts
+    assert sm.predict(shape, 4, "colocated", w, INP)["parts_s"]["rollout"] == colocated["parts_s"]["rollout"]
+
+
+def test_the_235b_trainer_state_needs_eight_hosts() -> None:
+    shape, w = sm.SHAPES["qwen3-235b-a22b"], sm.Workload()
+    assert not sm.predict(shape, 4, "colocated", w, INP)["fits"]
+    assert sm.predict(shape, 8, "colocated", w, INP)["fits"]
+    assert sm.engine_gpus_for(shape, INP) == 8
+
+
+def test_measured_points_stay_within_the_stated_error() -> None:
+    rows = sm.check_points(INP)
+    assert len(rows) == len(sm.POINTS) >= 30
+    assert {r["gpus"] for r in rows} == {1, 2, 4}
+    for row in rows:
+        if row["role"] == "fit":
+            assert abs(row["error"]) <= 0.10, row
+        elif not row["within"]:
+            assert row["why"] != "not explained", row  # every miss says why
+    checked = [r for r in rows if r["role"] == "check"]
+    assert sum(r["within"] for r in checked) >= 16  # of 28; the doc lists the 12 that miss
+    # a stated reason only where the point misses: one that comes within the bound loses it
+    for point, row in zip(sm.POINTS, rows, strict=True):
+        assert bool(point.why) == (not row["within"]), point.what
+
+
+def test_every_input_names_its_kind_and_source() -> None:
+    for row in INP.table():
+        assert row["kind"] in ("measured", "fit", "vendor", "assumption"), row
+        assert row["source"], row
+        if row["kind"] in ("measured", "fit"):  # the commit and the GPU kind it was measured on
+            assert re.search(r"\b[0-9a-f]{7}\b", row["source"]) and re.search(r"H[12]00", row["source"]), row
+    # what NCCL and the host copies reached stays under the vendor's line rates
+    assert INP.nvlink_broadcast <= INP.nvlink_bytes_per_s
+    assert INP.host_copy_bytes_per_s <= INP.pcie_bytes_per_s
+
+
+def test_the_bench_prints_predictions_checks_and_a_summary() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--hosts", "1,2", "--shapes", "qwen2.5-7b"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    kinds = [line["kind"] for line in lines]
+    assert kinds.count("prediction") == 2 * 3
+    assert kinds.count("check") == len(sm.POINTS)
+    assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 28
