@@ -198,7 +198,7 @@ SHAPES: dict[str, Shape] = {
 
 @dataclass(frozen=True)
 class Workload:
-    """What one step generates and trains: the issue's 7B workload (prompts of 512 tokens, responses to
+    """What one step generates and trains: the 7B step's planned workload (prompts of 512 tokens, responses to
     1,024, 32 groups of 8 on 4 GPUs). By default the batch a GPU stays fixed as GPUs are added (weak
     scaling, as the measured DP runs did); ``trajectories`` fixes the whole step's batch instead."""
 
@@ -364,8 +364,9 @@ def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInp
         best = None
         for engine_share in range(eg, gpus, eg):
             trainer_gpus = gpus - engine_share
-            if model_parallel(shape, trainer_gpus, inp) is None:
-                continue
+            m = model_parallel(shape, trainer_gpus, inp)
+            if m is None or trainer_gpus % m:
+                continue  # the trainer holds whole copies of the model only
             rollout = rollout_s(shape, trajectories, engine_share // eg, eg, w, inp)
             train = sum(train_s(shape, tokens, trainer_gpus, seq, inp).values())
             sync = sync_s(shape, "nvlink" if hosts == 1 else "network", inp) + inp.pause_s
@@ -693,7 +694,7 @@ POINTS: list[Point] = [
         4,
         1.667,
         "s",
-        "ae2ef79, 4x H200, issue record",
+        "ae2ef79, 4x H200, the run's summary (not yet on a results page)",
         _weak_scaling(1.330, 4),
         why="the record gives the DP4 wait (0.42 s) and sync (0.28 s) but no breakdown of the one-GPU "
         "run of the same call; the 0.34 s the model lacks is the hand-overs of four pairs at once and "

@@ -92,7 +92,7 @@ def test_sync_is_bytes_over_bandwidth_plus_fixed_and_per_tensor_costs() -> None:
     assert between_hosts == pytest.approx(0.0173 + per_tensor + 2 * shape.params / 40e9)
     colocated = sm.sync_s(shape, "ipc", INP)
     assert colocated == pytest.approx(0.0207 + per_tensor + 6 * 2 * shape.params / 4.8e12)
-    assert colocated < 1.0 and between_hosts < 2.0  # the 7B targets, as the model sees them
+    assert colocated < 1.0 and between_hosts < 2.0  # the 7B sync targets, as the model sees them
 
 
 def test_placements_compose_the_parts() -> None:
