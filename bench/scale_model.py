@@ -349,9 +349,10 @@ def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInp
     out: dict[str, Any] = {"shape": shape.name, "hosts": hosts, "gpus": gpus, "placement": placement}
     if placement == "colocated":
         if model_parallel(shape, gpus, inp) is None:
-            return {**out, "fits": False}
+            return {**out, "fits": False, "why": "the trainer's state does not fit these GPUs"}
         rollout = rollout_s(shape, trajectories, gpus // eg, eg, w, inp)
         train = sum(train_s(shape, tokens, gpus, seq, inp).values())
+        # the KV pool takes what the engine's weights leave of 85% of a GPU (engine.mem_fraction-like)
         kv_gb = inp.gpu_memory * 0.85 / GB - 2.0 * shape.params / eg / GB
         parts = {
             "rollout": rollout,
@@ -374,7 +375,7 @@ def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInp
             if best is None or core + sync < best[0]:
                 best = (core + sync, engine_share, {"rollout": rollout, "train": train, "sync": sync})
         if best is None:
-            return {**out, "fits": False}
+            return {**out, "fits": False, "why": "no split leaves the trainer a whole copy that fits"}
         step, engine_share, parts = best
         split = {"engine_gpus": engine_share, "trainer_gpus": gpus - engine_share}
     bottleneck = max(parts, key=parts.get)
@@ -387,11 +388,11 @@ def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInp
         "split": split,
         "engine_gpus_each": eg,
         "trained_tokens_per_s_per_gpu": round(tokens / step / gpus),
-        "extrapolated": extrapolated(shape, hosts),
+        "extrapolated": extrapolated(shape, hosts, eg),
     }
 
 
-def extrapolated(shape: Shape, hosts: int) -> list[str]:
+def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
     """What a prediction rests on beyond measured ground."""
     notes = ["no whole RL step measured at this size (7B and 30B-A3B on 4 GPUs: not yet)"]
     if shape.experts:
@@ -400,7 +401,7 @@ def extrapolated(shape: Shape, hosts: int) -> list[str]:
         notes.append(f"per-tensor sync cost fit on 272-290 tensors, applied to {shape.hf_tensors:,}")
     else:
         notes.append("trainer MFU measured on the 0.5B shape, applied to 7B")
-    if 2.0 * shape.params > ScaleInputs.gpu_memory / 2:
+    if engine_gpus > 1:
         notes.append("an engine spread over several GPUs: not measured")
     if hosts > 1:
         notes.append("cross-host links from vendor specs: nothing measured across hosts")
@@ -414,6 +415,7 @@ H100 = {"hbm_bytes_per_s": 3.35e12}  # NVIDIA H100 SXM datasheet: HBM3 3.35 TB/s
 
 def _engine_point(shape: str, rows: int, gpu: dict[str, float] | None = None) -> Any:
     def predict(inp: ScaleInputs) -> float:
+        # the bench's rows: a 32-token prompt and, on average, half of their 64 new tokens
         return engine_tokens_per_s(SHAPES[shape], rows, 64, 1, dataclasses.replace(inp, **(gpu or {})))
 
     return predict
