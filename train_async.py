@@ -35,7 +35,8 @@ from agentrl.config import dump_config
 from agentrl.episodes import EpisodeDump, episode_table
 from agentrl.handover import Handover
 from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_metrics, step_time_summary
-from agentrl.placement import Fleet, check_cluster
+from agentrl.node_watch import NodeLost, watch_nodes
+from agentrl.placement import Fleet, check_cluster, run_network
 from agentrl.recipe import describe_for_help, load_run_config, make_recipe, metric_label
 from agentrl.run_config import RunConfig, check_model_shape, check_names
 from agentrl.trainer.checkpoint import latest_checkpoint, load_rollout_state, save_rollout_state
@@ -67,9 +68,11 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     # workers at the driver's priority, importing the user's modules from the working directory
     user_code = user_code_env(config_module_names(cfg), upload=cfg.ray.address is not None)
     start_ray(cfg.ray.address, cfg.ray.num_cpus, user_code)
-    fleet, handover = Fleet(cfg), None
+    fleet, handover, lost_node = Fleet(cfg), None, False
     try:
         check_cluster(cfg)
+        # servers on loopback, or on their node's address behind the run's secret when the cluster spans hosts
+        fleet.network = recipe.network = run_network(cfg)
         # 2. the servers the env needs (the recipe's; the config's env.kwargs win),
         #    then engines, trainer, rollout
         env_kwargs = {**recipe.start_services(fleet.services), **cfg.env.kwargs}
@@ -89,70 +92,76 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         evals: list[tuple[int, dict[str, float]]] = []  # (step, the recipe's held-out figures)
         evaluate = functools.partial(evaluation, recipe, rollout, eval_tasks, logger, dump, evals)
 
-        # 3. resume: trainer state, engine weights, rollout state (dataset cursor, tasks in flight)
-        start_step, version = 0, 0
-        if resume and latest_checkpoint(ckpt_dir) is not None:
-            start_step, version = await load_checkpoint(fleet, ckpt_dir)
-        await handover.start()  # colocated turns: the engines generate first, the trainer's state waits
-        before = await evaluate(start_step) if cfg.eval.before else {}
-        for key, value in before.items():
-            print(f"held-out {metric_label(key)} before RL: {value:.3f}", flush=True)
+        # a node lost from here on ends the run at once, naming it and what ran there
+        async with watch_nodes(fleet.placed):
+            # 3. resume: trainer state, engine weights, rollout state (dataset cursor, tasks in flight)
+            start_step, version = 0, 0
+            if resume and latest_checkpoint(ckpt_dir) is not None:
+                start_step, version = await load_checkpoint(fleet, ckpt_dir)
+            await handover.start()  # colocated turns: the engines generate first, the trainer's state waits
+            before = await evaluate(start_step) if cfg.eval.before else {}
+            for key, value in before.items():
+                print(f"held-out {metric_label(key)} before RL: {value:.3f}", flush=True)
 
-        # 4. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
-        await rollout.start()
-        # the training batch's mean reward, new every step; the latest held-out figures follow it, marked
-        shown = {
-            "train_reward": "batch/reward",
-            "stale": "batch/staleness_mean",
-            "tok/s": "trainer/tokens_per_s",
-        }
-        progress = ProgressLine(cfg.steps, shown)
-        for step in range(start_step, cfg.steps):
-            stop_if_interrupted()
-            t0 = time.monotonic()
-            handover.batch_coming()  # colocated: the trainer's onload may start before the batch is in
-            batch = await next_batch(rollout, step + 1, progress)
-            t_wait = time.monotonic() - t0
-            await handover.to_trainer()  # taking turns: generation pauses, the GPU goes to the trainer
-            t_train = time.monotonic()
-            dumped = cfg.rollout.dump.wants(step + 1)
-            train_metrics = await trainer.train_step(batch, cfg.rollout.max_staleness, dumped)
-            t_train = time.monotonic() - t_train
-            failed = await rollout.take_failed() if cfg.rollout.dump.enabled else []
-            if dumped:
-                await asyncio.to_thread(dump.train, step + 1, batch, await trainer.last_logprobs())
-                await asyncio.to_thread(dump.failed, step + 1, failed)
-            version = await handover.to_engines()  # paused; new weights; the GPU back to the engines
-            rollout_stats = await rollout.stats()  # while paused: with deterministic, a fixed point
-            await rollout.resume_after_update(version)
-            last = {
-                **batch_metrics(batch, version - 1),
-                **recipe.batch_metrics(batch),
-                **{f"trainer/{k}": v for k, v in train_metrics.items()},
-                **rollout_stats,
-                **(await engine_metrics(fleet.monitor)),
-                **handover.phases,
-                "time/wait_batch_s": t_wait,
-                "time/train_s": t_train,
-                "time/step_s": time.monotonic() - t0,
-                "policy_version": version,
+            # 4. the loop: batch -> train -> sync weights (version + 1) -> log / eval / checkpoint
+            await rollout.start()
+            # the training batch's mean reward, new every step; the latest held-out figures follow it, marked
+            shown = {
+                "train_reward": "batch/reward",
+                "stale": "batch/staleness_mean",
+                "tok/s": "trainer/tokens_per_s",
             }
-            if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and step + 1 < cfg.steps:
-                last.update(await evaluate(step + 1))
-            logger.log(last, step + 1)
-            progress.update(step + 1, last, held_out=evals[-1] if evals else None)
-            if cfg.checkpoint.due(step + 1):
-                await save_checkpoint(fleet, handover, ckpt_dir, step + 1)
-        progress.close()
-        if cfg.steps > start_step and not cfg.checkpoint.due(cfg.steps):
-            await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)  # the last step, unless just saved
-        after = await evaluate(cfg.steps) if cfg.eval.after else {}
-        accounting = await rollout.accounting()
+            progress = ProgressLine(cfg.steps, shown)
+            for step in range(start_step, cfg.steps):
+                stop_if_interrupted()
+                t0 = time.monotonic()
+                handover.batch_coming()  # colocated: the trainer's onload may start before the batch is in
+                batch = await next_batch(rollout, step + 1, progress)
+                t_wait = time.monotonic() - t0
+                await handover.to_trainer()  # taking turns: generation pauses, the GPU goes to the trainer
+                t_train = time.monotonic()
+                dumped = cfg.rollout.dump.wants(step + 1)
+                train_metrics = await trainer.train_step(batch, cfg.rollout.max_staleness, dumped)
+                t_train = time.monotonic() - t_train
+                failed = await rollout.take_failed() if cfg.rollout.dump.enabled else []
+                if dumped:
+                    await asyncio.to_thread(dump.train, step + 1, batch, await trainer.last_logprobs())
+                    await asyncio.to_thread(dump.failed, step + 1, failed)
+                version = await handover.to_engines()  # paused; new weights; the GPU back to the engines
+                rollout_stats = await rollout.stats()  # while paused: with deterministic, a fixed point
+                await rollout.resume_after_update(version)
+                last = {
+                    **batch_metrics(batch, version - 1),
+                    **recipe.batch_metrics(batch),
+                    **{f"trainer/{k}": v for k, v in train_metrics.items()},
+                    **rollout_stats,
+                    **(await engine_metrics(fleet.monitor)),
+                    **handover.phases,
+                    "time/wait_batch_s": t_wait,
+                    "time/train_s": t_train,
+                    "time/step_s": time.monotonic() - t0,
+                    "policy_version": version,
+                }
+                if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and step + 1 < cfg.steps:
+                    last.update(await evaluate(step + 1))
+                logger.log(last, step + 1)
+                progress.update(step + 1, last, held_out=evals[-1] if evals else None)
+                if cfg.checkpoint.due(step + 1):
+                    await save_checkpoint(fleet, handover, ckpt_dir, step + 1)
+            progress.close()
+            if cfg.steps > start_step and not cfg.checkpoint.due(cfg.steps):
+                # the last step, unless just saved
+                await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)
+            after = await evaluate(cfg.steps) if cfg.eval.after else {}
+            accounting = await rollout.accounting()
+    except NodeLost:
+        lost_node = True  # its parts are gone: the shutdown waits on them briefly
+        raise
     finally:
         # 5. shutdown: rollout, trainer, engines, servers, Ray -- also on Ctrl-C and errors
         if handover is not None:
             await handover.close()
-        await fleet.stop()
+        await fleet.stop(lost_node)
         logger.close()
 
     result = {

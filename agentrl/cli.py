@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from agentrl.config import ConfigError
+from agentrl.node_watch import NodeLost
 
 JOB = Path(__file__).resolve().parent.parent / "train_async.py"  # the checkout's job (pip install -e .)
 COMMANDS = {
@@ -114,6 +115,8 @@ def train(job: ModuleType, argv: list[str] | None = None, prog: str | None = Non
     except ConfigError as err:  # a bad name (before anything starts), or found once Ray is up
         # raised in an actor (a rollout that cannot progress), Ray wraps it: its text is a traceback
         sys.exit(str(getattr(err, "cause", None) or err))
+    except NodeLost as err:  # a host of the run is gone: one line naming it and what ran there
+        sys.exit(str(err))
     except KeyboardInterrupt:
         sys.exit("interrupted: everything was shut down")
 

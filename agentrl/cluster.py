@@ -12,18 +12,112 @@ agentrl picks a port for something it starts (servers, process-group rendezvous)
 
 What a service runs is a picklable zero-argument ``start`` callable returning a handle with ``.url`` and
 ``.stop()`` (``start_embedded_server``, ``SGLangLauncher``, ``start_retrieval_server``...).
+
+Hosts: a run's servers listen on loopback while the run sits on one host. When its Ray cluster spans
+hosts, they listen on their node's routable address (:func:`node_address`) behind the run's secret, a
+bearer key every client of the run is handed (:class:`Network`, :func:`open_network`). A server's
+``host`` may be :data:`NODE`, resolved on the node where it starts (:func:`bind_address`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]"}
+LOOPBACK = "127.0.0.1"
+NODE = "node"  # a host value: the routable address of the node the server starts on
+NODE_ADDRESS_ENV = "AGENTRL_NODE_ADDRESS"  # set on a node (its ray start's environment): its address
+RUN_SECRET_ENV = "AGENTRL_RUN_SECRET"  # set for the driver: the run's secret (else one is generated)
+API_KEY_ENV = "AGENTRL_API_KEY"  # how a server the run starts gets its key (not on its command line)
+Listen = Literal["auto", "loopback", "node"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def node_address() -> str:
+    """The address other hosts reach this node by: ``$AGENTRL_NODE_ADDRESS`` when the node sets it, else
+    Ray's node IP (``ray start --node-ip-address`` sets that), else the address of the route out."""
+    if address := os.environ.get(NODE_ADDRESS_ENV, "").strip():
+        return address
+    with contextlib.suppress(ImportError):
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: a route is looked up
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return LOOPBACK
+
+
+def bind_address(host: str) -> str:
+    """The address a server binds for ``host``: :data:`NODE` becomes this node's (:func:`node_address`)."""
+    return node_address() if host == NODE else host
+
+
+def url_host(host: str) -> str:
+    """``host`` as the host part of a URL others use: a wildcard bind is reached at this node's address,
+    :data:`NODE` at the same; IPv6 in brackets."""
+    if host in WILDCARD_HOSTS or host == NODE:
+        host = node_address()
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def node_ips(nodes: Iterable[dict[str, Any]]) -> list[str]:
+    """The distinct addresses of the alive nodes of ``ray.nodes()``, sorted."""
+    return sorted({str(n["NodeManagerAddress"]) for n in nodes if n.get("Alive", True)})
+
+
+@dataclass(frozen=True)
+class Network:
+    """How the run's servers are reached: the ``host`` they bind (:data:`LOOPBACK`, or :data:`NODE`: each
+    one its node's routable address) and ``secret``, the bearer key each of them requires and every
+    client sends (None: no key, on loopback only)."""
+
+    host: str = LOOPBACK
+    secret: str | None = field(default=None, repr=False)
+
+    @property
+    def spans_hosts(self) -> bool:
+        return self.host != LOOPBACK
+
+
+def bearer_matches(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <key>`` (compared in constant time)."""
+    token = authorization[7:] if authorization.startswith("Bearer ") else ""
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def open_network(listen: Listen, nodes: Iterable[dict[str, Any]], api_key: str | None = None) -> Network:
+    """The run's :class:`Network` on a cluster of ``nodes`` (``ray.nodes()``). ``listen``: ``auto`` binds
+    the node's address when the alive nodes have more than one address, loopback otherwise; ``node`` and
+    ``loopback`` force one. Off loopback the servers need a key: ``api_key`` (``engine.api_key``) when set,
+    else ``$AGENTRL_RUN_SECRET``, else a new random one for this run."""
+    spans = len(node_ips(nodes)) > 1
+    host = NODE if listen == "node" or (listen == "auto" and spans) else LOOPBACK
+    secret = api_key
+    if host == NODE and not secret:
+        secret = os.environ.get(RUN_SECRET_ENV, "").strip() or secrets.token_urlsafe(32)
+    return Network(host, secret)
 
 
 def start_ray(
@@ -88,8 +182,9 @@ def _local_module(name: str, root: Path) -> Path | None:
     return root / f"{top}.py" if (root / f"{top}.py").is_file() else None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = LOOPBACK) -> int:
     """A port that was free on ``host`` a moment ago (whoever needs it binds it shortly after)."""
+    host = bind_address(host)
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host.strip("[]") if host not in WILDCARD_HOSTS else "", 0))
         return int(s.getsockname()[1])
@@ -101,7 +196,7 @@ def location() -> dict[str, Any]:
 
     node_id = node_ip = None
     if ray.is_initialized():
-        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), node_address()
     return {"node_id": node_id, "node_ip": node_ip, "pid": os.getpid()}
 
 
@@ -128,6 +223,10 @@ class ServiceWorker:
 
     def location(self) -> dict[str, Any]:
         return location()
+
+    def info(self) -> dict[str, Any]:
+        """Its name, URL (None once stopped) and :func:`location`."""
+        return {"name": self.name, "url": None if self._handle is None else self._handle.url, **location()}
 
     def stop(self) -> None:
         if self._handle is not None:

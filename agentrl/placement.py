@@ -23,13 +23,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from agentrl.actor_group import on_bundle
-from agentrl.cluster import location, start_service, stop_all
+from agentrl.cluster import (
+    Network,
+    is_loopback,
+    location,
+    node_ips,
+    open_network,
+    start_service,
+    stop_all,
+)
 from agentrl.config import ConfigError
 from agentrl.run_config import RunConfig
 from agentrl.weight_sync import WeightUpdate, trainer_env
@@ -75,6 +85,22 @@ def check_cluster(cfg: RunConfig) -> None:
     check_resources(cfg, ray.nodes())
 
 
+def run_network(cfg: RunConfig) -> Network:
+    """Where the run's servers listen and the key they require (:func:`agentrl.cluster.open_network` over
+    the Ray cluster's nodes, ``ray.listen``, ``engine.api_key``); said in one line when off loopback."""
+    import ray
+
+    nodes = ray.nodes()
+    network = open_network(cfg.ray.listen, nodes, cfg.engine.api_key)
+    if network.spans_hosts:
+        print(
+            f"servers listen on their node's address ({', '.join(node_ips(nodes))}), each requiring the "
+            "run's secret",
+            flush=True,
+        )
+    return network
+
+
 def check_resources(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
     """A ConfigError naming the field when the alive ``nodes`` (``ray.nodes()``) lack a custom resource of
     ``ray.engine_resources`` or ``ray.trainer_resources``: a name no node declares, less in all than the
@@ -84,6 +110,8 @@ def check_resources(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
     asks = [
         ("ray.engine_resources", r.engine_resources, engines),
         ("ray.trainer_resources", r.trainer_resources, cfg.trainer_world_size),
+        ("ray.rollout_resources", r.rollout_resources, cfg.rollout.shards),
+        ("ray.service_resources", r.service_resources, 1),  # the recipe's servers: one at least
     ]
     held = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     for field, ask, count in asks:
@@ -102,7 +130,8 @@ def check_resources(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
                 )
     per_actor = [(field, ask) for field, ask, _ in asks]
     if colocated_bundles(cfg):  # engine i and trainer rank i share a bundle: one node holds both asks
-        per_actor = [("ray.engine_resources + ray.trainer_resources", _added(*(a for _, a in per_actor)))]
+        pair = ("ray.engine_resources + ray.trainer_resources", _added(asks[0][1], asks[1][1]))
+        per_actor = [pair, *per_actor[2:]]
     for field, ask in per_actor:
         if ask and not any(all(float(h.get(k, 0)) >= v for k, v in ask.items()) for h in held):
             raise ConfigError(f"{field}: no node of the Ray cluster holds {ask}, what one actor asks for")
@@ -141,9 +170,13 @@ def placement_group(
     return group
 
 
-def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], Any]:
+def engine_starter(
+    cfg: RunConfig, model_dir: str, index: int, network: Network | None = None
+) -> Callable[[], Any]:
     """A picklable start of engine ``index``: the embedded engine, or an SGLang server with the flags the
-    run needs (memory saver when colocated engines release memory, deterministic inference)."""
+    run needs (memory saver when colocated engines release memory, deterministic inference), listening
+    where the run's ``network`` says (default: loopback, with ``engine.api_key``)."""
+    network = network or Network(secret=cfg.engine.api_key)
     e, exactness = cfg.engine, cfg.exactness
     if e.backend == "embedded":
         from agentrl.embedded.server import start_embedded_server
@@ -158,9 +191,10 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
         return functools.partial(
             start_embedded_server,
             model_dir,
+            host=network.host,
             device=e.device,
             dtype=e.dtype,
-            api_key=e.api_key,
+            api_key=network.secret,
             max_batch_size=e.max_batch_size,
             extra_args=extra,
             log_file=str(Path(cfg.output_dir) / f"engine_{index}.log"),
@@ -169,8 +203,13 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
 
     releases = cfg.placement == "colocated" and cfg.colocation.engine_release != "none"
     lora = cfg.trainer.lora  # served by name beside the resident base (agentrl.weight_sync.named_adapters)
-    sg = (e.sglang or SGLangConfig(model_path=model_dir)).model_copy(
+    sg = e.sglang or SGLangConfig(model_path=model_dir)
+    listen: dict[str, Any] = {"host": network.host} if network.spans_hosts else {}
+    if network.secret:  # the run's key, which every client of the engines sends
+        listen["api_key"] = network.secret
+    sg = sg.model_copy(
         update={
+            **listen,
             "model_path": model_dir,
             "port": 0 if e.num_engines > 1 else (e.sglang.port if e.sglang else 30000),
             "memory_saver": releases,  # SGLang serves the release / resume endpoints only with it
@@ -180,6 +219,71 @@ def engine_starter(cfg: RunConfig, model_dir: str, index: int) -> Callable[[], A
         }
     )
     return functools.partial(_start_sglang, sg)
+
+
+def loopback_across_nodes(placed: dict[str, Any]) -> str | None:
+    """What is wrong when a placement record (:meth:`Fleet.where`) hands a loopback URL to another host: an
+    engine's to the driver, a trainer rank or a rollout shard on a node of another address, or a recipe
+    server's to a rollout shard (the envs' client) so placed; None when every URL is reachable where it
+    is used. Nodes of one address are one host: they share its loopback."""
+    driver = placed.get("driver", {})
+    users = {"engines": [driver, *placed["trainer_ranks"], *placed["rollout_shards"]]}
+    users["services"] = placed["rollout_shards"]
+    for kind in ("engines", "services"):
+        for i, server in enumerate(placed.get(kind, [])):
+            url = server.get("url")
+            host = urlsplit(url).hostname if url else None
+            if not host or not is_loopback(host):
+                continue
+            elsewhere = {str(u["node_id"])[:8] for u in users[kind] if u.get("node_ip") != server["node_ip"]}
+            if elsewhere:
+                name = server.get("name") or f"engine {i}"
+                where = f"node {str(server['node_id'])[:8]}, {server['node_ip']}"
+                return f"{name} at {url} ({where}) is used from node {', '.join(sorted(elsewhere))}"
+    return None
+
+
+async def on_node(node_id: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run as a Ray task on the node ``node_id`` (taking no CPU of the run's)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    where = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return await ray.remote(fn).options(num_cpus=0, scheduling_strategy=where).remote(*args)
+
+
+async def check_shared_dir(
+    path: Path, placed: dict[str, Any], run_on: Callable[..., Awaitable[Any]] = on_node
+) -> None:
+    """A ConfigError naming ``weight_sync`` unless every engine's node sees the files trainer rank 0
+    writes under ``path`` (weight_sync disk: the engines load the dir it writes): a marker written on rank
+    0's node is read back on each engine's node (``run_on(node, fn, *args)``: :func:`on_node`)."""
+    writer = placed["trainer_ranks"][0]["node_id"]
+    readers = sorted({e["node_id"] for e in placed["engines"]} - {writer, None})
+    if writer is None or not readers:
+        return
+    marker, token = path.absolute() / ".shared", secrets.token_hex(8)
+    await run_on(writer, _write_marker, str(marker), token)
+    seen = await asyncio.gather(*[run_on(n, _read_marker, str(marker)) for n in readers])
+    blind = [n[:8] for n, text in zip(readers, seen, strict=True) if text != token]
+    if blind:
+        raise ConfigError(
+            f"weight_sync: disk writes the weights under {path} on trainer rank 0's node, which the "
+            f"engines' node {', '.join(blind)} does not see; use distributed, or put output_dir on a file "
+            "system every node mounts"
+        )
+
+
+def _write_marker(path: str, token: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(token)
+
+
+def _read_marker(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
 
 
 def describe_placement(placed: dict[str, Any]) -> str:
@@ -209,12 +313,15 @@ class Fleet:
     engines' figures; ``control`` for release and resume, talking to every engine, behind a router too).
     :meth:`stop` stops whatever was started."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, network: Network | None = None) -> None:
         self.cfg = cfg
+        # where the servers listen and the key they require (open_network, once Ray is up)
+        self.network = network or Network(secret=cfg.engine.api_key)
         self.services: list[Any] = []
         self.engines: list[Any] = []  # the engines' actors (also in services, which stops them)
         self.group: PlacementGroup | None = None  # colocated: the placement group, a bundle per GPU
         self.engine_urls: list[str] = []
+        self.placed: dict[str, Any] = {}  # where every part runs, once started (where)
         self.trainer: TrainerGroup | None = None
         self.rollout: RolloutGroup | None = None
         self.monitor: EngineClient | None = None
@@ -240,19 +347,19 @@ class Fleet:
         from agentrl.rollout.shards import RolloutGroup, shard_specs
         from agentrl.trainer.ray_actor import TrainerGroup
 
-        cfg, e = self.cfg, self.cfg.engine
+        cfg, e, key = self.cfg, self.cfg.engine, self.network.secret
         self.start_engines(model_dir)
-        self.monitor = EngineClient(
-            self.engine_urls, api_key=e.api_key, timeout=10, max_retries=0, router=e.router
-        )
+        await self.check_reachable(await self.where())  # the engines, from the driver
+        self.monitor = EngineClient(self.engine_urls, api_key=key, timeout=10, max_retries=0, router=e.router)
         # behind a router (engine.router): the workers it lists now
         sync_urls = await self.monitor.worker_urls()
-        self.control = EngineClient(sync_urls, api_key=e.api_key, timeout=300, max_retries=0)
+        self.control = EngineClient(sync_urls, api_key=key, timeout=300, max_retries=0)
         self.trainer = TrainerGroup(
             self.trainer_config(model_dir),
             cfg.trainer_world_size,
             num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0,
             num_cpus_per_rank=TRAINER_CPUS_PER_RANK,
+            master_addr=None if self.network.spans_hosts else "127.0.0.1",
             deterministic=cfg.deterministic,
             placement_group=self.group,  # rank i on bundle i: the GPU of engine i
             resources=cfg.ray.trainer_resources,
@@ -268,15 +375,24 @@ class Fleet:
             model_dir,
             env_factory,
             train_tasks,
-            api_key=e.api_key,
+            api_key=key,
             router=e.router,
             deterministic=cfg.deterministic,
         )
         # each orchestrator is built inside its actor
-        self.rollout = RolloutGroup.spawn(shard_specs(spec, cfg.rollout.shards), num_cpus=ROLLOUT_CPUS)
-        weights = str(Path(cfg.output_dir) / "weights")
-        await self.trainer.connect_engines(WeightUpdate(cfg.weight_sync, tuple(sync_urls), out_dir=weights))
-        print(describe_placement(await self.where(Path(cfg.output_dir) / "placement.json")), flush=True)
+        self.rollout = RolloutGroup.spawn(
+            shard_specs(spec, cfg.rollout.shards),
+            num_cpus=ROLLOUT_CPUS,
+            resources=cfg.ray.rollout_resources,
+        )
+        self.placed = placed = await self.where(Path(cfg.output_dir) / "placement.json")
+        await self.check_reachable(placed)  # every URL from every node that uses it
+        weights = Path(cfg.output_dir) / "weights"
+        if cfg.weight_sync == "disk":
+            await check_shared_dir(weights, placed)
+        update = WeightUpdate(cfg.weight_sync, tuple(sync_urls), out_dir=str(weights), api_key=key)
+        await self.trainer.connect_engines(update)
+        print(describe_placement(placed), flush=True)
 
     def start_engines(self, model_dir: str) -> list[str]:
         """The engines (or the external URLs), each engine in a Ray actor of its own, all starting at once
@@ -291,7 +407,8 @@ class Fleet:
         if e.backend == "external":
             self.engine_urls = list(e.urls)
         for i in range(0 if e.backend == "external" else e.num_engines):
-            start, scheduling = engine_starter(self.cfg, model_dir, i), on_bundle(self.group, i)
+            start = engine_starter(self.cfg, model_dir, i, self.network)
+            scheduling = on_bundle(self.group, i)
             engine = start_service(
                 f"engine_{i}",
                 start,
@@ -307,36 +424,50 @@ class Fleet:
         return self.engine_urls
 
     async def where(self, out: Path | None = None) -> dict[str, Any]:
-        """Where the driver, each engine and each trainer rank run (Ray node id and IP, pid; written to
-        ``out`` as JSON when given)."""
+        """Where the driver, each engine (with its URL), each trainer rank, each rollout shard and each of
+        the recipe's servers (with its name and URL) run: Ray node id and address, pid; the servers'
+        ``listen`` address; written to ``out`` as JSON when given."""
+        engines = await asyncio.gather(*[a.location.remote() for a in self.engines])
+        servers = [a for a in self.services if a not in self.engines]
         placed = {
+            "listen": self.network.host,
             "driver": location(),
-            "engines": list(await asyncio.gather(*[a.location.remote() for a in self.engines])),
+            "engines": [{**at, "url": url} for at, url in zip(engines, self.engine_urls, strict=False)],
             "trainer_ranks": await self.trainer.locations() if self.trainer is not None else [],
+            "rollout_shards": await self.rollout.locations() if self.rollout is not None else [],
+            "services": list(await asyncio.gather(*[a.info.remote() for a in servers])),
         }
         if out is not None:
             out.write_text(json.dumps(placed, indent=2) + "\n")
         return placed
 
-    async def stop(self) -> None:
+    async def check_reachable(self, placed: dict[str, Any]) -> None:
+        """A ConfigError when a loopback URL is handed to a part of the run on another node than its
+        server (:func:`loopback_across_nodes`): its calls would reach nothing, or another host's server."""
+        if problem := loopback_across_nodes(placed):
+            raise ConfigError(f"ray.listen: {problem}; set ray.listen: node (or auto)")
+
+    async def stop(self, lost_node: bool = False) -> None:
         """Stop everything, each part even when another fails: the rollout, the trainer (it leaves the
-        weight-sync group together with the engines, bounded), the clients, the engines and servers, Ray."""
+        weight-sync group together with the engines, bounded), the clients, the engines and servers, Ray.
+        ``lost_node``: a node of the run is gone, and what waits on its parts waits briefly."""
         import ray
 
+        wait = 10.0 if lost_node else 60.0
         if self.rollout is not None:
             try:
-                await asyncio.wait_for(self.rollout.stop(), 60)
+                await asyncio.wait_for(self.rollout.stop(), wait)
             except Exception as err:  # keep shutting the rest down
                 print(f"rollout stop failed: {err}", file=sys.stderr)
         if self.trainer is not None:
             try:
-                await self.trainer.shutdown()
+                await self.trainer.shutdown(**({"timeout": 15.0, "leave_timeout": 3.0} if lost_node else {}))
             except Exception as err:
                 print(f"trainer shutdown failed: {err}", file=sys.stderr)
         for client in (self.control, self.monitor):
             if client is not None:
                 await client.close()
-        stop_all(self.services)
+        stop_all(self.services, timeout=wait)
         if self.group is not None:
             ray.util.remove_placement_group(self.group)
         ray.shutdown()

@@ -10,6 +10,9 @@ the rest:
 * ``start_services(services) -> env kwargs``: after Ray starts, start the servers the env needs with
   :func:`agentrl.cluster.start_service`, append each to ``services`` (the loop stops them, also when
   a later one fails) and return constructor arguments for the env (``env.kwargs`` in the config wins).
+  The run sets ``recipe.network`` first (an :class:`agentrl.cluster.Network`): a server binds its
+  ``host`` and requires its ``secret`` (off loopback, when the run spans hosts), and the env's client
+  sends that key; ``ray.service_resources`` says which nodes may take the servers.
 * ``batch_metrics(batch)`` and ``eval_metrics(trajs)``: the recipe's figures for each training batch
   and for the held-out episodes (``eval/...``; the loop logs them and shows them in the progress line).
 * ``finish(result, history, evals) -> result``: after shutdown, plot and print; the returned dict is
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol
 
+from agentrl.cluster import Network
 from agentrl.config import ConfigError, build_config, read_config
 from agentrl.registry import Registry
 from agentrl.run_config import RunConfig
@@ -66,6 +70,7 @@ class Recipe(Protocol):
 
     config: ClassVar[type[RunConfig]]
     cfg: RunConfig
+    network: Network  # set by the run before start_services
 
     def prepare(self) -> Prepared: ...
 
@@ -206,6 +211,7 @@ class DefaultRecipe:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self.network = Network()  # loopback until the run says otherwise
 
     def prepare(self) -> Prepared:
         """``model_path`` (``pretrained:NAME`` converted, cached) and the tasks of ``data.path``'s splits;

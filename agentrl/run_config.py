@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from agentrl.cluster import Listen
 from agentrl.config import ConfigError, ConfigModel
 from agentrl.engine.launcher import SGLangConfig
 from agentrl.exactness import Exactness
@@ -194,8 +195,25 @@ class RayConfig(ConfigModel):
         default_factory=dict,
         description="custom Ray resources each trainer rank asks for beside its GPUs, e.g. {trainer_node: 1}",
     )
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each rollout shard asks for (the episodes, envs and tools run "
+        "there), e.g. {rollout_node: 1}",
+    )
+    service_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each of the recipe's servers asks for (the Search-R1 /retrieve "
+        "server), e.g. {service_node: 1}",
+    )
+    listen: Listen = Field(
+        "auto",
+        description="where the servers the run starts listen: auto = loopback on one host, each node's "
+        "routable address (AGENTRL_NODE_ADDRESS, else Ray's node IP) when the Ray cluster's nodes have "
+        "more than one address; off loopback they require the run's secret (engine.api_key, else "
+        "AGENTRL_RUN_SECRET, else generated), handed to every client",
+    )
 
-    @field_validator("engine_resources", "trainer_resources")
+    @field_validator("engine_resources", "trainer_resources", "rollout_resources", "service_resources")
     @classmethod
     def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
         for name, amount in value.items():
@@ -374,6 +392,7 @@ class RunConfig(ConfigModel):
             on_gpus=on_gpus,
             trainer_on_gpu=trainer_on_gpu,
             engine_backend=e.backend,
+            placed_apart=self.ray.engine_resources.keys() != self.ray.trainer_resources.keys(),
         )
         if self.rollout.shards > 1:
             _check_shards(self)

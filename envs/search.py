@@ -56,7 +56,7 @@ _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, Retri
 _CLOSERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 
 
-def _shared_client(url: str, topk: int, timeout: float) -> RetrievalClient:
+def _shared_client(url: str, topk: int, timeout: float, api_key: str | None) -> RetrievalClient:
     """One HTTP connection pool per event loop and server, shared by all episodes (a session per episode
     served 30% fewer searches in waves of a hundred), closed when the loop shuts down."""
     loop = asyncio.get_running_loop()
@@ -64,9 +64,9 @@ def _shared_client(url: str, topk: int, timeout: float) -> RetrievalClient:
     if per_loop is None:
         per_loop = _CLIENTS[loop] = {}
         _CLOSERS[loop] = _close_at_shutdown(per_loop)
-    key = (url, topk, timeout)
+    key = (url, topk, timeout, api_key)
     if key not in per_loop:
-        per_loop[key] = RetrievalClient(url, topk=topk, timeout=timeout)
+        per_loop[key] = RetrievalClient(url, topk=topk, timeout=timeout, api_key=api_key)
     return per_loop[key]
 
 
@@ -111,6 +111,7 @@ class SearchEnv(Env):
         timeout: float = 30.0,
         complete_trimmed_stop: bool = True,
         retriever: RetrievalClient | None = None,
+        retrieval_api_key: str | None = None,
     ) -> None:
         if max_turns < 0 or topk < 1:
             raise ValueError(f"need max_turns >= 0 and topk >= 1, got {max_turns}, {topk}")
@@ -118,6 +119,7 @@ class SearchEnv(Env):
         self.observation_format = observation_format
         self.complete_trimmed_stop = complete_trimmed_stop
         self._retriever = retriever
+        self.retrieval_api_key = retrieval_api_key  # the server's key, when it requires one
         self.turn = 0
         self.num_searches = 0
 
@@ -161,7 +163,9 @@ class SearchEnv(Env):
             return StepResult(None, truncated=True, info=info)
         if action.kind == "invalid":
             return self._observe(INVALID_ACTION, info)
-        retriever = self._retriever or _shared_client(self.retrieval_url, self.topk, self.timeout)
+        retriever = self._retriever or _shared_client(
+            self.retrieval_url, self.topk, self.timeout, self.retrieval_api_key
+        )
         call = ToolCallRecord("search", {"query": action.content})
         t0 = time.monotonic()
         try:

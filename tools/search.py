@@ -40,8 +40,16 @@ class RetrievalClient:
     an httpx client served 11-14x fewer queries per second and held them 3x longer at the median, its
     own CPU time being most of it (``bench/retrieval.py --client`` measures both)."""
 
-    def __init__(self, url: str, topk: int = 3, timeout: float = 30.0, max_retries: int = 2) -> None:
+    def __init__(
+        self,
+        url: str,
+        topk: int = 3,
+        timeout: float = 30.0,
+        max_retries: int = 2,
+        api_key: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if not self.url.endswith("/retrieve"):
             self.url += "/retrieve"
         self.topk = topk
@@ -54,7 +62,7 @@ class RetrievalClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             # No cap on connections (limit=0): the server batches whatever arrives together. Proxies from
-            # the environment are never used (aiohttp's trust_env is off): retrieval is loopback.
+            # the environment are never used (aiohttp's trust_env is off): the server is the run's own.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
@@ -68,7 +76,7 @@ class RetrievalClient:
         last: BaseException | None = None
         for _ in range(self.max_retries + 1):
             try:
-                async with self._http().post(self.url, json=body) as resp:
+                async with self._http().post(self.url, json=body, headers=self.headers) as resp:
                     status, text = resp.status, await resp.text()
             except (TimeoutError, aiohttp.ClientError) as err:
                 last = err
@@ -105,9 +113,14 @@ def search_tool(
     topk: int = 3,
     timeout: float = 30.0,
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+    api_key: str | None = None,
 ) -> Tool:
-    """A ``search(query)`` tool backed by a retrieval server at ``url``."""
-    client = url if isinstance(url, RetrievalClient) else RetrievalClient(url, topk=topk, timeout=timeout)
+    """A ``search(query)`` tool backed by a retrieval server at ``url`` (``api_key``: the server's key, when
+    it requires one)."""
+    if isinstance(url, RetrievalClient):
+        client = url
+    else:
+        client = RetrievalClient(url, topk=topk, timeout=timeout, api_key=api_key)
 
     async def search(query: str) -> str:
         """Search the knowledge corpus and return the top passages.

@@ -51,7 +51,6 @@ Semantics worth knowing (all as SGLang, unless marked):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -60,6 +59,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.cluster import bearer_matches
 from agentrl.embedded.engine import (
     EmbeddedEngine,
     EngineBadRequest,
@@ -503,9 +503,7 @@ def _auth_guard(api_key: str | None):
     @web.middleware
     async def guard(request: web.Request, handler):
         if api_key and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            token = given[7:] if given.startswith("Bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
+            if not bearer_matches(request.headers.get("Authorization", ""), api_key):
                 return _error(401, "missing or invalid API key (Authorization: Bearer <key>)")
         try:
             return await handler(request)

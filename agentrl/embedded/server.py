@@ -8,8 +8,9 @@ the embedded engine differs) and OpenAI's (:mod:`agentrl.engine.openai_api`). Ge
 :class:`~agentrl.embedded.engine.EmbeddedEngine` (continuous batching over a slot KV cache, CUDA graphs for
 decode on a GPU, prefix reuse across turns).
 
-Security: it binds 127.0.0.1 by default and refuses a non-loopback ``--host`` without ``--api-key``. With
-a key, every endpoint except ``/health`` and ``/health_generate`` requires ``Authorization: Bearer KEY``.
+Security: it binds 127.0.0.1 by default and refuses a non-loopback ``--host`` without a key (``--api-key``,
+or ``$AGENTRL_API_KEY``, which keeps it out of the process list). With a key, every endpoint except
+``/health`` and ``/health_generate`` requires ``Authorization: Bearer KEY``.
 
 :func:`start_embedded_server` runs it as a subprocess (own process group, waits for ``/health``) and returns a
 handle with ``.url`` and ``.stop()``; tests and ``train_async.py`` use it.
@@ -31,12 +32,13 @@ from pathlib import Path
 
 from aiohttp import web
 
+from agentrl.cluster import API_KEY_ENV, bind_address, is_loopback
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.lora import LORA_APPLY
 from agentrl.embedded.native_api import ENGINE_NAME, build_app
-from agentrl.engine._proc import ServerProcess, ServerStartError, is_loopback
+from agentrl.engine._proc import ServerProcess, ServerStartError
 
-__all__ = ["EmbeddedServer", "ServerStartError", "build_app", "is_loopback", "main", "start_embedded_server"]
+__all__ = ["EmbeddedServer", "ServerStartError", "build_app", "main", "start_embedded_server"]
 
 log = logging.getLogger("agentrl.embedded.server")
 
@@ -53,7 +55,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
-        "--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint"
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"required as 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV})",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together at most")
     p.add_argument(
@@ -292,8 +296,13 @@ def start_embedded_server(
     """Start ``python -m agentrl.embedded.server`` in its own process group and wait for ``/health``.
 
     ``port=0`` lets the server pick a free port (reported back through a file, so there is no race).
+    ``host`` may be :data:`agentrl.cluster.NODE`: this node's routable address (then ``api_key`` is needed).
+    The key reaches the server in its environment, not on its command line.
     Raises :class:`ServerStartError` with the server's log tail if it exits or is not healthy in time.
     """
+    host = bind_address(host)
+    if not is_loopback(host) and not api_key:
+        raise ValueError(f"host {host!r} is not loopback: an api_key is needed to serve there")
     workdir = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
     port_file = workdir / "port"
     log_path = Path(log_file) if log_file is not None else workdir / "server.log"
@@ -320,7 +329,7 @@ def start_embedded_server(
         *extra_args,
     ]
     if api_key:
-        argv += ["--api-key", api_key]
+        env = {**(env or {}), API_KEY_ENV: api_key}
     proc = ServerProcess(argv, log_path, env=env, scratch_dir=workdir)  # removed when it stops
     t0 = time.monotonic()
     proc.wait_until(port_file.exists, timeout, "listening")

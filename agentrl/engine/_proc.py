@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ipaddress
 import os
 import shutil
 import signal
@@ -26,16 +25,6 @@ _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 
 class ServerStartError(RuntimeError):
     """The server process exited or never became healthy; the message carries its log tail."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost, 127.0.0.0/8 and ::1."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def tail(path: str | Path | None, n: int = 40) -> str:

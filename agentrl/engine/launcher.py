@@ -57,9 +57,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from agentrl.cluster import WILDCARD_HOSTS, free_port
+from agentrl.cluster import WILDCARD_HOSTS, bind_address, free_port, is_loopback
 from agentrl.config import ConfigModel
-from agentrl.engine._proc import ServerProcess, ServerStartError, http_ok, is_loopback
+from agentrl.engine._proc import ServerProcess, ServerStartError, http_ok
 
 log = logging.getLogger("agentrl.launcher")
 
@@ -232,7 +232,11 @@ class SGLangConfig(ConfigModel):
     mem_fraction_static: float | None = Field(
         None, gt=0.0, lt=1.0, description="GPU memory fraction for weights + KV cache (--mem-fraction-static)"
     )
-    host: str = Field("127.0.0.1", description="bind address; non-loopback needs api_key")
+    host: str = Field(
+        "127.0.0.1",
+        description="bind address; non-loopback needs api_key; 'node': the routable address of the node "
+        "the server starts on",
+    )
     port: int = Field(
         30000,
         ge=0,
@@ -373,7 +377,7 @@ class _Launcher:
 
     @property
     def url(self) -> str:
-        host = self.cfg.host
+        host = bind_address(self.cfg.host)
         if host in WILDCARD_HOSTS:
             host = "127.0.0.1"  # reachable locally; remote callers use the node's address
         h = f"[{host}]" if ":" in host else host
@@ -466,7 +470,7 @@ class SGLangLauncher(_Launcher):
 
     def command(self) -> list[str]:
         c = self.cfg
-        argv = [c.python, "-m", c.module, "--model-path", c.model_path, "--host", c.host]
+        argv = [c.python, "-m", c.module, "--model-path", c.model_path, "--host", bind_address(c.host)]
         argv += ["--port", str(self._port), "--tp-size", str(c.tp_size)]
         if c.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
@@ -542,7 +546,7 @@ class SGLangRouterLauncher(_Launcher):
     def command(self) -> list[str]:
         c = self.cfg
         argv = [c.python, "-m", c.module, "--worker-urls", *c.worker_urls]
-        argv += ["--host", c.host, "--port", str(self._port), "--policy", c.policy]
+        argv += ["--host", bind_address(c.host), "--port", str(self._port), "--policy", c.policy]
         if c.api_key:
             argv += ["--api-key", c.api_key]
         return argv + _flag_args(c.extra_args)
@@ -561,7 +565,7 @@ class SGLangServerActor:
         return self.url()
 
     def url(self) -> str:
-        host = self.cfg.host
+        host = bind_address(self.cfg.host)
         if host in WILDCARD_HOSTS:
             try:
                 import ray

@@ -82,6 +82,12 @@ class RolloutWorker:
         out = functools.reduce(getattr, verb.split("."), self.orch)(*args, **kwargs)
         return await out if inspect.isawaitable(out) else out
 
+    async def location(self) -> dict[str, Any]:
+        """The shard's Ray node (id, address) and pid (:func:`agentrl.cluster.location`)."""
+        from agentrl.cluster import location
+
+        return location()
+
     async def stop(self) -> None:
         """Stop the orchestrator, then close its engine client."""
         await self.orch.stop()

@@ -209,6 +209,10 @@ class RolloutGroup:
     async def start(self) -> None:
         await self._all("start")
 
+    async def locations(self) -> list[dict[str, Any]]:
+        """Where each shard runs: its Ray node's id and address, and its pid (shard order)."""
+        return await self.shards.all("location")
+
     async def stop(self) -> None:
         """Stop every shard, each even when another fails; then the first error is raised."""
         await self.shards.all_settled("stop")

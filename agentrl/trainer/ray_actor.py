@@ -107,6 +107,8 @@ class TrainerGroup:
     ``placement_group``: schedule rank i on that Ray placement group's bundle ``bundle_indices[i]``
     (default: bundle i), e.g. to put a trainer rank on the GPU of the engine it shares it with.
     ``resources``: custom Ray resources every rank asks for (which nodes may take the ranks).
+    ``master_addr``: where the ranks meet rank 0's rendezvous (None: rank 0's node address, for ranks
+    on several hosts).
     ``env``: environment variables every rank starts with (set before anything in it imports torch)."""
 
     def __init__(
@@ -115,7 +117,7 @@ class TrainerGroup:
         world_size: int = 1,
         num_gpus_per_rank: float = 0.0,
         num_cpus_per_rank: float = 1.0,
-        master_addr: str = "127.0.0.1",
+        master_addr: str | None = "127.0.0.1",
         *,
         deterministic: bool = False,
         placement_group: Any = None,
@@ -138,6 +140,8 @@ class TrainerGroup:
             resources=resources or {},
         )
         port = self.actors.wait_rank0("host_rendezvous")
+        if master_addr is None:  # rank 0's node address: the ranks may sit on several hosts
+            master_addr = self.actors.wait_rank0("location")["node_ip"]
         self.actors.wait_all("start", master_addr, port)  # construction errors surface here, rank named
 
     async def _all(self, verb: str, *args: Any, **kwargs: Any) -> Any:
@@ -220,10 +224,10 @@ class TrainerGroup:
         out = await self._all("save_hf", out_dir)
         return None if out is None else str(out)
 
-    async def shutdown(self, timeout: float = 120.0) -> None:
-        """Let go of the engines (every rank, bounded), then stop every rank; all of it bounded by
-        ``timeout``, and the actors are killed whatever happened."""
+    async def shutdown(self, timeout: float = 120.0, leave_timeout: float = 30.0) -> None:
+        """Let go of the engines (every rank, each bounded by about ``2 * leave_timeout``), then stop every
+        rank; all of it bounded by ``timeout``, and the actors are killed whatever happened."""
         try:
-            await asyncio.wait_for(self.actors.all("shutdown"), timeout)
+            await asyncio.wait_for(self.actors.all("shutdown", leave_timeout), timeout)
         finally:
             self.actors.kill()

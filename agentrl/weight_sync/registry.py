@@ -86,12 +86,13 @@ class RankSync:
 
 
 def _node_address() -> str:
-    """The address engines reach this process by: its Ray node's when it runs in Ray (the engines may sit
-    on other nodes), else loopback. A process in Ray has imported it; one outside need not import it."""
-    if "ray" in sys.modules:
-        from agentrl.cluster import location
+    """The address engines reach this process by: its node's routable address when it runs in Ray (the
+    engines may sit on other nodes: :func:`agentrl.cluster.node_address`), else loopback. A process in Ray
+    has imported it; one outside need not import it."""
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        from agentrl.cluster import node_address
 
-        return location()["node_ip"] or "127.0.0.1"
+        return node_address()
     return "127.0.0.1"
 
 
@@ -118,7 +119,7 @@ async def connect(
     owned = None
     if client is None:
         targets = route(update.transport, update.engine_urls, rank, world_size)
-        client = owned = EngineClient(targets) if targets else None
+        client = owned = EngineClient(targets, api_key=update.api_key) if targets else None
     targets = client.urls if client is not None else []
     try:
         named = lora is not None and client is not None and await client.serves_adapters_by_name()

@@ -13,11 +13,24 @@ SGLANG_PEER_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
 
 def check_transport(
-    transport: str, *, colocated: bool, on_gpus: bool, trainer_on_gpu: bool, engine_backend: str
+    transport: str,
+    *,
+    colocated: bool,
+    on_gpus: bool,
+    trainer_on_gpu: bool,
+    engine_backend: str,
+    placed_apart: bool = False,
 ) -> None:
     """A ValueError naming ``weight_sync`` when ``transport`` cannot reach the engines from where the run
     puts them: ``colocated`` (engine i beside trainer rank i), ``on_gpus`` (engines and trainer on GPUs),
-    ``trainer_on_gpu`` and the engines' ``engine_backend``."""
+    ``trainer_on_gpu``, the engines' ``engine_backend``, and ``placed_apart`` (the engines and the trainer
+    ranks ask for different custom Ray resources, so they may sit on different hosts)."""
+    if transport == "tensor" and placed_apart and not colocated:
+        raise ValueError(
+            "weight_sync: tensor hands weights over in memory on one machine, but ray.engine_resources "
+            "and ray.trainer_resources place the engines and the trainer ranks on nodes of their own; "
+            "use distributed (or disk on a file system both see)"
+        )
     if colocated and on_gpus and transport == "distributed":
         raise ValueError(
             "weight_sync: NCCL cannot broadcast between two processes on one GPU; "

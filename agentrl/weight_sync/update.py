@@ -53,14 +53,15 @@ class BroadcastGroup:
 class WeightUpdate:
     """One weight update, from the trainer to inference engines.
 
-    The driver sets ``transport``, ``engine_urls`` and the transport's own fields (``out_dir`` for disk,
-    ``group`` for a broadcast); the rest is each rank's, resolved when it connects: ``targets`` (the
-    engines it pushes to), ``payload`` (what they take) and, at each push, ``version``."""
+    The driver sets ``transport``, ``engine_urls``, the engines' ``api_key`` and the transport's own fields
+    (``out_dir`` for disk, ``group`` for a broadcast); the rest is each rank's, resolved when it connects:
+    ``targets`` (the engines it pushes to), ``payload`` (what they take) and, at each push, ``version``."""
 
     transport: Transport
     engine_urls: Sequence[str] = ()  # every engine the update reaches (kept as a tuple)
     out_dir: str | Path | None = None  # disk: where the HF (or PEFT) dir is written
     group: BroadcastGroup = field(default_factory=BroadcastGroup)  # distributed: the process group
+    api_key: str | None = field(default=None, repr=False)  # the engines' key (Bearer), when they need one
     targets: tuple[str, ...] = ()  # the engines this rank pushes to (:func:`route`)
     payload: PayloadKind = "full"
     version: int | None = None  # the policy version a push hands over

@@ -8,7 +8,8 @@ Around the generic loop it adds (see :mod:`agentrl.recipe` for the hooks):
 * ``prepare``: the bootstrap (cached) when ``model_path`` or ``data`` is ``auto``, then the Search-R1
   parquet tasks (:func:`.data.load_tasks`);
 * ``start_services``: the bm25s /retrieve server over the corpus (``retrieval.workers`` processes on one
-  port; or ``retrieval.url``), handed to the search env as ``retrieval_url`` and ``topk``;
+  port, on a node with ``ray.service_resources``; or ``retrieval.url``), handed to the search env as
+  ``retrieval_url`` and ``topk`` (and ``retrieval_api_key``, the run's secret, when it spans hosts);
 * ``eval_metrics``: held-out exact match (the share of episodes with reward 1; a failed one is wrong);
   ``batch_metrics``: searches per episode, and the retrieval server's own load over the step (its
   ``/stats``: ``retrieval/busy_frac``, ``retrieval/request_ms_mean``, ... see
@@ -202,11 +203,21 @@ class SearchR1Recipe(DefaultRecipe):
 
             from .retrieval_workers import start_retrieval_server
 
-            start = functools.partial(start_retrieval_server, self.corpus, workers=self.retrieval_workers())
-            services.append(start_service("retrieval", start))
+            net = self.network  # loopback, or the node's address behind the run's secret
+            start = functools.partial(
+                start_retrieval_server,
+                self.corpus,
+                host=net.host,
+                workers=self.retrieval_workers(),
+                api_key=net.secret,
+            )
+            services.append(start_service("retrieval", start, resources=self.cfg.ray.service_resources))
             env_kwargs["retrieval_url"] = ray.get(services[-1].url.remote())
+            if net.secret:
+                env_kwargs["retrieval_api_key"] = net.secret
         if "retrieval_url" in env_kwargs:
-            self.retrieval_load = RetrievalLoad(env_kwargs["retrieval_url"])
+            key = env_kwargs.get("retrieval_api_key")
+            self.retrieval_load = RetrievalLoad(env_kwargs["retrieval_url"], api_key=key)
         return env_kwargs
 
     def retrieval_workers(self) -> int:

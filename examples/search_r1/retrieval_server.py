@@ -12,8 +12,9 @@ there). Only passages sharing a term with the query are returned, so a list may 
 event loop free. Malformed or oversized requests get a JSON ``{"error": ...}`` with status 400 (413 for a
 body over ``--max-body-bytes``). ``GET /health`` -> ``{"status": "ok", "num_docs": N}``; ``GET /stats`` ->
 the server's cumulative counters (requests, server-side seconds, time queued, CPU seconds, requests in
-flight; summed over its workers, see :mod:`.retrieval_workers`). The server binds loopback only unless
-``--allow-remote`` is given.
+flight; summed over its workers, see :mod:`.retrieval_workers`). It binds loopback unless given a key
+(``--api-key``, or ``$AGENTRL_API_KEY``, which keeps it out of the process list): with one, ``/retrieve``
+and ``/stats`` require ``Authorization: Bearer KEY`` (``/health`` stays open).
 
 CLI: ``python -m agentrl.examples.search_r1.retrieval_server --corpus FILE --host 127.0.0.1 --port N
 [--workers W]``. From Python, :func:`start_retrieval_server` (:mod:`.retrieval_workers`) runs it in
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import json
 import mmap
 import os
@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from agentrl.cluster import API_KEY_ENV, bearer_matches, bind_address, is_loopback
 
 from .data import format_docs
 from .retrieval_workers import RetrievalServer as RetrievalServer  # the process handle lives there
@@ -359,9 +361,15 @@ def _json_error(status: int, message: str):
     return web.json_response({"error": message}, status=status)
 
 
-def build_app(index: RetrievalIndex, limits: ServerLimits | None = None, board: StatsBoard | None = None):
+def build_app(
+    index: RetrievalIndex,
+    limits: ServerLimits | None = None,
+    board: StatsBoard | None = None,
+    api_key: str | None = None,
+):
     """The aiohttp application serving ``index`` (``/retrieve``, ``/health``, ``/stats``); it counts its
-    work in ``board`` (a worker's row of the server's shared board; default: a private one)."""
+    work in ``board`` (a worker's row of the server's shared board; default: a private one). With
+    ``api_key`` every path but ``/health`` requires it as a Bearer token."""
     from aiohttp import web
 
     limits = limits or ServerLimits()
@@ -412,6 +420,9 @@ def build_app(index: RetrievalIndex, limits: ServerLimits | None = None, board: 
 
     @web.middleware
     async def errors(request: web.Request, handler):
+        if api_key and request.path != "/health":
+            if not bearer_matches(request.headers.get("Authorization", ""), api_key):
+                return _json_error(401, "missing or invalid key (Authorization: Bearer <key>)")
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -436,13 +447,10 @@ def build_app(index: RetrievalIndex, limits: ServerLimits | None = None, board: 
     return app
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def check_exposure(host: str, api_key: str | None) -> None:
+    """A ValueError when ``host`` is off loopback and no key guards it."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(f"refusing to serve on non-loopback host {host!r} without a key (--api-key)")
 
 
 async def serve(
@@ -450,7 +458,7 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     limits: ServerLimits | None = None,
-    allow_remote: bool = False,
+    api_key: str | None = None,
     parent_pid: int | None = None,
     ready: Callable[[dict[str, Any]], None] | None = None,
     board: StatsBoard | None = None,
@@ -460,13 +468,13 @@ async def serve(
     ``reuse_port``: bind with ``SO_REUSEPORT``, sharing the port with the server's other workers."""
     from aiohttp import web
 
-    if not allow_remote and not is_loopback(host):
-        raise ValueError(f"refusing to bind non-loopback host {host!r} without allow_remote (--allow-remote)")
+    host = bind_address(host)
+    check_exposure(host, api_key)
     board = board or StatsBoard()
     t0 = time.perf_counter()
     index = await asyncio.to_thread(RetrievalIndex, corpus, mapped=True)
     build_s = time.perf_counter() - t0
-    runner = web.AppRunner(build_app(index, limits, board), access_log=None)
+    runner = web.AppRunner(build_app(index, limits, board, api_key), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     await site.start()
@@ -506,9 +514,13 @@ def main(argv: list[str] | None = None) -> None:
     d = ServerLimits()
     p = argparse.ArgumentParser(description="Search-R1 /retrieve server (BM25 via bm25s).")
     p.add_argument("--corpus", required=True, help="corpus jsonl: one {'id', 'contents'} per line")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless --allow-remote)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless a key is given)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
-    p.add_argument("--allow-remote", action="store_true", help="allow binding a non-loopback address")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"required as 'Authorization: Bearer KEY' on /retrieve and /stats (default: ${API_KEY_ENV})",
+    )
     p.add_argument("--max-queries", type=int, default=d.max_queries, help="queries per request")
     p.add_argument("--max-topk", type=int, default=d.max_topk)
     p.add_argument("--default-topk", type=int, default=d.default_topk, help="topk when a request omits it")
@@ -536,9 +548,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if a.worker_index is None and a.workers > 1:  # the CLI's own workers: start them, wait for a signal
-            if not a.allow_remote and not is_loopback(a.host):
-                raise ValueError(f"refusing to bind non-loopback host {a.host!r} without --allow-remote")
-            with start_retrieval_server(a.corpus, a.port, a.host, limits=limits, workers=a.workers) as server:
+            check_exposure(bind_address(a.host), a.api_key)
+            with start_retrieval_server(
+                a.corpus, a.port, a.host, limits=limits, workers=a.workers, api_key=a.api_key
+            ) as server:
                 ready({**server.info, "pids": server.pids})
                 stop = {signal.SIGINT, signal.SIGTERM}
                 signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # after the start: workers keep theirs
@@ -546,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         board = None if a.board_fd is None else StatsBoard(a.workers, a.board_fd, a.worker_index or 0)
         asyncio.run(
-            serve(a.corpus, a.host, a.port, limits, a.allow_remote, a.parent_pid, ready, board, a.reuse_port)
+            serve(a.corpus, a.host, a.port, limits, a.api_key, a.parent_pid, ready, board, a.reuse_port)
         )
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -33,6 +33,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from agentrl.cluster import API_KEY_ENV, bind_address
+
 log = logging.getLogger(__name__)
 
 FIELDS = (
@@ -120,18 +122,21 @@ class RetrievalLoad:
       / wall time); ``retrieval/inflight``: at the read.
     * ``retrieval/requests_per_s``, ``retrieval/workers``.
 
-    A server without ``/stats`` (another implementation of the API) gives ``{}``, said once in the log."""
+    A server without ``/stats`` (another implementation of the API) gives ``{}``, said once in the log.
+    ``api_key``: the server's key, when it requires one."""
 
-    def __init__(self, url: str, timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float = 2.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/").removesuffix("/retrieve") + "/stats"
         self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._prev: dict[str, Any] | None = None
         self._off = False
         # a loopback GET: never through a proxy from the environment
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def fetch(self) -> dict[str, Any]:
-        with self._opener.open(self.url, timeout=self.timeout) as resp:
+        request = urllib.request.Request(self.url, headers=self.headers)
+        with self._opener.open(request, timeout=self.timeout) as resp:
             return json.loads(resp.read())
 
     def read(self) -> dict[str, float]:
@@ -173,7 +178,7 @@ class _Worker:
     """One server process: its stdout read by a thread (also drained after the ready line, so the pipe
     never fills) and its stderr in a file with no name (gone once closed; a failed start shows its tail)."""
 
-    def __init__(self, cmd: list[str], pass_fds: tuple[int, ...]) -> None:
+    def __init__(self, cmd: list[str], pass_fds: tuple[int, ...], env: dict[str, str] | None = None) -> None:
         self.cmd = cmd
         self.log = tempfile.TemporaryFile(prefix="agentrl-retrieval-", suffix=".log")
         self.proc = subprocess.Popen(
@@ -183,6 +188,7 @@ class _Worker:
             stdin=subprocess.DEVNULL,
             text=True,
             pass_fds=pass_fds,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines: list[str] = []
         out = self.proc.stdout
@@ -277,12 +283,14 @@ def start_retrieval_server(
     timeout: float = 120.0,
     limits: Any = None,
     workers: int = 1,
+    api_key: str | None = None,
 ) -> RetrievalServer:
     """Start the server's ``workers`` processes on one port and wait until all serve; returns the handle.
 
     ``limits`` is a :class:`~.retrieval_server.ServerLimits` (default: its defaults). More than one worker
     needs ``SO_REUSEPORT`` balancing (Linux). The workers exit when this process exits (each watches its
-    parent), so they cannot outlive a crash.
+    parent), so they cannot outlive a crash. ``host`` may be :data:`agentrl.cluster.NODE` (this node's
+    routable address); off loopback ``api_key`` is required, and reaches the workers in their environment.
     """
     from .retrieval_server import ServerLimits  # the server module imports this one
 
@@ -299,7 +307,7 @@ def start_retrieval_server(
         "--corpus",
         str(corpus_path),
         "--host",
-        host,
+        bind_address(host),
         "--parent-pid",
         str(os.getpid()),
         "--max-queries",
@@ -317,12 +325,14 @@ def start_retrieval_server(
         "--board-fd",
         str(board.fd),
     ]
+    key_env = {API_KEY_ENV: api_key} if api_key else None
     started: list[_Worker] = []
     deadline = time.monotonic() + timeout
 
     def spawn(index: int, at_port: int) -> _Worker:
         extra = ["--worker-index", str(index), "--port", str(at_port)]
-        started.append(_Worker(base + extra + (["--reuse-port"] if workers > 1 else []), (board.fd,)))
+        reuse = ["--reuse-port"] if workers > 1 else []
+        started.append(_Worker(base + extra + reuse, (board.fd,), key_env))
         return started[-1]
 
     try:
