@@ -23,6 +23,9 @@ RL semantics kept from SGLang:
   in-flight requests to finish while holding new ones, copies the weights in place (CUDA graphs stay
   valid) and clears the prefix cache, so no request mixes weights within a step and no KV computed with
   old weights is reused.
+* **Speculative decoding** (``speculative``, :mod:`.speculative`): drafts from each request's own context,
+  verified in one forward; a drafted token is kept only where it equals the token the request samples
+  there, so speculation changes no token and no logprob.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
 from agentrl.embedded.sampling import EngineBadRequest, RequestSampling, sample_tokens
 from agentrl.embedded.scheduler import Scheduler
 from agentrl.embedded.sleep import SleepWake
+from agentrl.embedded.speculative import SpeculativeConfig
 from agentrl.embedded.weight_updates import WeightUpdates
 from agentrl.embedded.weights import pack_parameters
 
@@ -75,6 +79,7 @@ class EmbeddedEngine(AdapterEndpoints):
         quantization: str | None = None,
         lora_apply: str = "unmerged",
         max_lora_rank: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,6 +132,9 @@ class EmbeddedEngine(AdapterEndpoints):
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
         if quantization is not None:  # seconds the last quantization of the weights took (load or update)
             self.stats["quantize_s"] = self._quantize_s
+        if speculative is not None:  # verify steps, the rows they ran, drafted / accepted / emitted tokens
+            for key in ("verify_steps", "verify_rows", "draft_tokens", "accepted_tokens", "emitted_tokens"):
+                self.stats[f"spec_{key}"] = 0
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
@@ -136,6 +144,7 @@ class EmbeddedEngine(AdapterEndpoints):
             self.max_context,
             self.prefix_cache,
             self.stats,
+            speculative,
         )
         self.sleep_wake = SleepWake(self.memory, self.gate, self.scheduler, self.runner, self._on_device)
 

@@ -355,10 +355,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
-    def extend(self, batch: ExtendBatch) -> torch.Tensor:
+    def extend(self, batch: ExtendBatch, every_token: bool = False) -> torch.Tensor:
         """Run the new tokens of every row through the model, writing their KV into the rows' slots.
-        Returns fp32 logits [rows, vocab] at each row's last new token."""
+        Returns fp32 logits [rows, vocab] at each row's last new token, or with ``every_token`` at every
+        new token, the rows' tokens in order [tokens, vocab] (a speculative verify step: .speculative)."""
         if self.packed_prefill:
+            if every_token:  # eager, exact sizes: every token's logits
+                flat, blocks = self._packed_layout(batch, every_token=True)
+                t = sum(len(toks) for toks in batch.tokens)
+                if self.device.type == "cuda":
+                    flat = flat.pin_memory().to(self.device, non_blocking=True)
+                return self._extend_forward(flat, t, t, blocks)
             return self._extend_packed(batch)
         dev = self.device
         rows = len(batch.slots)
@@ -408,6 +415,8 @@ class ModelRunner:
                 enable_gqa=group > 1,
             )
             x = self._post_attention(i, x, o.transpose(1, 2).reshape(rows, width, -1), w)
+        if every_token:
+            return self._logits_of(x[valid])
         last = x[torch.arange(rows, device=dev), lens - 1]
         return self._logits_of(last)
 
@@ -432,13 +441,13 @@ class ModelRunner:
         return self._logits[: len(batch.slots)]
 
     def _packed_layout(
-        self, batch: ExtendBatch, tokens: int = 0, rows: int = 0, blocks: int = 0
+        self, batch: ExtendBatch, tokens: int = 0, rows: int = 0, blocks: int = 0, every_token: bool = False
     ) -> tuple[torch.Tensor, int]:
         """The host buffer :meth:`_extend_forward` reads, and its number of kernel blocks:
-        ``[ids | slots | positions]`` of the step's tokens, each row's last token in the packing, the
-        kernel's ``[4, blocks]`` table. Padded to at least ``tokens`` tokens (ids 0 at the scratch column
-        of slot 0), ``rows`` last-token entries (0) and ``blocks`` blocks (empty), as a graph's bucket lays
-        them out; by default exact."""
+        ``[ids | slots | positions]`` of the step's tokens, each row's last token in the packing (with
+        ``every_token`` every token), the kernel's ``[4, blocks]`` table. Padded to at least ``tokens``
+        tokens (ids 0 at the scratch column of slot 0), ``rows`` last-token entries (0) and ``blocks``
+        blocks (empty), as a graph's bucket lays them out; by default exact."""
         from agentrl.embedded.attention import block_table
 
         lens = [len(toks) for toks in batch.tokens]
@@ -448,6 +457,8 @@ class ModelRunner:
             slot_t.extend([slot] * len(toks))
             pos_t.extend(range(s, s + len(toks)))
         last = list(itertools.accumulate(lens, initial=-1))[1:]  # each row's last token in the packing
+        if every_token:
+            last = list(range(len(ids)))
         table = block_table(batch.slots, lens, batch.start)
         pad = max(tokens - len(ids), 0)
         fill = max(blocks - len(table[0]), 0)

@@ -3,8 +3,9 @@
 One asyncio task (:meth:`Scheduler.loop`) owns it. Between steps it applies aborts and retractions, admits
 waiting requests into free slots (copying the longest cached prefix of their tokens,
 :mod:`.prefix_cache`), and picks the next step: a **prefill** of the requests that still have tokens to
-run (chunked by a token budget), or else a **decode** of every running request (:mod:`.runner`). The step
-itself runs on the engine's device thread, so HTTP keeps being served; it samples on the device
+run (chunked by a token budget), or else a **decode** of every running request (:mod:`.runner`); with
+speculation on, a decode step is a **verify** step wherever a request has a draft (:mod:`.speculative`). The
+step itself runs on the engine's device thread, so HTTP keeps being served; it samples on the device
 (:mod:`.sampling`) and hands back ids and logprobs with one host sync. A request leaves the schedule when
 it finishes (stop id, stop string, length), is aborted, or is retracted (its KV goes to the prefix cache);
 its slot is then filled by the last running request.
@@ -25,10 +26,12 @@ from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest
 from agentrl.embedded.runner import ExtendBatch, ModelRunner
 from agentrl.embedded.sampling import sample_tokens
+from agentrl.embedded.speculative import SpeculativeConfig, accepted_exact, make_drafter, rejection_verify
 
 log = logging.getLogger("agentrl.engine")
 
-Step = tuple[str, list[EngineRequest], ExtendBatch | None, list[int]]
+# (kind, rows, batch, which rows sample) or, for a verify step, (kind, rows, batch, each row's draft)
+Step = tuple[str, list[EngineRequest], ExtendBatch | None, list]
 
 
 def prefill_takes(todo: list[int], budget: int, padded: bool) -> list[int]:
@@ -74,6 +77,7 @@ class Scheduler:
         max_context: int,
         prefix_cache: PrefixCache | None,
         stats: dict[str, int],
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -83,13 +87,19 @@ class Scheduler:
         self.max_context = max_context
         self.prefix_cache = prefix_cache
         self.stats = stats
+        self.speculative = speculative
+        self.drafter = make_drafter(speculative) if speculative is not None else None
         self.waiting: deque[EngineRequest] = deque()
         self.active: list[EngineRequest] = []  # index = slot
         self.epoch = 0
         self.step_lock = asyncio.Lock()  # held by a step; taken by weight updates and cache flushes
         self._retract = False
         self._since_prefill = 0
-        self._step_s = {"prefill": 0.0, "decode": 0.0}  # running means of each step kind's duration
+        self._step_s = {
+            "prefill": 0.0,
+            "decode": 0.0,
+            "verify": 0.0,
+        }  # running means of each step kind's duration
         self._pieces: dict[int, str] = {}  # token id -> its text alone (stop-string screening)
         # slot copies (src, dst, n, start) decided since the last step, run before the next one
         self._copies: list[tuple[int, int, int, int]] = []
@@ -119,9 +129,12 @@ class Scheduler:
         return inside
 
     def flush_prefix_cache(self) -> None:
+        """Forget every cached prefix and any drafter state: both were made with the weights that go."""
         self.epoch += 1
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def drop_slot_copies(self) -> None:
         """Forget the slot copies queued for the next step (the KV cache they would copy was released)."""
@@ -257,8 +270,30 @@ class Scheduler:
             return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start), done
         if self.active:
             self._since_prefill += 1
+            drafts = self._drafts(self.active) if self.drafter is not None else None
+            if drafts is not None:
+                tokens = [[r.seq[-1], *d] for r, d in zip(self.active, drafts, strict=True)]
+                batch = ExtendBatch(
+                    [r.slot for r in self.active], tokens, [len(r.seq) - 1 for r in self.active]
+                )
+                return "verify", list(self.active), batch, drafts
             return "decode", list(self.active), None, list(range(len(self.active)))
         return None
+
+    def _drafts(self, rows: list[EngineRequest]) -> list[list[int]] | None:
+        """Each row's draft, or None when no row has one (a plain decode step, with its graphs, then).
+        A draft never reaches past the request's max_new_tokens or the KV slot: the step emits at most
+        one token more than it holds."""
+        k = self.speculative.num_draft_tokens
+        budgets = [
+            max(
+                0,
+                min(k, r.sampling.max_new_tokens - len(r.output_ids) - 1, self.max_context - len(r.seq) - 1),
+            )
+            for r in rows
+        ]
+        drafts = self.drafter.propose([r.seq for r in rows], budgets)
+        return drafts if any(drafts) else None
 
     def _admit_every(self) -> int:
         """Decode steps to gather arriving requests for before a prefill step stalls the decoding rows:
@@ -278,6 +313,8 @@ class Scheduler:
         self.runner.copy_slots(copies)
         if kind == "decode":
             return self._decode_run(rows)
+        if kind == "verify":
+            return self._verify(rows, batch, done)
         logits = self.runner.extend(batch)
         if not done:
             return [], [], 1
@@ -285,14 +322,69 @@ class Scheduler:
         return (*self._sample(logits, [rows[i] for i in done]), 1)
 
     def _sample(self, logits: torch.Tensor, rows: list[EngineRequest]) -> tuple[list[int], list[float]]:
+        return self._sample_at(logits, rows, [len(r.seq) for r in rows])
+
+    def _sample_at(
+        self, logits: torch.Tensor, rows: list[EngineRequest], positions: list[int]
+    ) -> tuple[list[int], list[float]]:
+        """Sample logits row ``i`` as ``rows[i]`` samples position ``positions[i]``. Batch-invariant mode
+        samples at most ``max_batch`` rows at once, the shapes every decode step samples with."""
+        invariant = self.runner.max_batch if self.runner.batch_invariant else None
+        chunk = invariant or len(rows)
+        ids: list[int] = []
+        lps: list[float] = []
         with torch.inference_mode():
-            return sample_tokens(
-                logits,
-                [r.sampling for r in rows],
-                [r.seed for r in rows],
-                [len(r.seq) for r in rows],
-                invariant_rows=self.runner.max_batch if self.runner.batch_invariant else None,
-            )
+            for a in range(0, len(rows), chunk):
+                i, lp = sample_tokens(
+                    logits[a : a + chunk],
+                    [r.sampling for r in rows[a : a + chunk]],
+                    [r.seed for r in rows[a : a + chunk]],
+                    positions[a : a + chunk],
+                    invariant_rows=invariant,
+                )
+                ids += i
+                lps += lp
+        return ids, lps
+
+    def _verify(
+        self, rows: list[EngineRequest], batch: ExtendBatch, drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[float]], int]:
+        """Device thread: one forward over every row's last token and draft, then each row's emitted
+        tokens and logprobs (:mod:`.speculative`): the accepted drafted tokens and one sample after them.
+        The KV written past them is never read (a query reads keys up to its own position) and is
+        overwritten as the row goes on. Returns (ids, logprobs, 1), a list of tokens per row."""
+        logits = self.runner.extend(batch, every_token=True)
+        flat = [r for r, toks in zip(rows, batch.tokens, strict=True) for _ in toks]
+        positions = [
+            len(r.seq) + i for r, toks in zip(rows, batch.tokens, strict=True) for i in range(len(toks))
+        ]
+        ids, lps = self._sample_at(logits, flat, positions)
+        out_ids: list[list[int]] = []
+        out_lps: list[list[float]] = []
+        at = 0
+        for r, d in zip(rows, drafts, strict=True):
+            m = len(d) + 1
+            if self.speculative.acceptance == "rejection" and d:
+                toks = rejection_verify(logits[at : at + m], r.sampling, r.seed, len(r.seq), d)
+                out_ids.append(toks)
+                out_lps.append(self._raw_logprobs(logits[at : at + len(toks)], toks))
+            else:
+                n = accepted_exact(ids[at : at + m], d)
+                out_ids.append(ids[at : at + n])
+                out_lps.append(lps[at : at + n])
+            at += m
+        return out_ids, out_lps, 1
+
+    def _raw_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
+        """log_softmax of the raw logits at ``tokens`` (one per row), as :func:`sample_tokens` gives them."""
+        with torch.inference_mode():
+            ids = torch.tensor(tokens, device=logits.device)
+            if self.runner.batch_invariant:
+                from agentrl.batch_invariant import token_logprobs
+
+                return token_logprobs(logits, ids).double().tolist()
+            picked = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            return picked.double().tolist()
 
     def _decode_run(self, rows: list[EngineRequest]) -> tuple[list[int], list[float], int]:
         """Device thread: decode steps of ``rows`` back to back, up to :attr:`DECODE_RUN` of them, for as
@@ -330,9 +422,12 @@ class Scheduler:
             return True
         return any(self._finish_of(r, t) is not None for r, t in zip(rows, ids, strict=True))
 
-    def _commit(self, step: Step, result: tuple[list[int], list[float]]) -> None:
+    def _commit(self, step: Step, result: tuple[list, list]) -> None:
         kind, rows, batch, done = step
         ids, lps = result
+        if kind == "verify":
+            self._commit_verify(rows, done, ids, lps)
+            return
         if kind == "prefill":
             self.stats["prefill_steps"] = self.stats.get("prefill_steps", 0) + 1
             self.stats["prefill_rows"] = self.stats.get("prefill_rows", 0) + len(rows)
@@ -348,6 +443,27 @@ class Scheduler:
         for r in sampled:
             r.prefilling = False
         finished = [r for r, t, lp in zip(sampled, ids, lps, strict=True) if self._append(r, t, lp)]
+        for r in sorted(finished, key=lambda r: -r.slot):
+            self._leave(r, r.finish)
+
+    def _commit_verify(
+        self, rows: list[EngineRequest], drafts: list[list[int]], ids: list[list[int]], lps: list[list[float]]
+    ) -> None:
+        """Take each row's emitted tokens in order, as decode steps would, up to the one that finishes it;
+        count the drafted and accepted tokens."""
+        st = self.stats
+        st["spec_verify_steps"] = st.get("spec_verify_steps", 0) + 1
+        st["spec_verify_rows"] = st.get("spec_verify_rows", 0) + len(rows)
+        st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(len(d) for d in drafts)
+        finished = []
+        for r, toks, row_lps in zip(rows, ids, lps, strict=True):
+            st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + len(toks) - 1
+            for t, lp in zip(toks, row_lps, strict=True):
+                r.cached += 1  # the token before it has its KV now
+                st["spec_emitted_tokens"] = st.get("spec_emitted_tokens", 0) + 1
+                if self._append(r, t, lp):
+                    finished.append(r)
+                    break
         for r in sorted(finished, key=lambda r: -r.slot):
             self._leave(r, r.finish)
 

@@ -1,0 +1,173 @@
+"""Speculative decoding in the embedded engine: drafts of the next few tokens, verified by the served model
+in one forward, so that a decode step can emit several tokens without changing any of them.
+
+A :class:`Drafter` proposes, for each decoding request, up to ``k`` tokens that may follow its context;
+:class:`NgramDrafter` (prompt lookup) finds the latest earlier place where the context's last ``n`` tokens
+occurred (``n`` from ``max_ngram`` down to ``min_ngram``) and proposes what followed there. Agent episodes
+copy a lot from their own context (a name out of a retrieved passage, a tool call's arguments, code's
+identifiers), so these drafts need no draft model and no weight sync. Another drafter (a small draft
+model, a model's MTP head) fits behind the same interface.
+
+The scheduler (:mod:`.scheduler`) runs the model once over ``[last token, draft...]`` of every decoding
+request and then samples every one of those positions as a plain decode step would sample it: with the
+draw of (seed, position) (:mod:`.sampling`). **Exact acceptance**: a drafted token is kept exactly when it
+equals the token sampled at its position, and the first position where they differ emits its own sample,
+so every emitted token is the token, with the logprob, the non-speculative run emits there. Bit for bit
+where the forward's bits do not depend on how many tokens it runs at once (batch-invariant mode);
+otherwise up to the rounding by which the engine's prefill and decode differ.
+
+**Rejection acceptance** (:func:`rejection_verify`): standard speculative sampling for a point-mass
+draft, accepting a drafted token ``d`` with probability ``p(d)`` and otherwise sampling from ``p`` with
+``d`` removed. It keeps the target distribution but not the non-speculative run's tokens; it accepts as
+often as exact acceptance does (``p(d)`` per position), so it is there for comparison and for drafters that
+cannot use the engine's draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+from agentrl.embedded.sampling import RequestSampling, filter_logits, inverse_cdf, row_uniform
+
+Acceptance = Literal["exact", "rejection"]
+# keys of rejection acceptance's two draws, mixed into the request's seed (the token draw uses it as is)
+_ACCEPT_KEY, _RESIDUAL_KEY = 0x5851F42D4C957F2D, 0x14057B7EF767814F
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the embedded engine speculates: the drafter and its sizes, and the acceptance rule."""
+
+    method: Literal["ngram"] = "ngram"
+    num_draft_tokens: int = 4  # proposed per request and step, at most
+    max_ngram: int = 3  # the longest suffix of the context matched
+    min_ngram: int = 1  # the shortest
+    acceptance: Acceptance = "exact"
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r}: the embedded engine drafts with 'ngram'")
+        if self.num_draft_tokens < 1:
+            raise ValueError("speculative num_draft_tokens must be >= 1")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("speculative n-gram sizes need 1 <= min_ngram <= max_ngram")
+        if self.acceptance not in ("exact", "rejection"):
+            raise ValueError(f"speculative acceptance {self.acceptance!r}: 'exact' or 'rejection'")
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for a batch of decoding requests."""
+
+    def propose(self, contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        """For each request's whole context (prompt, observations and generated tokens), up to
+        ``budgets[i]`` tokens that may follow it (an empty list: no guess)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget any state: the served weights changed (a model drafter resyncs here)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the context's last ``n`` tokens,
+    for ``n`` from ``max_ngram`` down to ``min_ngram`` (a longer match is the better guess). Stateless:
+    every proposal is a function of the context alone."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        return [self._one(c, k) for c, k in zip(contexts, budgets, strict=True)]
+
+    def reset(self) -> None:
+        pass
+
+    def _one(self, context: list[int], k: int) -> list[int]:
+        size = len(context)
+        if k <= 0 or size < self.min_ngram + 1:
+            return []
+        seq = np.asarray(context, dtype=np.int64)
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            # windows starting at 0..size-n-1: each has a token after it (the suffix itself is excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            hits = np.flatnonzero((windows == seq[size - n :]).all(axis=1))
+            if hits.size:
+                # What followed the latest match, read on into the draft itself where the context ends: a
+                # match overlapping the suffix is a loop (period size - start), and the draft continues it.
+                start, draft = int(hits[-1]) + n, []
+                for i in range(start, start + k):
+                    draft.append(context[i] if i < size else draft[i - size])
+                return draft
+        return []
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter:
+    """The drafter ``config`` names."""
+    return NgramDrafter(config.max_ngram, config.min_ngram)
+
+
+def accepted_exact(sampled: list[int], draft: list[int]) -> int:
+    """How many of the ``sampled`` tokens (one per position of ``[last, draft...]``) a request emits under
+    exact acceptance: every drafted token that equals the sample at its position, then the first sample
+    that differs (or the one after the whole draft)."""
+    n = 0
+    while n < len(draft) and sampled[n] == draft[n]:
+        n += 1
+    return n + 1
+
+
+def rejection_verify(
+    logits: torch.Tensor, sampling: RequestSampling, seed: int, position: int, draft: list[int]
+) -> list[int]:
+    """Rejection acceptance of one request's ``draft``: ``logits`` [len(draft) + 1, vocab] are the model's
+    at the positions ``position, position + 1, ...`` (the first predicts the first drafted token). Drafted
+    token ``d`` at position ``i`` is accepted with probability ``p_i(d)`` (``p_i`` the processed
+    distribution: temperature, top-k, top-p, min-p), else position ``i`` emits a sample of ``p_i`` without
+    ``d``, renormalized, and the rest is dropped; after a whole accepted draft the last position emits a
+    sample of its own. Returns the emitted tokens. Draws are keyed by (seed, position), apart from the
+    plain token draw's; greedy rows accept exactly the argmax."""
+    if sampling.temperature == 0:
+        best = logits.argmax(dim=-1).tolist()
+        return best[: accepted_exact(best, draft)]
+    x = logits / sampling.temperature
+    if sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0:
+        rows = x.shape[0]
+        x = filter_logits(
+            x,
+            torch.full((rows,), sampling.top_k if sampling.top_k > 0 else x.shape[-1], device=x.device),
+            torch.full((rows,), sampling.top_p, device=x.device),
+            torch.full((rows,), sampling.min_p, device=x.device),
+        )
+    probs = torch.softmax(x.float(), dim=-1)
+    at = torch.arange(len(draft), device=x.device)
+    drafted = probs[at, torch.tensor(draft, dtype=torch.long, device=x.device)].tolist()
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        if row_uniform(seed ^ _ACCEPT_KEY, position + i) < drafted[i]:
+            out.append(d)
+            continue
+        residual = x[i : i + 1].clone()
+        residual[0, d] = torch.finfo(residual.dtype).min  # p without d (a zero-mass token is never drawn)
+        return [*out, _draw(residual, seed, position + i)]
+    return [*out, _draw(x[-1:], seed, position + len(draft))]
+
+
+def _draw(x: torch.Tensor, seed: int, position: int) -> int:
+    """A token of the distribution of logits ``x`` [1, vocab], by rejection acceptance's own draw."""
+    u = torch.tensor([row_uniform(seed ^ _RESIDUAL_KEY, position)], dtype=torch.float32, device=x.device)
+    return int(inverse_cdf(x, u)[0])
+
+
+__all__ = [
+    "Acceptance",
+    "Drafter",
+    "NgramDrafter",
+    "SpeculativeConfig",
+    "accepted_exact",
+    "make_drafter",
+    "rejection_verify",
+]

@@ -1,0 +1,299 @@
+"""Speculative decoding in the embedded engine (agentrl.embedded.speculative) changes no token.
+
+With exact acceptance every request gets the tokens, logprobs and finish reasons it gets without
+speculation, bit for bit in batch-invariant mode, at temperature 0 and 1: over multi-turn-like prompts
+whose repetition makes drafts hit, with stop strings met inside an accepted draft, lengths reached in a
+verify step, an abort mid-request, a retraction and a weight update between requests. Rejection
+acceptance keeps the target distribution (a statistical test of one position over many draws).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.embedded.engine import EmbeddedEngine
+from agentrl.embedded.sampling import RequestSampling
+from agentrl.embedded.speculative import NgramDrafter, SpeculativeConfig, accepted_exact, rejection_verify
+
+SPEC = SpeculativeConfig(num_draft_tokens=4, max_ngram=3, min_ngram=1)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its logits scaled up (final norm x6): at temperature 1 its samples repeat
+    themselves, as a trained model's copies from its context do, so drafts hit."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("peaked")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)
+    model.save_pretrained(out)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    """Multi-turn-like prompts: a passage, a question that repeats part of it, an observation that
+    repeats it again."""
+    out = []
+    for i in range(5):
+        passage = [(7 * i + 3 * j) % 97 + 10 for j in range(24)]
+        out.append([1, 2, *passage, 3, *passage[5:15], 4, 5, *passage[2:20], 6])
+    return out
+
+
+# ----------------------------------------------------------------------------------- the parts
+def test_ngram_drafter_proposes_what_followed_the_latest_longest_match() -> None:
+    d = NgramDrafter(max_ngram=3, min_ngram=1)
+    ctx = [1, 2, 3, 9, 1, 2, 3, 4, 5, 8, 2, 3]
+    assert d.propose([ctx], [3]) == [[4, 5, 8]]  # [1,2,3]? no: the suffix is [8,2,3]; [2,3] last at 5
+    assert d.propose([[5, 6, 7]], [4]) == [[]]  # nothing earlier matches
+    assert d.propose([[7, 7, 7, 7]], [3]) == [[7, 7, 7]]  # a loop goes on into the draft
+    assert d.propose([[3, 4, 3, 4, 3]], [5]) == [[4, 3, 4, 3, 4]]
+    assert d.propose([ctx], [0]) == [[]]
+    assert NgramDrafter(3, 3).propose([[1, 2, 9, 2]], [2]) == [[]]  # the 1-gram match is below min_ngram
+    assert accepted_exact([4, 5, 6], [4, 5]) == 3 and accepted_exact([4, 9, 6], [4, 5]) == 2
+    assert accepted_exact([7], []) == 1
+    with pytest.raises(ValueError, match="min_ngram"):
+        SpeculativeConfig(max_ngram=2, min_ngram=3)
+
+
+def test_rejection_acceptance_keeps_the_target_distribution() -> None:
+    """Many draws of one position with a drafted token of probability 0.3 (accepted about 30% of the
+    time): the emitted token's frequencies are the target's (total variation and chi-square), with and
+    without a top-k filter."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])
+    n = 6000
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny ops: a thread team's wake-ups would cost more than they do
+    try:
+        _draws(logits, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _draws(logits: torch.Tensor, n: int) -> None:
+    for top_k, draft in ((-1, 1), (3, 5)):
+        sp = RequestSampling(temperature=1.0, top_k=top_k)
+        x = logits[0].clone()
+        if top_k > 0:
+            x[x < x.topk(top_k).values[-1]] = -math.inf
+        p = torch.softmax(x, dim=-1)
+        counts = torch.zeros(6)
+        accepted = 0
+        for seed in range(n):
+            toks = rejection_verify(logits, sp, seed, 40, [draft])
+            counts[toks[0]] += 1
+            accepted += len(toks) == 2
+        freq = counts / n
+        assert 0.5 * float((freq - p).abs().sum()) < 0.03, (top_k, freq, p)
+        keep = p > 0
+        chi2 = float((((counts - n * p) ** 2)[keep] / (n * p[keep])).sum())
+        assert chi2 < 25.0, chi2  # 5 degrees of freedom at most: p-value ~1e-4
+        assert abs(accepted / n - float(p[draft])) < 0.03
+        assert counts[~keep].sum() == 0  # a filtered-out token is never emitted
+
+
+# ----------------------------------------------------------------------------------- the engine
+async def _run(engine: EmbeddedEngine, params: list[RequestSampling], tag: str) -> list:
+    prompts = _prompts()
+    return await asyncio.gather(
+        *(engine.generate(p, sp, f"{tag}{i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True)))
+    )
+
+
+def _params(temperature: float, stop: list[str] | None = None, lengths=(40, 40, 40, 7, 40)) -> list:
+    return [
+        RequestSampling(
+            temperature=temperature,
+            max_new_tokens=n,
+            sampling_seed=100 + i,
+            ignore_eos=True,
+            stop=list(stop or []) if i == 2 else [],
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.output_ids == y.output_ids
+        assert x.logprobs == y.logprobs  # exact floats
+        assert x.finish_reason == y.finish_reason
+
+
+def _stop_inside_a_step(tok, out: list[int], emitted: list, rid: str) -> tuple[str, int]:
+    """A stop string that ``out`` first completes at a token that a verify step of ``rid`` emitted before
+    its last one, and that token's index."""
+
+    def first_completion(stop: str) -> int:
+        return next(g for g in range(len(out)) if stop in tok.decode(out[: g + 1]))
+
+    for rid_, start, toks in emitted:
+        for at in range(start, start + len(toks) - 1) if rid_ == rid else ():
+            for w in (1, 2, 3):
+                stop = tok.decode(out[max(0, at - w + 1) : at + 1])
+                if stop.strip() and first_completion(stop) == at:
+                    return stop, at
+    raise AssertionError("no stop string is first met inside a verify step")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_speculation_changes_no_token_or_logprob(peaked_model_dir: Path, temperature: float) -> None:
+    plain = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True)
+    spec = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True, speculative=SPEC)
+    try:
+        base = await _run(plain, _params(temperature), "a")
+        # a stop string out of request 2's own output, met where a verify step emits several tokens
+        emitted: list[tuple[str, int, list[int]]] = []
+        inner = spec.scheduler._commit_verify
+
+        def spy(rows, drafts, ids, lps):
+            emitted.extend((r.rid, len(r.output_ids), list(t)) for r, t in zip(rows, ids, strict=True))
+            inner(rows, drafts, ids, lps)
+
+        spec.scheduler._commit_verify = spy
+        await _run(spec, _params(temperature), "probe")
+        stop, at = _stop_inside_a_step(plain.tokenizer, base[2].output_ids, emitted, "probe2")
+
+        base = await _run(plain, _params(temperature, [stop]), "b")
+        emitted.clear()
+        before = dict(spec.stats)
+        ours = await _run(spec, _params(temperature, [stop]), "s")
+        _same(ours, base)
+        assert base[2].finish_reason == {"type": "stop", "matched": stop}
+        assert len(base[2].output_ids) == at + 1
+        start, last = [(s, t) for rid, s, t in emitted if rid == "s2"][-1]
+        assert start <= at < start + len(last) - 1  # the stop was met before the step's last token
+        assert base[3].finish_reason["type"] == "length" and len(base[3].output_ids) == 7
+        accepted = spec.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        assert accepted >= 20, spec.stats  # drafts hit: many tokens came from verify steps
+        assert spec.stats["spec_draft_tokens"] >= spec.stats["spec_accepted_tokens"]
+        assert not spec.scheduler.active and not spec.scheduler.in_flight
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+async def test_abort_retraction_and_weight_update_with_speculation(
+    peaked_model_dir: Path, tiny_model_dir: Path
+) -> None:
+    """An aborted request answers a prefix of its tokens; a retracted one resumes to the same tokens; after
+    a weight update (another model's weights) requests get the new model's tokens, stamped with the new
+    version, and the freed slots serve on."""
+    plain = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True)
+    spec = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True, speculative=SPEC)
+    other = EmbeddedEngine(tiny_model_dir, max_batch_size=4, batch_invariant=True)
+    try:
+        long = [
+            RequestSampling(temperature=1.0, max_new_tokens=120, sampling_seed=7 + i, ignore_eos=True)
+            for i in range(5)
+        ]
+        base = await _run(plain, long, "a")
+        tasks = [
+            asyncio.ensure_future(spec.generate(p, sp, f"s{i}"))
+            for i, (p, sp) in enumerate(zip(_prompts(), long, strict=True))
+        ]
+        while spec.stats["spec_verify_steps"] < 3:
+            await asyncio.sleep(0.002)
+        spec.abort("s1")
+        spec.pause("retract")
+        while spec.scheduler.in_flight:
+            await asyncio.sleep(0.002)
+        spec.continue_generation()
+        ours = await asyncio.gather(*tasks)
+        assert ours[1].finish_reason["type"] == "abort"
+        n = len(ours[1].output_ids)
+        assert n < 120 and ours[1].output_ids == base[1].output_ids[:n]
+        assert ours[1].logprobs == base[1].logprobs[:n]
+        _same([ours[0], *ours[2:]], [base[0], *base[2:]])
+        assert not spec.scheduler.active and not spec._requests
+
+        await spec.update_weights_from_disk(str(tiny_model_dir), weight_version="2", abort_all=False)
+        after = await _run(spec, _params(1.0), "u")
+        want = await _run(other, _params(1.0), "o")
+        _same(after, want)
+        assert {r.weight_version for r in after} == {"2"}
+        assert spec.stats["spec_accepted_tokens"] > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+        other.shutdown()
+
+
+async def test_a_request_alone_or_in_a_crowd_gets_the_same_bits_with_speculation(
+    peaked_model_dir: Path,
+) -> None:
+    """Deterministic mode's premise holds with speculation on: a request's bits do not depend on which
+    requests share its steps (their drafts differ from step to step), nor on whether drafts ran at all."""
+    prompts = _prompts()
+    sp = RequestSampling(temperature=1.0, max_new_tokens=30, sampling_seed=3, ignore_eos=True)
+    alone = EmbeddedEngine(peaked_model_dir, max_batch_size=8, batch_invariant=True)
+    mine = await alone.generate(prompts[0], sp, "alone")
+    alone.shutdown()
+    crowd = EmbeddedEngine(peaked_model_dir, max_batch_size=8, batch_invariant=True, speculative=SPEC)
+    others = [
+        RequestSampling(temperature=1.0, max_new_tokens=10 + 7 * i, sampling_seed=50 + i, ignore_eos=True)
+        for i in range(6)
+    ]
+    recs = await asyncio.gather(
+        *(
+            crowd.generate([9, *p], s, f"c{i}")
+            for i, (p, s) in enumerate(zip(prompts[1:] * 2, others, strict=False))
+        ),
+        crowd.generate(prompts[0], sp, "mine"),
+    )
+    crowd.shutdown()
+    _same([recs[-1]], [mine])
+
+
+async def test_default_mode_speculation_keeps_the_tokens_and_logprobs_to_rounding(
+    tiny_model_dir: Path,
+) -> None:
+    """Outside batch-invariant mode the verify forward (prefill kernels over several tokens) rounds
+    differently from a decode step, as a prefill in chunks does: greedy tokens are the same and logprobs
+    agree to float rounding."""
+    plain = EmbeddedEngine(tiny_model_dir, max_batch_size=4)
+    spec = EmbeddedEngine(tiny_model_dir, max_batch_size=4, speculative=SPEC)
+    try:
+        a = await _run(plain, _params(0.0), "a")
+        b = await _run(spec, _params(0.0), "b")
+        for x, y in zip(a, b, strict=True):
+            assert x.output_ids == y.output_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+        assert spec.stats["spec_accepted_tokens"] > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+async def test_rejection_acceptance_in_the_engine_emits_target_logprobs(peaked_model_dir: Path) -> None:
+    """Rejection acceptance runs in the batch: every emitted token carries the raw-logit logprob of the
+    model (HF's forward over the same tokens, to float rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = EmbeddedEngine(
+        peaked_model_dir,
+        max_batch_size=4,
+        speculative=SpeculativeConfig(num_draft_tokens=4, max_ngram=3, min_ngram=1, acceptance="rejection"),
+    )
+    try:
+        recs = await _run(spec, _params(1.0), "r")
+    finally:
+        spec.shutdown()
+    assert spec.stats["spec_accepted_tokens"] > 0
+    hf = AutoModelForCausalLM.from_pretrained(peaked_model_dir).eval()
+    for r in recs:
+        ids = torch.tensor([[*r.prompt_ids, *r.output_ids]])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+        n = len(r.prompt_ids)
+        want = [float(logp[n - 1 + j, t]) for j, t in enumerate(r.output_ids)]
+        assert max(abs(a - b) for a, b in zip(want, r.logprobs, strict=True)) < 1e-4
