@@ -42,7 +42,7 @@ from agentrl.cluster import (
 )
 from agentrl.config import ConfigError
 from agentrl.run_config import RunConfig
-from agentrl.weight_sync import WeightUpdate, trainer_env
+from agentrl.weight_sync import IN_MEMORY, WeightUpdate, trainer_env
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -243,6 +243,20 @@ def loopback_across_nodes(placed: dict[str, Any]) -> str | None:
     return None
 
 
+def in_memory_across_hosts(placed: dict[str, Any]) -> str | None:
+    """Which engine sits on another host than the trainer rank that hands it its weights in memory
+    (engine j takes rank ``j % world_size``'s: :func:`agentrl.weight_sync.route`); None when none does."""
+    ranks = placed["trainer_ranks"]
+    for j, engine in enumerate(placed["engines"]):
+        rank = ranks[j % len(ranks)] if ranks else engine
+        if rank["node_ip"] != engine["node_ip"]:
+            return (
+                f"engine {j} runs on {engine['node_ip']} and trainer rank {j % len(ranks)} on "
+                f"{rank['node_ip']}; use distributed"
+            )
+    return None
+
+
 async def on_node(node_id: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` run as a Ray task on the node ``node_id`` (taking no CPU of the run's)."""
     import ray
@@ -390,6 +404,8 @@ class Fleet:
         weights = Path(cfg.output_dir) / "weights"
         if cfg.weight_sync == "disk":
             await check_shared_dir(weights, placed)
+        if cfg.weight_sync in IN_MEMORY and (apart := in_memory_across_hosts(placed)):
+            raise ConfigError(f"weight_sync: {cfg.weight_sync} hands weights over in memory, but {apart}")
         update = WeightUpdate(cfg.weight_sync, tuple(sync_urls), out_dir=str(weights), api_key=key)
         await self.trainer.connect_engines(update)
         print(describe_placement(placed), flush=True)

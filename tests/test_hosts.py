@@ -29,7 +29,7 @@ from agentrl.cluster import (
 )
 from agentrl.config import ConfigError
 from agentrl.node_watch import NodeLost, lost_nodes, parts_by_node, watch_nodes
-from agentrl.placement import check_shared_dir, loopback_across_nodes
+from agentrl.placement import check_shared_dir, in_memory_across_hosts, loopback_across_nodes
 
 
 def _node(node_id: str, ip: str, alive: bool = True) -> dict[str, Any]:
@@ -123,6 +123,15 @@ def test_tensor_across_hosts_is_refused_at_load() -> None:
         load_run_config(None, base + apart)
     load_run_config(None, base)  # one machine: fine
     load_run_config(None, [*base[:-1], "weight_sync=distributed", *apart])
+
+
+def test_in_memory_sync_between_hosts_is_named() -> None:
+    placed = _placed("http://10.1.0.2:3000", "http://10.1.0.1:8000")
+    assert in_memory_across_hosts(placed) == (
+        "engine 0 runs on 10.1.0.2 and trainer rank 0 on 10.1.0.1; use distributed"
+    )
+    placed["engines"][0]["node_ip"] = "10.1.0.1"  # another Ray node of the trainer's host
+    assert in_memory_across_hosts(placed) is None
 
 
 async def test_disk_sync_needs_a_file_system_both_nodes_see(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ the trainer never imports it. The driver hands a :class:`WeightUpdate` to every 
 from agentrl.weight_sync.registry import CONNECTORS, RankSync, connect
 from agentrl.weight_sync.rules import SGLANG_PEER_ENV, check_transport, trainer_env
 from agentrl.weight_sync.update import (
+    IN_MEMORY,
     LORA_NAME,
     BroadcastGroup,
     EngineSync,
@@ -38,6 +39,7 @@ from agentrl.weight_sync.update import (
 
 __all__ = [
     "CONNECTORS",
+    "IN_MEMORY",
     "LORA_NAME",
     "SGLANG_PEER_ENV",
     "BroadcastGroup",
