@@ -300,7 +300,8 @@ async def engine_metrics(client: Any) -> dict[str, float]:
     """The engines' peak GPU memory (GiB, the largest over engines) as they report it in
     ``/get_server_info``, and their cumulative counters summed over engines (the embedded engine's: device
     busy seconds in all and by step kind, decode steps and rows, prefill steps, rows and tokens, cached
-    tokens, slot copies); empty when none reports them."""
+    tokens, slot copies, speculative verify steps and rows, drafted and accepted tokens); empty when none
+    reports them."""
     try:
         infos = await client.server_info()
     except Exception:  # a metric is not worth failing a step for
@@ -318,6 +319,12 @@ async def engine_metrics(client: Any) -> dict[str, float]:
         "prefill_tokens",
         "cached_tokens",
         "slot_copies",
+        # speculative decoding (agentrl.embedded.speculative): its verify steps and their tokens
+        "verify_busy_s",
+        "spec_verify_steps",
+        "spec_verify_rows",
+        "spec_draft_tokens",
+        "spec_accepted_tokens",
     )
     for key in counters:
         vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]
@@ -364,9 +371,13 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
                 delta.get("engine/decode_rows", 0.0) / delta["engine/decode_steps"]
             )
         out["engine_prefill_tokens_per_step"] = delta.get("engine/prefill_tokens", 0.0) / (len(busy) - 1)
-        for kind in ("prefill", "decode"):  # where the engines' device time goes, per RL step
+        for kind in ("prefill", "decode", "verify"):  # where the engines' device time goes, per RL step
             if f"engine/{kind}_busy_s" in delta:
                 out[f"engine_{kind}_busy_s_per_step"] = delta[f"engine/{kind}_busy_s"] / (len(busy) - 1)
+        if delta.get("engine/spec_verify_rows"):  # tokens a verify step adds per request, beyond one
+            out["engine_spec_accepted_per_verify_row"] = (
+                delta.get("engine/spec_accepted_tokens", 0.0) / delta["engine/spec_verify_rows"]
+            )
         if delta.get("engine/prefill_steps"):
             out["engine_prefill_steps_per_step"] = delta["engine/prefill_steps"] / (len(busy) - 1)
     for key in ("trainer/peak_gpu_mem_gb", "engine/peak_gpu_mem_gb"):

@@ -188,6 +188,10 @@ def engine_starter(
             extra += ["--lora-apply", e.lora_apply, "--max-lora-rank", str(cfg.trainer.lora.rank)]
         if e.quantization:  # fp8 weights, quantized again at every update (agentrl.embedded.fp8)
             extra += ["--quantization", e.quantization]
+        if (spec := e.speculative) is not None:  # drafts from the context (agentrl.embedded.speculative)
+            extra += ["--speculative", spec.method, "--spec-k", str(spec.num_draft_tokens)]
+            extra += ["--spec-ngram", str(spec.max_ngram), "--spec-min-ngram", str(spec.min_ngram)]
+            extra += ["--spec-acceptance", spec.acceptance]
         return functools.partial(
             start_embedded_server,
             model_dir,

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from agentrl.cluster import Listen
 from agentrl.config import ConfigError, ConfigModel
+from agentrl.embedded.speculative import SpeculativeConfig
 from agentrl.engine.launcher import SGLangConfig
 from agentrl.exactness import Exactness
 from agentrl.metrics import MetricsConfig
@@ -95,6 +96,20 @@ class EngineSetupConfig(ConfigModel):
     sglang: SGLangConfig | None = Field(
         None, description="backend sglang: the launch settings (model_path filled in)"
     )
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="embedded: speculative decoding, drafts from each request's own context verified in "
+        "one forward (agentrl.embedded.speculative; exact acceptance changes no token). SGLang's own "
+        "goes through engine.sglang (docs/guide/speculative-decoding.md)",
+    )
+
+    @model_validator(mode="after")
+    def _speculative_is_embedded(self) -> EngineSetupConfig:
+        if self.speculative is not None and self.backend != "embedded":
+            raise ValueError(
+                "engine.speculative is the embedded engine's; SGLang's goes through engine.sglang"
+            )
+        return self
 
 
 class ColocationConfig(ConfigModel):

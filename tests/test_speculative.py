@@ -101,6 +101,26 @@ def _draws(logits: torch.Tensor, n: int) -> None:
         assert counts[~keep].sum() == 0  # a filtered-out token is never emitted
 
 
+def test_the_switch_reaches_the_embedded_server() -> None:
+    """``engine.speculative`` of a run becomes the embedded server's flags, which give back the same
+    config; a run with SGLang engines is told to use engine.sglang's flags."""
+    from agentrl.config import ConfigError
+    from agentrl.embedded.server import _parse_args, _speculative
+    from agentrl.placement import engine_starter
+    from agentrl.recipe import load_run_config
+
+    run = ["model_path=/m", "data.path=/d", "env.name=math"]
+    spec = ["engine.speculative.num_draft_tokens=6", "engine.speculative.max_ngram=4"]
+    cfg = load_run_config(None, [*run, *spec])
+    extra = engine_starter(cfg, "/m", 0).keywords["extra_args"]
+    assert _speculative(_parse_args(["--model", "/m", *extra])) == cfg.engine.speculative
+    assert cfg.engine.speculative.num_draft_tokens == 6 and cfg.engine.speculative.min_ngram == 2
+    assert "--speculative" not in engine_starter(load_run_config(None, run), "/m", 0).keywords["extra_args"]
+    assert _speculative(_parse_args(["--model", "/m"])) is None
+    with pytest.raises((ConfigError, ValueError), match=r"engine\.sglang"):
+        load_run_config(None, [*run, *spec, "engine.backend=sglang"])
+
+
 # ----------------------------------------------------------------------------------- the engine
 async def _run(engine: EmbeddedEngine, params: list[RequestSampling], tag: str) -> list:
     prompts = _prompts()

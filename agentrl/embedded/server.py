@@ -36,6 +36,7 @@ from agentrl.cluster import API_KEY_ENV, bind_address, is_loopback
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.lora import LORA_APPLY
 from agentrl.embedded.native_api import ENGINE_NAME, build_app
+from agentrl.embedded.speculative import SpeculativeConfig
 from agentrl.engine._proc import ServerProcess, ServerStartError
 
 __all__ = ["EmbeddedServer", "ServerStartError", "build_app", "main", "start_embedded_server"]
@@ -137,6 +138,26 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=2048,
         help="GPU: capture the decode graphs of attention lengths up to this at start-up (0: on first use)",
     )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="speculative decoding: ngram drafts each request's next tokens from its own context and one "
+        "forward verifies them; with --spec-acceptance exact no token or logprob changes "
+        "(agentrl.embedded.speculative)",
+    )
+    p.add_argument("--spec-k", type=int, default=4, help="--speculative: tokens drafted per request and step")
+    p.add_argument("--spec-ngram", type=int, default=3, help="--speculative: the longest suffix looked up")
+    p.add_argument(
+        "--spec-min-ngram", type=int, default=2, help="--speculative: the shortest suffix looked up"
+    )
+    p.add_argument(
+        "--spec-acceptance",
+        default="exact",
+        choices=["exact", "rejection"],
+        help="--speculative: exact keeps a drafted token only where it equals the token sampled there; "
+        "rejection is standard speculative sampling (the target distribution, not the same tokens)",
+    )
     p.add_argument("--default-max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
@@ -167,12 +188,28 @@ def main(argv: Sequence[str] | None = None) -> None:
                 check_fp8_device(torch.device("cuda", torch.cuda.current_device()))
             except ValueError as err:
                 sys.exit(str(err))
+    try:
+        _speculative(args)
+    except ValueError as err:  # the flags' combination, checked before the model loads
+        sys.exit(f"--speculative: {err}")
     # The generation step runs in a worker thread beside the HTTP loop; a short GIL switch interval keeps
     # either from waiting the default 5 ms for the other.
     sys.setswitchinterval(0.0005)
     weights = f"{args.dtype}, {args.quantization} projections" if args.quantization else args.dtype
     log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, weights)
     asyncio.run(_serve(args))
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.speculative is None:
+        return None
+    return SpeculativeConfig(
+        method=args.speculative,
+        num_draft_tokens=args.spec_k,
+        max_ngram=args.spec_ngram,
+        min_ngram=args.spec_min_ngram,
+        acceptance=args.spec_acceptance,
+    )
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -196,6 +233,7 @@ async def _serve(args: argparse.Namespace) -> None:
         quantization=args.quantization,
         lora_apply=args.lora_apply,
         max_lora_rank=args.max_lora_rank,
+        speculative=_speculative(args),
     )
     if args.warmup_len:
         t0 = time.perf_counter()

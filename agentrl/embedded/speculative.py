@@ -25,12 +25,13 @@ cannot use the engine's draws.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 
+from agentrl.config import ConfigModel
 from agentrl.embedded.sampling import RequestSampling, filter_logits, inverse_cdf, row_uniform
 
 Acceptance = Literal["exact", "rejection"]
@@ -38,25 +39,30 @@ Acceptance = Literal["exact", "rejection"]
 _ACCEPT_KEY, _RESIDUAL_KEY = 0x5851F42D4C957F2D, 0x14057B7EF767814F
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How the embedded engine speculates: the drafter and its sizes, and the acceptance rule."""
+class SpeculativeConfig(ConfigModel):
+    """How the embedded engine speculates (``engine.speculative`` of a run; the server's ``--speculative``
+    flags): the drafter and its sizes, and the acceptance rule."""
 
-    method: Literal["ngram"] = "ngram"
-    num_draft_tokens: int = 4  # proposed per request and step, at most
-    max_ngram: int = 3  # the longest suffix of the context matched
-    min_ngram: int = 1  # the shortest
-    acceptance: Acceptance = "exact"
+    method: Literal["ngram"] = Field(
+        "ngram", description="ngram: prompt lookup over the request's own context (no draft model)"
+    )
+    num_draft_tokens: int = Field(4, ge=1, description="tokens drafted per request and step, at most")
+    max_ngram: int = Field(3, ge=1, description="the longest suffix of the context looked up")
+    min_ngram: int = Field(
+        2, ge=1, description="the shortest suffix looked up (1 drafts more, and misses more)"
+    )
+    acceptance: Acceptance = Field(
+        "exact",
+        description="exact: a drafted token is kept only where it equals the token sampled there (the "
+        "tokens and logprobs of the run without speculation); rejection: standard speculative sampling "
+        "(the target distribution, not the same tokens)",
+    )
 
-    def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r}: the embedded engine drafts with 'ngram'")
-        if self.num_draft_tokens < 1:
-            raise ValueError("speculative num_draft_tokens must be >= 1")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError("speculative n-gram sizes need 1 <= min_ngram <= max_ngram")
-        if self.acceptance not in ("exact", "rejection"):
-            raise ValueError(f"speculative acceptance {self.acceptance!r}: 'exact' or 'rejection'")
+    @model_validator(mode="after")
+    def _sizes(self) -> SpeculativeConfig:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError("speculative n-gram sizes need min_ngram <= max_ngram")
+        return self
 
 
 class Drafter(Protocol):
