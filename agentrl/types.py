@@ -6,6 +6,9 @@ orchestrator tokenized once and appended. Per response token it keeps the rollou
 version that produced it (observation tokens: logprob 0.0, version -1), so a trajectory interrupted by a
 weight update carries mixed versions. ``turns`` records which slice of ``response_ids`` each turn is, and
 on a model turn the tool calls the env executed for it (:class:`ToolCallRecord`, as the env reported them).
+A row of a tree rollout (:mod:`agentrl.rollout.tree`) says where it sits in its task's tree
+(:class:`TreePosition`): the response tokens before a branch offset are the same ids in every row below
+that branch point.
 """
 
 from __future__ import annotations
@@ -56,6 +59,21 @@ class Turn:
 
 
 @dataclass
+class TreePosition:
+    """Where a leaf of a tree rollout sits in its tree: the child it took at each branch point, root first.
+
+    ``branch_offsets[d]`` is the ``response_ids`` offset at which branch point ``d`` forked the episode:
+    ``response_ids[:branch_offsets[d]]`` is shared, id for id, with every leaf whose ``path`` starts with
+    ``path[:d]``; ``branch_turns[d]`` is the model turn (1-based) after which it forked.
+    """
+
+    tree_id: str  # one tree per group member: "<group id>/<sample index>"
+    path: list[int] = field(default_factory=list)
+    branch_turns: list[int] = field(default_factory=list)
+    branch_offsets: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Trajectory:
     """One episode, token-exact. See the module docstring for the invariants."""
 
@@ -82,6 +100,8 @@ class Trajectory:
     # meta_info["routed_experts"] carries them (base64 of int32 [tokens, layers, k]; the latest turn's
     # record, which covers every token but the last). The trainer replays it (trainer.moe.routing_replay).
     routed_experts: str | None = None
+    # tree rollouts: this leaf's place in its task's tree (None: a flat episode)
+    tree: TreePosition | None = None
 
     # ---- building -------------------------------------------------------------------------------
     def append_model_tokens(
@@ -184,6 +204,8 @@ class Trajectory:
                 d[f.name] = list(value)
             elif f.name == "turns":
                 d[f.name] = [asdict(t) for t in value]
+            elif f.name == "tree":
+                d[f.name] = None if value is None else asdict(value)
             else:
                 d[f.name] = copy.deepcopy(value)
         d["status"] = self.status.value
@@ -194,6 +216,8 @@ class Trajectory:
         d = dict(d)
         d["status"] = Status(d.get("status", "completed"))
         d["turns"] = [_turn(t) for t in d.get("turns", [])]
+        if d.get("tree") is not None:
+            d["tree"] = TreePosition(**d["tree"])
         return cls(**d)
 
     def to_json(self) -> str:

@@ -24,11 +24,17 @@ should hold the same content joined, for consumers that want one text.
 stores them on the model turn the step answered, and episode dumps and the viewer show them; the env is
 the only part that knows its call format, so nothing re-parses the model's text. An env that records
 none still works: its dumps show no calls.
+
+Tree rollouts (``rollout.tree``) fork an episode mid-way. An env forks when it implements ``fork()`` (a
+copy in its current state, sync or async), or when it is ``deterministic`` (the same task and action
+texts always give the same observations): the platform then replays the episode into a fresh env.
+:mod:`agentrl.envs.fork` does both and refuses, at load, an env that is neither.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +77,9 @@ class Env(ABC):
     verifier: str | None = None
     #: True when the env itself always ends an episode with a ``StepResult.reward``: it needs no verifier
     scores_itself: bool = False
+    #: True when the same task and the same action texts always give the same observations: a tree
+    #: rollout then forks the env by replaying the episode into a fresh one (when it has no ``fork``)
+    deterministic: bool = False
 
     @abstractmethod
     async def reset(self, task: dict[str, Any]) -> list[Message]:
@@ -79,6 +88,12 @@ class Env(ABC):
     @abstractmethod
     async def step(self, action_text: str) -> StepResult:
         """Apply the model's action text; return the observation and whether the episode is over."""
+
+    def fork(self) -> Env | Awaitable[Env]:
+        """Optional: a new env in this one's current state, for a tree rollout's branch (see
+        :mod:`agentrl.envs.fork`); async when copying the state needs I/O. The fork is closed on its
+        own, so it must own (or share read-only) everything ``close`` releases."""
+        raise NotImplementedError(f"{type(self).__name__} does not fork")
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (sandboxes, sessions). Called once per episode, also after errors."""

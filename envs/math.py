@@ -21,6 +21,10 @@ class MathEnv(Env):
         self.instruction = instruction
         self.system_prompt = system_prompt
 
+    def fork(self) -> MathEnv:
+        """One turn, no state: a fork is a new env with the same settings."""
+        return MathEnv(self.instruction, self.system_prompt)
+
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         msgs = task_messages(task, self.system_prompt)
         if self.instruction and isinstance(task.get("prompt", task.get("question")), str):

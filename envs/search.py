@@ -20,6 +20,7 @@ closed again (``complete_trimmed_stop``). Each search that ran is reported in ``
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import time
 import weakref
@@ -122,6 +123,10 @@ class SearchEnv(Env):
         self.retrieval_api_key = retrieval_api_key  # the server's key, when it requires one
         self.turn = 0
         self.num_searches = 0
+
+    def fork(self) -> SearchEnv:
+        """A copy in the current state (turn and search counters); the retrieval client is shared."""
+        return copy.copy(self)
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         self.turn = 0

@@ -16,6 +16,7 @@ Tools can be named in a run config, with their arguments (:mod:`agentrl.tools.re
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,6 +68,11 @@ class ToolEnv(Env):
         if verifier is not None:
             self.verifier = verifier
         self.turn = 0
+
+    def fork(self) -> ToolEnv:
+        """A copy in the current state (the turn counter); tools, parser and sandbox are shared. The
+        sandboxes keep nothing between runs, so there is no sandbox state to copy (agentrl.envs.fork)."""
+        return copy.copy(self)
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         self.turn = 0
