@@ -123,7 +123,7 @@ def open_network(listen: Listen, nodes: Iterable[dict[str, Any]], api_key: str |
 def start_ray(
     address: str | None = None, num_cpus: int | None = None, runtime_env: dict[str, Any] | None = None
 ) -> None:
-    """``ray.init`` for a run (a local instance, or ``address`` of an existing cluster), with
+    """``ray.init`` for a run (a new local instance, or ``address`` of an existing cluster), with
     ``runtime_env`` as the job's runtime environment (:func:`user_code_env`: the user's modules in every
     worker).
 
@@ -136,7 +136,8 @@ def start_ray(
 
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
-        address=address,
+        # None would join the cluster a `ray start` on this machine last recorded (even a dead one)
+        address=address or "local",
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,

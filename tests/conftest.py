@@ -88,6 +88,20 @@ def _no_temp_leftovers() -> Iterator[None]:
         pytest.fail(f"the test left {left} in the temp dir {SESSION_TMP}")
 
 
+@pytest.fixture(autouse=True)
+def _ray_current_cluster_kept() -> Iterator[None]:
+    """A test that starts nodes with ``ray start`` leaves Ray's record of the machine's latest cluster
+    (``<RAY_TMPDIR>/ray/ray_current_cluster``, written by a worker node) as it found it: a later bare
+    ``ray.init()`` of another test would join that cluster, or fail to reach it once it is stopped."""
+    record = Path(os.environ.get("RAY_TMPDIR", _SYSTEM_TMP)) / "ray" / "ray_current_cluster"
+    before = record.read_bytes() if record.is_file() else None
+    yield
+    if before is None:
+        record.unlink(missing_ok=True)
+    elif not record.is_file() or record.read_bytes() != before:
+        record.write_bytes(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _temp_dir_clean_at_exit() -> Iterator[None]:
     yield
