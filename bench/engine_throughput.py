@@ -42,6 +42,14 @@ the bench makes by pushing the same checkpoint again through ``/update_weights_f
 are done (``update_wall_s``: that whole update, the checkpoint's read from disk included). The fp8 server
 keeps the bf16 weights beside their fp8 copies, so its KV cache may be planned smaller: its
 ``context_len`` and ``prefix_cache_slots`` are reported too.
+
+``--speculative`` serves the same rounds (and the multi-turn episodes) on the embedded engine without
+and then with speculative decoding (``--spec-args``, default ``--speculative ngram --spec-k 4
+--spec-ngram 3``: :mod:`agentrl.embedded.speculative`), one server after the other on the same device,
+and reports per concurrency ``spec_tok_s`` beside ``engine_tok_s``, ``ratio_spec_over_plain`` and the
+speculating server's account (``spec_time``): its verify steps, the rows they verified, the tokens
+drafted and accepted, ``accepted_per_verify_row`` (tokens a request gains per verify step beyond the one
+a decode step gives) and ``acceptance_rate`` (accepted over drafted).
 """
 
 from __future__ import annotations
@@ -170,13 +178,34 @@ ENGINE_COUNTERS = (
 )
 
 
+SPEC_COUNTERS = ("spec_verify_steps", "spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def speculation_account(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A speculating engine's account of a round, from its counters before and after it (empty for an
+    engine that does not speculate): verify steps and rows, tokens drafted and accepted, accepted tokens
+    per verified row and accepted over drafted."""
+    if not all(f"engine/{k}" in after for k in SPEC_COUNTERS):
+        return {}
+    d = {k: after[f"engine/{k}"] - before.get(f"engine/{k}", 0.0) for k in SPEC_COUNTERS}
+    return {
+        "verify_steps": int(d["spec_verify_steps"]),
+        "verify_rows": int(d["spec_verify_rows"]),
+        "draft_tokens": int(d["spec_draft_tokens"]),
+        "accepted_tokens": int(d["spec_accepted_tokens"]),
+        "accepted_per_verify_row": round(d["spec_accepted_tokens"] / max(d["spec_verify_rows"], 1.0), 3),
+        "acceptance_rate": round(d["spec_accepted_tokens"] / max(d["spec_draft_tokens"], 1.0), 3),
+    }
+
+
 def where_time_went(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """The embedded engine's account of a timed round of ``seconds``, from its counters as
     :func:`agentrl.metrics.engine_metrics` reads them before and after it: the share of the round its
     device was busy (in all, on decode steps, on prefill steps), its decode steps, rows a decode step,
     and the milliseconds a decode step took on the device against the round's wall time over its decode
     steps (prefill included; what the device was not busy for, it waited on the host: scheduling,
-    sampling's host side, HTTP). Empty for an engine without these counters (SGLang)."""
+    sampling's host side, HTTP). A speculating engine adds its verify steps' busy share and
+    :func:`speculation_account`. Empty for an engine without these counters (SGLang)."""
     keys = [f"engine/{k}" for k in ENGINE_COUNTERS]
     if not all(k in before and k in after for k in keys):
         return {}
@@ -191,6 +220,12 @@ def where_time_went(before: dict[str, float], after: dict[str, float], seconds: 
         "rows_per_decode_step": round(d["decode_rows"] / steps, 1),
         "decode_device_ms_per_step": round(d["decode_busy_s"] / steps * 1e3, 3),
         "wall_ms_per_decode_step": round(seconds / steps * 1e3, 3),
+        **(
+            {"verify_busy_frac": round((after[vb] - before.get(vb, 0.0)) / seconds, 3)}
+            if (vb := "engine/verify_busy_s") in after
+            else {}
+        ),
+        **speculation_account(before, after),
     }
 
 
@@ -200,9 +235,10 @@ async def multi_turn_round(
     """``episodes`` agent episodes at once, ``turns`` turns each (each turn's prompt is the previous one +
     its output + ``obs_len`` new tokens, so every turn after the first can reuse a cached prefix); returns
     tokens/s and prefill accounting (tokens submitted, and computed: submitted less the cached tokens each
-    answer reports)."""
+    answer reports), and a speculating engine's :func:`speculation_account` of the episodes."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
     async with EngineClient(url, timeout=3600) as client:
+        before = await engine_metrics(client)
 
         async def episode(e: int) -> tuple[int, int, int]:
             seq = prompts(1, prompt_len, vocab, seed=10_000 + e)[0]
@@ -220,6 +256,7 @@ async def multi_turn_round(
         t0 = time.perf_counter()
         done = await asyncio.gather(*(episode(e) for e in range(episodes)))
         wall = time.perf_counter() - t0
+        spec = speculation_account(before, await engine_metrics(client))
     submitted = sum(s for _, s, _ in done)
     computed = submitted - sum(c for _, _, c in done)
     return {
@@ -230,6 +267,7 @@ async def multi_turn_round(
         "prefill_tokens_submitted": submitted,
         "prefill_tokens_computed": computed,
         "computed_over_submitted": round(computed / submitted, 3) if submitted else None,
+        **({"spec": spec} if spec else {}),
     }
 
 
@@ -394,6 +432,16 @@ def main(argv: list[str] | None = None) -> None:
         help="none, or none,fp8: the embedded engine also serves the rounds with --quantization fp8",
     )
     p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="the embedded engine also serves the rounds with speculative decoding (--spec-args)",
+    )
+    p.add_argument(
+        "--spec-args",
+        default="--speculative ngram --spec-k 4 --spec-ngram 3",
+        help="--speculative: the speculating server's flags (quoted)",
+    )
+    p.add_argument(
         "--backends", default="embedded", help="engines that serve the same workload: embedded,sglang"
     )
     p.add_argument("--backend", default=None, help="--backend sglang: the A/B, as --backends embedded,sglang")
@@ -471,6 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     fp8_info: dict = {}
     if fp8_ab:  # after the unquantized server, on the same device
         fp8, multi_fp8, fp8_info = serve(["--quantization", "fp8"], log="server_fp8", update=True)
+    spec: dict[int, tuple[int, float]] = {}
+    multi_spec = None
+    spec_info: dict = {}
+    if a.speculative and "embedded" in backends:  # after the plain server, on the same device
+        spec, multi_spec, spec_info = serve(shlex.split(a.spec_args), log="server_spec")
     sglang: dict[int, tuple[int, float]] = {}
     sglang_info: dict = {}
     if "sglang" in backends:
@@ -500,6 +553,12 @@ def main(argv: list[str] | None = None) -> None:
             f_tok, f_s = fp8[c]
             results[str(c)]["fp8_tok_s"] = round(f_tok / f_s, 1)
             results[str(c)]["ratio_fp8_over_unquantized"] = round((f_tok / f_s) / (e_tok / e_s), 3)
+        if c in spec:
+            s_tok, s_s = spec[c]
+            results[str(c)]["spec_tok_s"] = round(s_tok / s_s, 1)
+            results[str(c)]["ratio_spec_over_plain"] = round((s_tok / s_s) / (e_tok / e_s), 3)
+            if c in spec_info.get("rounds", {}):
+                results[str(c)]["spec_time"] = spec_info["rounds"][c]
         if c in invariant:
             i_tok, i_s = invariant[c]
             results[str(c)]["batch_invariant_tok_s"] = round(i_tok / i_s, 1)
@@ -527,6 +586,8 @@ def main(argv: list[str] | None = None) -> None:
                 "multi_turn_batch_invariant": multi_invariant,
                 "multi_turn_sglang": multi_sglang,
                 "multi_turn_fp8": multi_fp8,
+                "multi_turn_spec": multi_spec,
+                "spec_args": a.spec_args if a.speculative else None,
                 "backends": backends,
                 "quantizations": quantizations,
                 "fp8": (

@@ -47,3 +47,38 @@ def test_an_unknown_quantization_list_is_refused_before_anything_starts() -> Non
         [*BENCH, "--quantizations", "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "--quantizations: none, or none,fp8" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_speculative_ab_reports_both_servers_and_the_drafts_account() -> None:
+    """``--speculative``: the same rounds and episodes without and then with speculative decoding, the
+    ratio, and the speculating server's verify steps, drafted and accepted tokens."""
+    args = [
+        "--concurrency",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-new-tokens",
+        "8",
+        "--no-hf",
+        "--multi-turn",
+        "2",
+    ]
+    spec = "--speculative ngram --spec-k 3 --spec-ngram 2 --spec-min-ngram 1"
+    proc = subprocess.run(
+        [*BENCH, *args, "--obs-len", "8", "--speculative", "--spec-args", spec],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    row = out["results"]["2"]
+    assert row["engine_tok_s"] > 0 and row["spec_tok_s"] > 0
+    ratio = row["spec_tok_s"] / row["engine_tok_s"]
+    assert abs(row["ratio_spec_over_plain"] - ratio) <= 0.01 * ratio + 1e-3
+    assert "verify_steps" not in row["engine_time"]  # the plain server does not speculate
+    for account in (row["spec_time"], out["multi_turn_spec"]["spec"]):
+        assert 0 <= account["accepted_tokens"] <= account["draft_tokens"]
+        assert account["verify_steps"] <= account["verify_rows"]
+    assert out["spec_args"] == spec and out["multi_turn_spec"]["episodes"] == 2
