@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from agentrl.buffer import StalenessController, within_bound
@@ -33,6 +34,7 @@ from agentrl.chat import ChatTokenizer
 from agentrl.engine.client import EngineClient, EngineError, EngineRequestError
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.base import Env, StepResult
+from agentrl.envs.fork import EpisodeLog
 from agentrl.rewards.base import run_verifier
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import Draw
@@ -50,9 +52,36 @@ WARNINGS = {
 }
 
 
+@dataclass
+class LiveEpisode:
+    """An episode in progress: its env, its trajectory so far, and what an error would be blamed on.
+    A tree rollout forks one into several (:mod:`agentrl.rollout.tree`)."""
+
+    draw: Draw
+    traj: Trajectory
+    env: Env | None = None  # None: not started yet, or closed
+    stop: list[str] = field(default_factory=list)
+    phase: str = "env"  # env | tokenizer | engine | verifier: what a failure now is blamed on
+    status: Status = Status.TRUNCATED  # how it ends unless something ends it first
+    ended: bool = False  # no more turns: terminated, truncated, over a limit, or failed
+    tool_time: float = 0.0
+    log: EpisodeLog | None = None  # its task, actions and results, kept to fork it by replay
+    t0: float = field(default_factory=time.monotonic)
+
+
 class Restart(Exception):  # control flow, not an error
     """Re-run an episode from scratch (too stale to be trained, or interrupted with
     interrupt_mode=restart)."""
+
+
+def _seed_key(draw: Draw, traj: Trajectory) -> str:
+    """What a request seed is drawn from besides the sample and turn: the draw, and in a tree rollout the
+    branch taken (child 0 continues its parent's draws, so a tree that never branches samples as a flat
+    episode does)."""
+    tree = traj.tree
+    if tree is None or not any(tree.path):
+        return draw.uid
+    return f"{draw.uid}/{'.'.join(map(str, tree.path))}"
 
 
 def parse_version(v: str | None, fallback: int) -> int:
@@ -119,101 +148,163 @@ class EpisodeRunner:
                 f"took longer than rollout.env_step_timeout ({self.cfg.env_step_timeout} s)"
             ) from None
 
+    def new_episode(self, draw: Draw, i: int) -> LiveEpisode:
+        """Sample ``i`` of ``draw``'s task, not started yet (:meth:`advance` starts it)."""
+        traj = Trajectory(
+            task_id=draw.task_id,
+            group_id=draw.uid,
+            prompt_ids=[],
+            sample_index=i,
+            label=draw.task.get("label"),
+        )
+        return LiveEpisode(draw, traj)
+
     async def run(
         self, draw: Draw, i: int, sampling: SamplingParams, m: RolloutMetrics, train: bool
     ) -> Trajectory:
         """Sample ``i`` of ``draw``'s task, to its end; never raises for an env, tool, verifier or engine
         error (the trajectory comes back FAILED with it). Raises :class:`Restart` when ``train`` and the
         episode must be re-run from scratch (too stale, or interrupted with ``interrupt_mode: restart``)."""
-        task, uid = draw.task, draw.uid
-        t0 = time.monotonic()
-        env: Env | None = None
-        traj = Trajectory(
-            task_id=draw.task_id, group_id=uid, prompt_ids=[], sample_index=i, label=task.get("label")
-        )
-        phase = "env"
+        ep = self.new_episode(draw, i)
+        await self.advance(ep, sampling, m, train)
+        return ep.traj
+
+    async def advance(
+        self,
+        ep: LiveEpisode,
+        sampling: SamplingParams,
+        m: RolloutMetrics,
+        train: bool,
+        until_turn: int | None = None,
+    ) -> bool:
+        """Play ``ep`` (starting it first when new) until it ends, or until it has ``until_turn`` model
+        turns and goes on (a tree's branch point): then True, with its env still open. Otherwise the
+        episode is over (scored, or FAILED with the error), its env closed, and False. Raises as
+        :meth:`run` does, its env closed."""
+        paused = False
         try:
-            env = self.env_factory()
-            messages = await self._env_call(env.reset(dict(task)))
-            phase = "tokenizer"
-            traj.prompt_ids = self.chat.prompt_ids(messages, getattr(env, "tools", None))
-            stop = [*sampling.stop, *(getattr(env, "stop", None) or [])]
-            limit = self.cfg.token_limit
-            status = Status.TRUNCATED  # max_turns reached unless something below ends it first
-            tool_time = 0.0
-            for _turn in range(self.cfg.max_turns):
-                room = limit - len(traj.prompt_ids) - len(traj.response_ids)
-                if room <= 0:
-                    break
-                phase = "engine"
-                ids, lps, vers = await self._generate_turn(draw, traj, sampling, stop, room, m, train)
-                phase = "tokenizer"
-                text = self.chat.action_text(ids)
-                traj.append_model_tokens(ids, lps, vers, text)
-                m.turn(len(ids))
-                if len(traj.prompt_ids) + len(traj.response_ids) >= limit:
-                    break
-                phase = "env"
-                ts = time.monotonic()
-                res = await self._env_call(env.step(text))
-                step_time = time.monotonic() - ts
-                tool_time += step_time
-                if res.info:
-                    traj.info.update(res.info)
-                # the calls the env ran for this action, on its turn (what episode dumps show)
-                calls = list(getattr(res, "tool_calls", None) or [])
-                traj.turns[-1].tool_calls = calls
-                # tool latency: the calls' own time when the env reports its calls with their latency;
-                # an env that reports none has its whole step timed instead
-                timed = [c.latency_s for c in calls if c.latency_s is not None]
-                for latency in timed or [step_time]:
-                    m.tool(latency)
-                if res.reward is not None:
-                    traj.reward = float(res.reward)
-                if res.terminated:
-                    status = Status.COMPLETED
-                    break
-                if res.truncated:
-                    break
-                phase = "tokenizer"
-                obs, obs_text = self._observation(res, ids[-1] if ids else None)
-                if not obs:
-                    # the episode goes on, but the model is shown nothing new: almost always an env bug
-                    m.count("steps_without_observation")
-                    self._warn_once("steps_without_observation", env)
-                    continue
-                if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
-                    break  # the observation does not fit the context: truncated
-                traj.append_observation_tokens(obs, obs_text)
-                m.observation(len(obs))
-            if getattr(env, "tools", None) and not any(t.tool_calls for t in traj.turns):
-                m.count("episodes_without_tool_calls")
-            traj.status = status
-            traj.timings["tool_s"] = tool_time
-            if traj.reward is None:
-                phase = "verifier"
-                await self.score(
-                    traj,
-                    env,
-                    m,
-                    "no reward: the env gave none, names no verifier, and rollout.verifier is not set",
-                )
+            if ep.env is None:
+                ep.env = self.env_factory()
+                messages = await self._env_call(ep.env.reset(dict(ep.draw.task)))
+                if ep.log is not None:
+                    ep.log.messages = messages
+                ep.phase = "tokenizer"
+                ep.traj.prompt_ids = self.chat.prompt_ids(messages, getattr(ep.env, "tools", None))
+                ep.stop = [*sampling.stop, *(getattr(ep.env, "stop", None) or [])]
+            await self._play(ep, sampling, m, train, until_turn)
+            if not ep.ended:
+                paused = True
+                return True
+            await self._finish(ep, m)
         except (Restart, asyncio.CancelledError):
             raise
         except Exception as err:
-            kind = "engine" if isinstance(err, EngineError) else phase
-            traj.status = Status.FAILED
-            traj.error = f"{kind}: {type(err).__name__}: {err}"
-            m.failure(kind)
+            self.fail(ep, err, m)
         finally:
-            if env is not None:
-                try:
-                    await env.close()
-                except Exception:
-                    m.failure("env_close")
-        traj.timings["episode_s"] = time.monotonic() - t0
+            if not paused:
+                await self.close(ep, m)
+        traj = ep.traj
+        traj.timings["episode_s"] = time.monotonic() - ep.t0
         m.episode(traj.status.value, len(traj.response_ids), traj.num_turns)
-        return traj
+        return False
+
+    def fail(self, ep: LiveEpisode, err: Exception, m: RolloutMetrics) -> None:
+        """Mark ``ep`` FAILED with ``err``, blamed on the engine or on the phase it was in."""
+        kind = "engine" if isinstance(err, EngineError) else ep.phase
+        ep.traj.status = Status.FAILED
+        ep.traj.error = f"{kind}: {type(err).__name__}: {err}"
+        ep.ended = True
+        m.failure(kind)
+
+    async def close(self, ep: LiveEpisode, m: RolloutMetrics) -> None:
+        """Close ``ep``'s env (once); a failing ``close`` is counted, never raised."""
+        env, ep.env = ep.env, None
+        if env is not None:
+            try:
+                await env.close()
+            except Exception:
+                m.failure("env_close")
+
+    async def _play(
+        self,
+        ep: LiveEpisode,
+        sampling: SamplingParams,
+        m: RolloutMetrics,
+        train: bool,
+        until_turn: int | None,
+    ) -> None:
+        """Turns until the episode ends (``ep.ended``) or has ``until_turn`` model turns."""
+        traj, env, draw = ep.traj, ep.env, ep.draw
+        assert env is not None
+        limit = self.cfg.token_limit
+        while True:
+            if traj.num_turns >= self.cfg.max_turns:
+                break  # max_turns reached: truncated
+            if until_turn is not None and traj.num_turns >= until_turn:
+                return
+            room = limit - len(traj.prompt_ids) - len(traj.response_ids)
+            if room <= 0:
+                break
+            ep.phase = "engine"
+            ids, lps, vers = await self._generate_turn(draw, traj, sampling, ep.stop, room, m, train)
+            ep.phase = "tokenizer"
+            text = self.chat.action_text(ids)
+            traj.append_model_tokens(ids, lps, vers, text)
+            m.turn(len(ids))
+            if len(traj.prompt_ids) + len(traj.response_ids) >= limit:
+                break
+            ep.phase = "env"
+            ts = time.monotonic()
+            res = await self._env_call(env.step(text))
+            step_time = time.monotonic() - ts
+            ep.tool_time += step_time
+            if ep.log is not None:
+                ep.log.steps.append((text, res))
+            if res.info:
+                traj.info.update(res.info)
+            # the calls the env ran for this action, on its turn (what episode dumps show)
+            calls = list(getattr(res, "tool_calls", None) or [])
+            traj.turns[-1].tool_calls = calls
+            # tool latency: the calls' own time when the env reports its calls with their latency;
+            # an env that reports none has its whole step timed instead
+            timed = [c.latency_s for c in calls if c.latency_s is not None]
+            for latency in timed or [step_time]:
+                m.tool(latency)
+            if res.reward is not None:
+                traj.reward = float(res.reward)
+            if res.terminated:
+                ep.status = Status.COMPLETED
+                break
+            if res.truncated:
+                break
+            ep.phase = "tokenizer"
+            obs, obs_text = self._observation(res, ids[-1] if ids else None)
+            if not obs:
+                # the episode goes on, but the model is shown nothing new: almost always an env bug
+                m.count("steps_without_observation")
+                self._warn_once("steps_without_observation", env)
+                continue
+            if len(traj.prompt_ids) + len(traj.response_ids) + len(obs) >= limit:
+                break  # the observation does not fit the context: truncated
+            traj.append_observation_tokens(obs, obs_text)
+            m.observation(len(obs))
+        ep.ended = True
+
+    async def _finish(self, ep: LiveEpisode, m: RolloutMetrics) -> None:
+        """Status, tool time and, when the env gave none, the verifier's reward."""
+        traj, env = ep.traj, ep.env
+        if getattr(env, "tools", None) and not any(t.tool_calls for t in traj.turns):
+            m.count("episodes_without_tool_calls")
+        traj.status = ep.status
+        traj.timings["tool_s"] = ep.tool_time
+        if traj.reward is None:
+            ep.phase = "verifier"
+            await self.score(
+                traj,
+                env,
+                m,
+                "no reward: the env gave none, names no verifier, and rollout.verifier is not set",
+            )
 
     def _observation(self, res: StepResult, last_token_id: int | None) -> tuple[list[int], str]:
         """The observation ids of one step (loss_mask 0) and their text: ``res.messages`` when the env gave
@@ -272,7 +363,9 @@ class EpisodeRunner:
             update = {"max_new_tokens": max_new, "stop": stop}
             if self.deterministic and sampling.sampling_seed is None:  # same draws whenever it runs
                 turn = traj.num_turns
-                update["sampling_seed"] = request_seed(self.cfg.seed, draw.uid, traj.sample_index, turn)
+                update["sampling_seed"] = request_seed(
+                    self.cfg.seed, _seed_key(draw, traj), traj.sample_index, turn
+                )
             sp = sampling.model_copy(update=update)
             sent_version = self.controller.version
             m.request_started(len(traj.prompt_ids) + len(traj.response_ids) + len(ids))
@@ -309,6 +402,9 @@ class EpisodeRunner:
                         res.weight_version,
                         self.controller.version,
                     )
+            cached = res.meta.get("cached_tokens")
+            if isinstance(cached, int):  # prompt tokens the engine's prefix cache served (SGLang, embedded)
+                m.count("cached_input_tokens", cached)
             ids += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)

@@ -144,6 +144,11 @@ class RolloutMetrics:
         }
         for k, v in self.counters.items():
             out[f"rollout/{k}"] = v
+        if "cached_input_tokens" in self.counters and self.counters["request_input_tokens"]:
+            # since the start: the share of the tokens sent to /generate that the engine's prefix cache served
+            out["rollout/prefix_cache_hit_rate"] = (
+                self.counters["cached_input_tokens"] / self.counters["request_input_tokens"]
+            )
         for k, v in self.failures.items():
             out[f"rollout/failures/{k}"] = v
         out["rollout/failures_total"] = sum(self.failures.values())
