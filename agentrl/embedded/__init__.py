@@ -7,5 +7,5 @@ launches real SGLang servers (:mod:`agentrl.engine.launcher`) and talks to both 
 :func:`agentrl.embedded.server.start_embedded_server` starts one from Python. The modules, from the top:
 ``server`` (the process), ``native_api`` (SGLang's endpoints), ``openai_backend`` (OpenAI's, in process),
 ``engine`` (requests, pause, weight updates), ``scheduler`` (continuous batching), ``runner`` (the forward),
-``request``, ``sampling``, ``prefix_cache``, ``weights``.
+``speculative`` (drafts and their verification), ``request``, ``sampling``, ``prefix_cache``, ``weights``.
 """
