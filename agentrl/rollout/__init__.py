@@ -4,7 +4,9 @@
   judges them and feeds whole groups into the staleness-bounded buffer; pauses for weight updates.
 - :class:`EpisodeRunner` (``episode.py``): one multi-turn episode against SGLang-protocol engines,
   token-in/token-out, scored by the env or a verifier.
-- :class:`RolloutConfig` (``config.py``): every knob, validated.
+- :class:`TreeRunner` (``tree.py``): tree rollouts (``rollout.tree``), episodes that branch into
+  children sharing their tokens; every leaf a trajectory.
+- :class:`RolloutConfig` (``config.py``): every knob, validated (:class:`TreeConfig`: ``rollout.tree``).
 - :class:`DatasetCursor` (``dataset.py``): checkpointable task cursor; every draw has a uid.
 - :class:`ChatTokenizer` (``tokenize.py``): the prompt render and observation deltas (never re-tokenize).
 - :class:`RolloutMetrics` (``metrics.py``): counters and rates through ``agentrl.metrics``.
@@ -17,13 +19,14 @@ The staleness invariant and its owner live in :mod:`agentrl.buffer`.
 
 from agentrl.buffer import DataExhausted, Group, StalenessController, TrajectoryBuffer
 from agentrl.chat import ChatTemplateError, ChatTokenizer
-from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.config import RolloutConfig, TreeConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.rollout.ray_actor import OrchestratorSpec, RolloutWorker, make_rollout_actor
 from agentrl.rollout.shards import RolloutGroup, shard_specs
+from agentrl.rollout.tree import TreeRunner
 
 __all__ = [
     "ChatTemplateError",
@@ -41,6 +44,8 @@ __all__ = [
     "RolloutWorker",
     "StalenessController",
     "TrajectoryBuffer",
+    "TreeConfig",
+    "TreeRunner",
     "make_rollout_actor",
     "shard_specs",
 ]

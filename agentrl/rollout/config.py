@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -9,6 +10,37 @@ from pydantic import Field, model_validator
 from agentrl.config import ConfigModel
 from agentrl.engine.types import SamplingParams
 from agentrl.episodes import DumpConfig
+
+
+class TreeConfig(ConfigModel):
+    """Tree rollouts (:mod:`agentrl.rollout.tree`): each of a group's ``group_size`` episodes grows into a
+    tree. After each model turn of ``branch_at`` (and its observation) the episode forks into ``k``
+    children that share its tokens; a tree has up to ``k ** len(branch_at)`` leaves, each a trajectory."""
+
+    branch_at: list[int] = Field(
+        description="model turns (1-based, ascending) after which an episode branches; [] never branches"
+    )
+    k: int = Field(2, ge=1, description="children of each branch point (1: the tree is one flat episode)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TreeConfig:
+        turns = self.branch_at
+        if any(t < 1 for t in turns) or any(b <= a for a, b in itertools.pairwise(turns)):
+            raise ValueError(f"rollout.tree.branch_at: model turns 1, 2, ... in ascending order, not {turns}")
+        if self.leaves > MAX_TREE_LEAVES:
+            raise ValueError(
+                f"rollout.tree: k ** len(branch_at) = {self.leaves} leaves a tree, "
+                f"more than {MAX_TREE_LEAVES}"
+            )
+        return self
+
+    @property
+    def leaves(self) -> int:
+        """Leaves of a tree whose episodes reach every branch point."""
+        return self.k ** len(self.branch_at)
+
+
+MAX_TREE_LEAVES = 1024
 
 
 class RolloutConfig(ConfigModel):
@@ -135,6 +167,12 @@ class RolloutConfig(ConfigModel):
         "return_routed_experts; an SGLang server needs --enable-return-routed-experts) and keep "
         "them in the trajectory for routing replay; on by itself when trainer.moe.routing_replay is",
     )
+    tree: TreeConfig | None = Field(
+        None,
+        description="tree rollouts: {branch_at: [turns], k: children}; each group member grows into a tree "
+        "whose leaves are its trajectories, and each turn's advantage compares it with its siblings "
+        "(agentrl.rollout.tree; the env must fork, agentrl.envs.fork); None: flat episodes",
+    )
     dump: DumpConfig = Field(
         default_factory=DumpConfig,
         description="write trained and evaluated trajectories to <output_dir>/trajectories "
@@ -147,6 +185,18 @@ class RolloutConfig(ConfigModel):
             raise ValueError(
                 f"group_size ({self.group_size}) must not exceed max_concurrency ({self.max_concurrency})"
             )
+        if self.tree is not None:
+            if self.tree.branch_at and self.tree.branch_at[-1] >= self.max_turns:
+                raise ValueError(
+                    f"rollout.tree.branch_at: turn {self.tree.branch_at[-1]} is not before the last turn an "
+                    f"episode may take (rollout.max_turns = {self.max_turns}); it would never branch"
+                )
+            if self.group_episodes > self.max_concurrency:
+                raise ValueError(
+                    f"rollout.tree: a group grows up to group_size * k ** len(branch_at) = "
+                    f"{self.group_episodes} episodes at once, more than "
+                    f"max_concurrency ({self.max_concurrency})"
+                )
         if self.min_group_size > self.group_size:
             raise ValueError("min_group_size must not exceed group_size")
         return self
@@ -160,12 +210,22 @@ class RolloutConfig(ConfigModel):
                 f"rollout.batch_size: {self.batch_size} groups cannot be split evenly over rollout.shards = "
                 f"{n} orchestrators (each forms batch_size / shards groups of every batch)"
             )
-        if self.max_concurrency // n < self.group_size:
+        if self.max_concurrency // n < self.group_episodes:
+            what = (
+                f"rollout.group_size = {self.group_size}"
+                if self.tree is None
+                else f"a group's {self.group_episodes} episodes (rollout.group_size times a tree's leaves)"
+            )
             raise ValueError(
                 f"rollout.max_concurrency: {self.max_concurrency} episodes split over rollout.shards = {n} "
-                f"leave {self.max_concurrency // n} a shard, fewer than rollout.group_size = "
-                f"{self.group_size} (a group runs on one shard); raise max_concurrency or lower shards"
+                f"leave {self.max_concurrency // n} a shard, fewer than {what} (a group runs on one shard); "
+                "raise max_concurrency or lower shards"
             )
+
+    @property
+    def group_episodes(self) -> int:
+        """Episodes a group runs at once at most: ``group_size``, times a tree's leaves in tree rollouts."""
+        return self.group_size * (self.tree.leaves if self.tree is not None else 1)
 
     @property
     def token_limit(self) -> int:

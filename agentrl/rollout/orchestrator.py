@@ -68,6 +68,7 @@ from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.agent import AgentEnv
 from agentrl.envs.base import Env
+from agentrl.envs.fork import check_forkable
 from agentrl.exactness import Exactness
 from agentrl.metrics import MetricsSink
 from agentrl.rewards.base import resolve_verifier
@@ -79,6 +80,7 @@ from agentrl.rollout.lockstep import LockstepSchedule, RolloutSchedule
 from agentrl.rollout.loop_monitor import LoopMonitor
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.rollout.progress import ProgressWatch, failure_kind
+from agentrl.rollout.tree import TreeRunner
 from agentrl.sandboxes.shared import close_shared_sandboxes
 from agentrl.types import Status, Trajectory
 
@@ -173,6 +175,8 @@ class Orchestrator:
             exactness.seeded_requests,
         )
         self.agents: AgentRunner | None = None  # set by check_verifier when the env is an agent
+        # rollout.tree: each group member grows into a tree of episodes (agentrl.rollout.tree)
+        self.trees = TreeRunner(self.episodes, config.tree) if config.tree is not None else None
         self._paused = False
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -218,6 +222,8 @@ class Orchestrator:
 
             self.agents = AgentRunner(self.episodes)
         try:
+            if self.cfg.tree is not None:  # tree rollouts fork the env: refuse one that cannot branch
+                check_forkable(type(env), type(env).__name__)
             name = resolve_verifier(
                 self.cfg.verifier, env.verifier, f"env {type(env).__name__}", env.scores_itself
             )
@@ -272,7 +278,7 @@ class Orchestrator:
         return bool(self._pending) or not self.cursor.exhausted
 
     async def _admission_loop(self) -> None:
-        ctl, n = self.controller, self.cfg.group_size
+        ctl, n = self.controller, self.cfg.group_episodes
         while not self._stopping:
             ctl.changed.clear()  # cleared before checking: no wake-up is lost (single event loop)
             blocked = (
@@ -333,7 +339,7 @@ class Orchestrator:
             await self._drop(g.draw, f"internal:{type(err).__name__}")
         finally:
             self._groups.pop(uid, None)
-            self._episode_slots -= self.cfg.group_size
+            self._episode_slots -= self.cfg.group_episodes
             self.controller.notify()
 
     def _judge(self, trajs: list[Trajectory]) -> tuple[list[Trajectory] | None, str]:
@@ -352,7 +358,7 @@ class Orchestrator:
         aborted = [t for t in kept if t.status == Status.ABORTED]
         if aborted:
             return None, "aborted"
-        if self.cfg.filter_zero_variance and self.cfg.group_size > 1:
+        if self.cfg.filter_zero_variance and self.cfg.group_episodes > 1:
             rewards = {t.reward for t in kept}
             if len(rewards) <= 1:
                 return None, "zero_variance"
@@ -411,7 +417,10 @@ class Orchestrator:
     async def _episode(
         self, draw: Draw, i: int, sampling: SamplingParams, m: RolloutMetrics, train: bool
     ) -> list[Trajectory]:
-        """One episode's rows: one for an Env episode, one or more for an agent's."""
+        """One episode's rows: one for an Env episode, one or more for an agent's, a tree's leaves in a
+        tree rollout (training only: evaluation runs flat episodes)."""
+        if self.trees is not None and train:
+            return await self.trees.run(draw, i, sampling, m, train)
         if self.agents is not None:
             return await self.agents.run(draw, i, sampling, m, train)
         return [await self.episodes.run(draw, i, sampling, m, train)]

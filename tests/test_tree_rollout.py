@@ -1,0 +1,201 @@
+"""Tree rollouts (agentrl.rollout.tree) against the stub engine over HTTP: the config's checks, trees that
+share their tokens, forks by the env's own fork and by replay, the refusal of an env that cannot branch,
+and the tree figures."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.engine.client import EngineClient
+from agentrl.engine.types import GenerateResult, SamplingParams
+from agentrl.envs.base import Env, StepResult
+from agentrl.rollout import Orchestrator, RolloutConfig
+from agentrl.rollout.tree import generated_tokens, shared_prefix_tokens, tree_stats
+from agentrl.testing.envs import SyntheticEnv
+from agentrl.testing.stub_engine import stub_engine_in_process
+from agentrl.types import Status, Trajectory, TreePosition
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class RecordingClient(EngineClient):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.inputs: list[list[int]] = []
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *a: Any, **kw: Any
+    ) -> GenerateResult:
+        self.inputs.append(list(input_ids))
+        return await super().generate(input_ids, sampling, *a, **kw)
+
+
+class ForkingEnv(SyntheticEnv):
+    """SyntheticEnv with a fork of its own: a copy whose rewards are drawn apart from its parent's."""
+
+    def fork(self) -> ForkingEnv:
+        child = copy.copy(self)
+        child.actions = list(self.actions)
+        child.rng = random.Random(self.rng.random())
+        return child
+
+
+class ReplayEnv(Env):
+    """Deterministic, no fork of its own: forked by replay. Reward: the actions' total length is even."""
+
+    deterministic = True
+    scores_itself = True
+
+    def __init__(self) -> None:
+        self.actions: list[str] = []
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.actions = []
+        return [{"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.actions.append(action_text)
+        if len(self.actions) >= 3:
+            return StepResult(reward=float(sum(map(len, self.actions)) % 2), terminated=True)
+        return StepResult(f"seen {len(self.actions)}: {len(action_text)} chars")
+
+
+class PlainEnv(SyntheticEnv):
+    pass
+
+
+def cfg(**kw: Any) -> RolloutConfig:
+    base: dict[str, Any] = {
+        "group_size": 2,
+        "batch_size": 2,
+        "max_staleness": 1,
+        "max_concurrency": 32,
+        "max_turns": 4,
+        "max_total_tokens": 1024,
+        "filter_zero_variance": False,
+        "shuffle": False,
+        "sampling": SamplingParams(temperature=1.0, max_new_tokens=12),
+        "tree": {"branch_at": [1, 2], "k": 2},
+    }
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def tasks(n: int) -> list[dict[str, Any]]:
+    return [{"id": f"task{i}", "prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(n)]
+
+
+def test_tree_config_checks_name_the_field():
+    with pytest.raises(ValueError, match=r"rollout.tree.branch_at: model turns .* ascending"):
+        cfg(tree={"branch_at": [2, 1], "k": 2})
+    with pytest.raises(ValueError, match=r"rollout.tree.branch_at: turn 4 .*max_turns = 4"):
+        cfg(tree={"branch_at": [1, 4], "k": 2})
+    with pytest.raises(
+        ValueError, match=r"rollout.tree: a group grows up to .* 8 episodes.*max_concurrency \(4\)"
+    ):
+        cfg(max_concurrency=4)
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        cfg(tree={"branch_at": [1], "k": 0})
+    assert cfg().group_episodes == 8 and cfg(tree=None).group_episodes == 2
+
+
+def _check_tree(batch: list[Trajectory], inputs: list[list[int]], leaves: int) -> None:
+    by_tree: dict[str, list[Trajectory]] = {}
+    for t in batch:
+        t.validate()
+        assert t.status == Status.COMPLETED and t.tree is not None
+        by_tree.setdefault(t.tree.tree_id, []).append(t)
+    for rows in by_tree.values():
+        assert len(rows) == leaves
+        assert sorted(tuple(t.tree.path) for t in rows) == [(a, b) for a in (0, 1) for b in (0, 1)]
+        assert {t.group_id for t in rows} == {rows[0].group_id}
+        for t in rows:
+            assert t.tree.branch_turns == [1, 2]
+            for d, offset in enumerate(t.tree.branch_offsets):
+                # every leaf below a branch point holds the same ids before it, and the turn it branched
+                # after ends exactly there (its observation included)
+                below = [u for u in rows if u.tree.path[:d] == t.tree.path[:d]]
+                assert {tuple(u.input_ids[: len(u.prompt_ids) + offset]) for u in below} == {
+                    tuple(t.input_ids[: len(t.prompt_ids) + offset])
+                }
+                assert t.turns[2 * d + 1].role == "observation" and t.turns[2 * d + 1].end == offset
+            # each sibling's first request after the branch sent the shared prefix as it is
+            last = t.tree.branch_offsets[-1]
+            assert t.input_ids[: len(t.prompt_ids) + last] in inputs
+
+
+async def test_trees_share_their_tokens_and_every_leaf_is_a_trajectory(tok):
+    async with stub_engine_in_process(min_tokens=2, max_tokens=8, seed=3) as (_, url):
+        client = RecordingClient(url, timeout=10)
+        orch = Orchestrator(cfg(), client, tok, lambda: ForkingEnv(turns=3), tasks(4))
+        await orch.start()
+        batch = await orch.buffer.get_batch(timeout=30)
+        for t in batch:
+            assert orch.version - t.min_policy_version <= orch.cfg.max_staleness
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    assert len(batch) == 2 * 2 * 4  # batch_size groups x group_size trees x 4 leaves
+    _check_tree(batch, client.inputs, 4)
+    assert (
+        stats["rollout/tree_leaves"] >= 16 and stats["rollout/tree_forks"] >= 3 * stats["rollout/tree_trees"]
+    )
+    figures = tree_stats(batch)
+    assert figures["tree/leaves_per_task"] == 8 and figures["tree/leaves_per_tree"] == 4
+    assert figures["tree/generated_tokens"] < figures["tree/leaf_model_tokens"]
+    assert figures["tree/shared_prefix_tokens"] > 0
+    assert orch.accounting()["balanced"] == 1
+
+
+async def test_a_deterministic_env_is_forked_by_replay(tok):
+    made: list[ReplayEnv] = []
+
+    def factory() -> ReplayEnv:
+        made.append(ReplayEnv())
+        return made[-1]
+
+    async with stub_engine_in_process(min_tokens=2, max_tokens=8, seed=5) as (_, url):
+        client = RecordingClient(url, timeout=10)
+        orch = Orchestrator(cfg(batch_size=1), client, tok, factory, tasks(4))
+        await orch.start()
+        batch = await orch.buffer.get_batch(timeout=30)
+        await orch.stop()
+        await client.close()
+    _check_tree(batch, client.inputs, 4)
+    # a replayed env saw its branch's actions again, then its own
+    for t in batch:
+        assert len([x for x in t.turns if x.role == "assistant"]) == 3
+
+
+def test_generated_and_shared_tokens_count_a_shared_segment_once():
+    def leaf(path: list[int], n: int) -> Trajectory:
+        t = Trajectory("t", "g", [1, 2], sample_index=0)
+        t.append_model_tokens([5] * 3, [0.0] * 3, 0)
+        t.append_observation_tokens([7] * 2)
+        t.append_model_tokens([6] * n, [0.0] * n, 0)
+        t.tree = TreePosition("g/0", path, [1], [5])
+        return t
+
+    rows = [leaf([0], 4), leaf([1], 2)]
+    assert generated_tokens(rows) == 3 + 4 + 2
+    assert shared_prefix_tokens(rows) == 2 + 5
+
+
+async def test_an_env_that_cannot_branch_is_refused_at_start(tok):
+    async with stub_engine_in_process() as (_, url):
+        client = EngineClient(url, timeout=10)
+        orch = Orchestrator(cfg(), client, tok, lambda: PlainEnv(), tasks(2))
+        with pytest.raises(ValueError, match=r"env 'PlainEnv' .*cannot branch"):
+            await orch.start()
+        await client.close()
