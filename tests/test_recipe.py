@@ -361,10 +361,12 @@ def test_search_r1_finish_prints_the_gain_with_its_standard_error(
     assert "RL added +0.250 ± 0.250 held-out exact match over the warm start" in out
 
 
-def test_the_demo_measures_the_sft_warm_start_as_it_is() -> None:
-    """No step takes a skill away from the warm start before RL (the first-action calibration made greedy
-    decoding never search), and the warm start and the final policy are evaluated alike."""
+def test_the_demo_warm_start_is_weak_at_searching_alone() -> None:
+    """The demo's warm start is deliberately weak at one skill, searching: its first action is calibrated
+    with one fixed probability below 1/2 (greedy decoding never searches); its demonstrations show what the
+    env retrieves; the warm start and the final policy are evaluated alike."""
     cfg = load_run_config(ROOT / "examples" / "search_r1" / "config.yaml")
-    assert cfg.bootstrap is not None and cfg.bootstrap.sft.search_prob is None
+    assert cfg.bootstrap is not None and cfg.bootstrap.sft.search_prob is not None
+    assert cfg.bootstrap.sft.search_prob < 0.5 and cfg.bootstrap.topk == cfg.retrieval.topk
     assert cfg.eval.before and cfg.eval.after and cfg.eval.num_tasks >= 200
     assert cfg.rollout.eval_sampling.temperature == 0.0  # greedy, before and after

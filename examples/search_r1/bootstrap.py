@@ -22,11 +22,12 @@ Steps (each keyed by a hash of the config, so changing the config rebuilds only 
    repeated names in those passages are where a small model learns to copy fastest. Each batch is sorted
    by length and run in ``micro_batches`` chunks (gradient accumulation of one normalized loss), which
    cuts padding.
-4. Optionally (``sft.search_prob``, off in the demo's config), the SFT model's *first action* is
+4. Optionally (``sft.search_prob``; the demo's config sets 0.35), the SFT model's *first action* is
    calibrated: a few steps of a soft-label loss on the first response token only, so that it opens with
    ``<search>`` with probability ``p`` and with ``<answer>`` otherwise. With ``p < 0.5`` greedy decoding
-   never searches, so the calibrated model scores about 0 by construction: a skill taken away, which RL
-   then gives back. The demo does not do that; its warm start is the SFT model as it is.
+   never searches, so the calibrated model scores about 0 by construction: a warm start deliberately weak
+   at one skill, searching, which RL gives back (while sampling, it still searches with probability about
+   ``p``, and reads and copies as the SFT taught it).
 
 The SFT loop here is plain PyTorch on the transformers model: the warm start is a fixed preprocessing
 step of this example, not part of the training system (``agentrl.trainer`` also has an SFT loss mode for
