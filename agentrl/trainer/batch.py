@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrl.trainer.losses import Denominators, LossConfig, compute_advantages
+from agentrl.trainer.losses import Denominators, LossConfig, compute_advantages, compute_tree_advantages
 from agentrl.types import Status, Trajectory
 
 
@@ -130,14 +130,20 @@ def response_mask(trajs: list[Trajectory]) -> torch.Tensor:
 
 def batch_advantages(trajs: list[Trajectory], resp_mask: torch.Tensor, cfg: LossConfig) -> list[torch.Tensor]:
     """Per-response-token advantages over the whole batch (groups by ``group_id``, each episode counted
-    once: rows sharing an ``episode_id`` share one advantage); zeros in SFT mode."""
+    once: rows sharing an ``episode_id`` share one advantage; tree-rollout leaves also get each turn's
+    advantage against its siblings, :func:`~agentrl.trainer.losses.compute_tree_advantages`); zeros in
+    SFT mode."""
     if cfg.mode == "sft":
         adv = torch.zeros_like(resp_mask)
     else:
         rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
-        adv = compute_advantages(
-            rewards, [t.group_id for t in trajs], resp_mask, cfg, [t.episode_id for t in trajs]
-        )
+        if any(t.tree is not None for t in trajs):  # tree rollouts: per-turn advantages too
+            trees = [t.tree for t in trajs]
+            adv = compute_tree_advantages(rewards, [t.group_id for t in trajs], resp_mask, cfg, trees)
+        else:
+            adv = compute_advantages(
+                rewards, [t.group_id for t in trajs], resp_mask, cfg, [t.episode_id for t in trajs]
+            )
     return [adv[i, : len(t.response_ids)] for i, t in enumerate(trajs)]
 
 

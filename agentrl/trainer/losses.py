@@ -31,6 +31,7 @@ import torch
 from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
+from agentrl.types import TreePosition
 
 Tensor = torch.Tensor
 
@@ -125,6 +126,7 @@ def compute_advantages(
     loss_mask: Tensor,
     cfg: LossConfig,
     episode_ids: Sequence[str | None] | None = None,
+    turn_advantages: Tensor | None = None,
 ) -> Tensor:
     """Per-token advantages ``[B, T]`` from per-sequence ``rewards [B]`` (outcome reward).
 
@@ -132,6 +134,7 @@ def compute_advantages(
     (no baseline to compare with); its std is taken as 1. Rows with the same ``episode_ids`` entry
     (not None) are one episode: its reward counts once in the group's mean and std, and every row of
     it gets the episode's advantage. A row whose entry is None (or no ``episode_ids``) is an episode.
+    ``turn_advantages`` (``[B, T]``, tree rollouts) is added to the tokens before any whitening.
     """
     rewards = rewards.to(torch.float64)
     seq_adv = torch.zeros_like(rewards)
@@ -145,9 +148,83 @@ def compute_advantages(
         seq_adv[idx] = centered[of_row]
     mask = loss_mask.to(torch.float64)
     tok = seq_adv[:, None] * mask
+    if turn_advantages is not None:
+        tok = tok + turn_advantages.to(torch.float64) * mask
     if cfg.advantage_estimator == "reinforce_pp_baseline":
         tok = masked_whiten(tok, mask, cfg.advantage_eps)
     return tok.to(torch.float32)
+
+
+def compute_tree_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[str],
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    trees: Sequence[TreePosition | None],
+) -> Tensor:
+    """Per-token advantages ``[B, T]`` of tree-rollout leaves (:mod:`agentrl.rollout.tree`): the tree
+    against the other trees of its task, plus each turn against its siblings.
+
+    * Tree term: a tree is one episode of its group, with the mean reward of its leaves;
+      :func:`compute_advantages` gives it to every token of every leaf.
+    * Turn term: at a branch point, each child's subtree mean (the mean reward of the leaves below it)
+      against the other children of that branch point, centred (and divided by their std + eps under
+      grpo with ``normalize_advantage_std``), added to the tokens that child generated:
+      ``response[branch_offsets[d] : branch_offsets[d + 1]]`` of each leaf below it (to the end at the
+      last branch). Tokens before the first branch point carry the tree term alone.
+
+    Rows without a tree (``None``) are flat episodes. With no branch point of two children or more (k = 1,
+    or no ``branch_at``) this is :func:`compute_advantages` of the same rows, bit for bit.
+    """
+    r64 = rewards.to(torch.float64)
+    by_tree: dict[str, list[int]] = {}
+    for i, pos in enumerate(trees):
+        if pos is not None:
+            by_tree.setdefault(pos.tree_id, []).append(i)
+    tree_rewards = rewards.clone()
+    for rows in by_tree.values():
+        tree_rewards[rows] = r64[rows].mean().to(rewards.dtype)
+    episode_ids = [None if pos is None else pos.tree_id for pos in trees]
+    turn = _turn_advantages(r64, trees, loss_mask.shape, cfg)
+    return compute_advantages(tree_rewards, group_ids, loss_mask, cfg, episode_ids, turn)
+
+
+def _turn_advantages(
+    rewards: Tensor, trees: Sequence[TreePosition | None], shape: torch.Size, cfg: LossConfig
+) -> Tensor | None:
+    """The turn term of :func:`compute_tree_advantages`; None when no branch point has two children."""
+    leaves: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # node -> the rows below it
+    for i, pos in enumerate(trees):
+        if pos is None:
+            continue
+        for d in range(len(pos.path) + 1):
+            leaves.setdefault((pos.tree_id, tuple(pos.path[:d])), []).append(i)
+    children: dict[tuple[str, tuple[int, ...]], list[tuple[int, ...]]] = {}
+    for tree_id, path in leaves:
+        if path:
+            children.setdefault((tree_id, path[:-1]), []).append(path)
+    node_adv: dict[tuple[str, tuple[int, ...]], float] = {}
+    for (tree_id, _), kids in children.items():
+        if len(kids) < 2:
+            continue
+        means = torch.stack([rewards[leaves[(tree_id, kid)]].mean() for kid in kids])
+        centered = means - means.mean()
+        if cfg.advantage_estimator == "grpo" and cfg.normalize_advantage_std:
+            centered = centered / (means.std(unbiased=True) + cfg.advantage_eps)
+        for kid, a in zip(kids, centered.tolist(), strict=True):
+            node_adv[(tree_id, kid)] = a
+    if not node_adv:
+        return None
+    out = torch.zeros(shape, dtype=torch.float64)
+    for i, pos in enumerate(trees):
+        if pos is None:
+            continue
+        bounds = [*pos.branch_offsets, shape[1]]
+        for d in range(len(pos.path)):
+            a = node_adv.get((pos.tree_id, tuple(pos.path[: d + 1])))
+            if a is not None:
+                out[i, bounds[d] : bounds[d + 1]] = a
+    return out
 
 
 def _episodes(
