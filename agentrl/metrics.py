@@ -279,7 +279,10 @@ class ProgressLine:
 # ---- the training loop's own figures of a step, and of the run ---------------------------------------
 def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
     """The loop's own figures for a training batch (the recipe may add its own): the mean reward, the mean
-    of each part a verifier named (``RewardResult.parts``) as ``reward/<part>``, turns, tokens, staleness."""
+    of each part a verifier named (``RewardResult.parts``) as ``reward/<part>``, turns, tokens, staleness;
+    for tree rollouts the tree figures (``tree/...``: :func:`agentrl.rollout.tree.tree_stats`)."""
+    from agentrl.rollout.tree import tree_stats  # the rollout package imports this module
+
     rewards = [t.reward or 0.0 for t in batch]
     stale = [version - t.min_policy_version for t in batch if t.min_policy_version is not None]
     parts: dict[str, list[float]] = {}  # the verifier's named parts, each over the trajectories that have it
@@ -293,6 +296,7 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
         "batch/response_tokens": sum(len(t.response_ids) for t in batch) / max(1, len(batch)),
         "batch/staleness_mean": sum(stale) / max(1, len(stale)),
         "batch/staleness_max": float(max(stale, default=0)),
+        **tree_stats(batch),
     }
 
 

@@ -576,7 +576,8 @@ def check_model_shape(cfg: RunConfig, model_dir: str) -> None:
 def check_names(cfg: RunConfig) -> None:
     """The names the config gives registered parts resolve: ``env.name``, ``rollout.verifier`` (else the
     verifier the env names: its ``verifier`` argument or class attribute) and the tools of ``env.kwargs``
-    (``tools``, ``extra_tools``). A ``module:attr`` name imports its module here, so user code that fails to
+    (``tools``, ``extra_tools``); with ``rollout.tree``, that the env can fork (:mod:`agentrl.envs.fork`).
+    A ``module:attr`` name imports its module here, so user code that fails to
     import fails now. Raises a one-line ConfigError naming the field and the nearest known names, before
     any bootstrap, dataset, Ray or engine starts."""
     from agentrl.envs.registry import ENVS
@@ -604,3 +605,10 @@ def check_names(cfg: RunConfig) -> None:
             check_tool_specs(kwargs.get(key), f"env.kwargs.{key}")
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    if cfg.rollout.tree is not None and isinstance(factory, type):  # tree rollouts fork the env
+        from agentrl.envs.fork import check_forkable
+
+        try:
+            check_forkable(factory, cfg.env.name)
+        except ValueError as err:
+            raise ConfigError(f"env.name: {err}") from None

@@ -199,3 +199,18 @@ async def test_an_env_that_cannot_branch_is_refused_at_start(tok):
         with pytest.raises(ValueError, match=r"env 'PlainEnv' .*cannot branch"):
             await orch.start()
         await client.close()
+
+
+def test_a_run_config_with_an_env_that_cannot_branch_fails_at_load():
+    from agentrl.config import ConfigError
+    from agentrl.recipe import load_run_config
+    from agentrl.run_config import check_names
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "search_r1" / "config.yaml"
+    tree = "rollout.tree={branch_at: [1], k: 2}"
+    cfg = load_run_config(demo, [tree, "env.name=agentrl.testing.envs:SyntheticEnv"])
+    with pytest.raises(
+        ConfigError, match=r"^env\.name: env 'agentrl.testing.envs:SyntheticEnv' .*cannot branch"
+    ):
+        check_names(cfg)
+    check_names(load_run_config(demo, [tree]))  # the search env forks
