@@ -13,7 +13,8 @@ With ``rollout.dump`` on, ``train_async.py`` writes under ``<output_dir>/traject
 
 A record is the :class:`~agentrl.types.Trajectory` (``to_dict``: token ids, loss mask, rollout logprobs,
 policy version per token, turns with the tool calls the env ran for each model turn, reward and its parts,
-status and error, timings, info) plus: ``kind``, ``step``, ``trained`` (a train record the trainer used:
+status and error, timings, info, and for a tree rollout's leaf its ``tree`` position: tree id, path,
+branch turns and offsets) plus: ``kind``, ``step``, ``trained`` (a train record the trainer used:
 not failed, rewarded), ``trainer_logprobs`` (π_old of the same response tokens, as the trainer computed
 them; ``null`` for eval records and for tokens it did not train), ``prompt_text`` and ``messages``
 (prompt, model text and observations in order). The tool calls are what the env reported

@@ -214,3 +214,48 @@ def test_a_run_config_with_an_env_that_cannot_branch_fails_at_load():
     ):
         check_names(cfg)
     check_names(load_run_config(demo, [tree]))  # the search env forks
+
+
+def _leaf(sample: int, path: list[int], reward: float) -> Trajectory:
+    t = Trajectory("task0", "g0", [1, 2], sample_index=sample, reward=reward)
+    t.append_model_tokens([5, 6], [-0.1, -0.2], 0, "search x")
+    t.append_observation_tokens([7], "docs")
+    t.append_model_tokens([8 + path[0]], [-0.3], 0, f"answer {path[0]}")
+    t.tree = TreePosition(f"g0/{sample}", path, [1], [3])
+    return t
+
+
+def test_dumps_and_the_viewer_show_each_leaf_in_its_tree(chromium: str, tmp_path: Path) -> None:
+    import asyncio
+    import json
+
+    from agentrl.episodes import episode_record, to_trajectory
+    from agentrl.testing.browser import Chromium
+    from agentrl.viewer import page_html
+
+    leaves = [_leaf(0, [0], 1.0), _leaf(0, [1], 0.0), _leaf(1, [0], 0.0)]
+    records = [json.loads(json.dumps(episode_record(t, "train", 1, trained=True))) for t in leaves]
+    assert records[1]["tree"] == {"tree_id": "g0/0", "path": [1], "branch_turns": [1], "branch_offsets": [3]}
+    assert to_trajectory(records[1]).tree == leaves[1].tree  # read back whole
+    page = tmp_path / "view.html"
+    page.write_text(page_html(records, None), encoding="utf-8")
+
+    async def look() -> tuple[list[str], str, list[str], list[str]]:
+        async with Chromium(executable=chromium) as b:
+            await b.goto(page.as_uri())
+            await b.wait_for("window.agentrlViewerReady")
+            await b.evaluate("window.agentrlViewer.select(ROWS.findIndex(r => r[3] === 0 && r[13] === '1'))")
+            listed = await b.evaluate(
+                "[...document.querySelectorAll('.row span:nth-child(4)')].map(s => s.textContent)"
+            )
+            tree = await b.evaluate("document.getElementById('detail-tree').innerText")
+            turns = await b.evaluate("[...document.querySelectorAll('#detail .turn')].map(t => t.className)")
+            return listed, tree, turns, b.page_errors()
+
+    listed, tree, turns, errors = asyncio.run(look())
+    assert not errors
+    assert listed == ["0 · 0", "0 · 1", "1 · 0"]
+    assert "tree g0/0" in tree and "path 1" in tree and "after turns 1" in tree and "[1: 0.00]" in tree
+    assert "0: 1.00" in tree
+    # the first model turn and its observation are the shared prefix; the last turn is the leaf's own
+    assert turns == ["turn assistant shared", "turn observation shared", "turn assistant"]

@@ -8,6 +8,8 @@ and status, filters (train / eval, status such as failed or truncated, a reward 
 text), and one episode at a time: its prompt, model turns and observations told apart, the tool calls
 the env ran (arguments, result or error, latency), the reward parts and any error, and its tokens
 coloured by rollout logprob or by the engine-trainer mismatch ``|rollout logprob - trainer logprob|``.
+A leaf of a tree rollout shows its path in the list (``3 · 1.0``: tree 3, child 1 then child 0), the
+other leaves of its tree with their rewards, and its turns before each branch point marked as shared.
 
 It stays fast at tens of thousands of episodes: the page embeds one compact row per episode (parsed at
 load), and each episode's detail as one line of JSON in a plain-text block that is parsed only when the
@@ -63,6 +65,12 @@ def _calls(rec: dict[str, Any]) -> list[dict[str, Any]]:
     return calls or rec.get("tool_calls") or []
 
 
+def _path(rec: dict[str, Any]) -> str | None:
+    """A tree leaf's path as ``"1.0"`` (the child taken at each branch point); None for a flat episode."""
+    tree = rec.get("tree")
+    return None if not tree else ".".join(map(str, tree.get("path", []))) or "root"
+
+
 def _json(obj: Any) -> str:
     # ASCII only, so the page's character offsets are the same in Python and JavaScript, and no "<" so
     # no text can close the <script> block it sits in
@@ -81,6 +89,7 @@ def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title
             r.get("kind") != "train",
             str(r.get("group_id")),
             r.get("sample_index", 0),
+            (r.get("tree") or {}).get("path", []),  # a tree's leaves in path order
         ),
     )
     rows, details, used = [], [], set()
@@ -100,6 +109,7 @@ def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title
                 "calls": _calls(rec),
                 "parts": rec.get("reward_parts") or {},
                 "error": rec.get("error"),
+                "tree": rec.get("tree"),
             }
         )
         rows.append(
@@ -117,6 +127,7 @@ def page_html(records: Iterable[dict[str, Any]], tokens: list[str] | None, title
                 len(detail),
                 1 if rec.get("trained") else 0,
                 _gap(rec),
+                _path(rec),
             ]
         )
         details.append(detail)
