@@ -25,9 +25,9 @@ cannot use the engine's draws.
 
 from __future__ import annotations
 
+from array import array
 from typing import Literal, Protocol
 
-import numpy as np
 import torch
 from pydantic import Field, model_validator
 
@@ -35,6 +35,7 @@ from agentrl.config import ConfigModel
 from agentrl.embedded.sampling import RequestSampling, filter_logits, inverse_cdf, row_uniform
 
 Acceptance = Literal["exact", "rejection"]
+_WORD = array("i").itemsize  # bytes of a token id in the drafter's search buffer
 # keys of rejection acceptance's two draws, mixed into the request's seed (the token draw uses it as is)
 _ACCEPT_KEY, _RESIDUAL_KEY = 0x5851F42D4C957F2D, 0x14057B7EF767814F
 
@@ -80,35 +81,56 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup: the continuation of the latest earlier occurrence of the context's last ``n`` tokens,
-    for ``n`` from ``max_ngram`` down to ``min_ngram`` (a longer match is the better guess). Stateless:
-    every proposal is a function of the context alone."""
+    for ``n`` from ``max_ngram`` down to ``min_ngram`` (a longer match is the better guess). A proposal is
+    a function of the context alone; the drafter keeps only each running context's search buffer (its
+    tokens as bytes, extended as the context grows), dropped when the context is not proposed for."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._bufs: dict[int, tuple[list[int], int, bytearray]] = {}  # id -> (context, its length, bytes)
 
     def propose(self, contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        return [self._one(c, k) for c, k in zip(contexts, budgets, strict=True)]
+        bufs, out = {}, []
+        for context, k in zip(contexts, budgets, strict=True):
+            # contexts only grow (the scheduler appends to a request's tokens), so a context's buffer is
+            # extended by its new tokens; the identity check keeps a reused id from reading another's
+            had = self._bufs.get(id(context))
+            if had is not None and had[0] is context and had[1] <= len(context):
+                buf = had[2]
+                buf += array("i", context[had[1] :]).tobytes()
+            else:
+                buf = bytearray(array("i", context).tobytes())
+            bufs[id(context)] = (context, len(context), buf)
+            out.append(self._one(context, buf, k))
+        self._bufs = bufs
+        return out
 
     def reset(self) -> None:
-        pass
+        self._bufs = {}
 
-    def _one(self, context: list[int], k: int) -> list[int]:
+    def _one(self, context: list[int], buf: bytearray, k: int) -> list[int]:
         size = len(context)
         if k <= 0 or size < self.min_ngram + 1:
             return []
-        seq = np.asarray(context, dtype=np.int64)
+        # The tokens as machine words, searched with rfind (a C scan, no copy per window): a hit at an
+        # offset that is not a multiple of the word straddles two tokens and is skipped.
+        w = _WORD
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            # windows starting at 0..size-n-1: each has a token after it (the suffix itself is excluded)
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-            hits = np.flatnonzero((windows == seq[size - n :]).all(axis=1))
-            if hits.size:
-                # What followed the latest match, read on into the draft itself where the context ends: a
-                # match overlapping the suffix is a loop (period size - start), and the draft continues it.
-                start, draft = int(hits[-1]) + n, []
-                for i in range(start, start + k):
-                    draft.append(context[i] if i < size else draft[i - size])
-                return draft
+            suffix, end = bytes(buf[-w * n :]), len(buf) - w  # a match ends before the last token
+            while (at := buf.rfind(suffix, 0, end)) >= 0:
+                if at % w == 0:
+                    return self._continuation(context, at // w + n, k)
+                end = at + w * n - 1
         return []
+
+    @staticmethod
+    def _continuation(context: list[int], start: int, k: int) -> list[int]:
+        """What followed the match, read on into the draft itself where the context ends: a match that
+        overlaps the suffix is a loop (of period ``len(context) - start``), and the draft continues it."""
+        size, draft = len(context), []
+        for i in range(start, start + k):
+            draft.append(context[i] if i < size else draft[i - size])
+        return draft
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
