@@ -125,6 +125,15 @@ def test_the_switch_reaches_the_embedded_server() -> None:
     with pytest.raises((ConfigError, ValueError), match=r"engine\.sglang"):
         load_run_config(None, [*run, *spec, "engine.backend=sglang"])
 
+    # SGLang's own (NGRAM, no draft model) passes through engine.sglang.extra_args
+    from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
+
+    sg = load_run_config(None, [*run, "engine.backend=sglang"])
+    ngram = {"speculative-algorithm": "NGRAM", "speculative-num-draft-tokens": 8}
+    sg.engine.sglang = SGLangConfig(model_path="/m", extra_args=ngram)
+    argv = SGLangLauncher(engine_starter(sg, "/m", 0).args[0]).command()
+    assert " --speculative-algorithm NGRAM --speculative-num-draft-tokens 8" in " ".join(argv)
+
 
 # ----------------------------------------------------------------------------------- the engine
 async def _run(engine: EmbeddedEngine, params: list[RequestSampling], tag: str) -> list:
