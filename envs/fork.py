@@ -18,12 +18,15 @@ What the built-ins keep (each a plain ``fork``, no replay):
 * ``search`` (:class:`~agentrl.envs.search.SearchEnv`): its turn and search counters; the retrieval
   client (an HTTP pool, no episode state) is shared.
 * ``tool`` / ``python`` (:class:`~agentrl.envs.tool_env.ToolEnv`): its turn counter; the tools are shared.
-  The sandboxes keep no state between runs (every run of the process sandbox gets a fresh working
-  directory and a uid leased for that run alone; every run of the Docker sandbox gets a scrubbed pooled
-  container with a read-only root), so there is no sandbox state to copy, and a fork shares no writable
-  directory and no uid with its parent: every isolation guarantee of the sandbox suite holds for it as
-  for any run. A user tool that keeps per-episode state of its own is shared too, and must not be used
-  with tree rollouts.
+  The sandboxes keep no state between runs, so there is no sandbox state to copy: every run of the
+  process sandbox gets a fresh working directory and, as root, a uid leased for that run alone; every
+  run of the Docker sandbox is an exec in a pooled container of its own (read-only root, tmpfs work dir,
+  the image's one non-root user), scrubbed before the next run. A fork's runs therefore share no
+  writable directory with its parent's, and no uid on the process sandbox (on Docker the container is
+  the boundary, as between any two runs): every isolation guarantee of the sandbox suite holds. A file a
+  run writes is gone at the next call, so a snapshot (``docker commit``) would hold nothing. A user tool
+  that keeps per-episode state of its own is shared by the fork, and must not be used with tree
+  rollouts.
 * ``math``: nothing to keep (one turn).
 """
 
