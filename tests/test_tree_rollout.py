@@ -259,3 +259,71 @@ def test_dumps_and_the_viewer_show_each_leaf_in_its_tree(chromium: str, tmp_path
     assert "0: 1.00" in tree
     # the first model turn and its observation are the shared prefix; the last turn is the leaf's own
     assert turns == ["turn assistant shared", "turn observation shared", "turn assistant"]
+
+
+class SeededEngine(EngineClient):
+    """Answers from (input ids, sampling seed) only, after a random delay (no server)."""
+
+    def __init__(self, timing_seed: int) -> None:
+        super().__init__("http://127.0.0.1:1")
+        self.delays = random.Random(timing_seed)
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *a: Any, **kw: Any
+    ) -> GenerateResult:
+        import asyncio
+
+        await asyncio.sleep(self.delays.random() * 0.005)
+        rng = random.Random(hash((tuple(input_ids), sampling.sampling_seed)))
+        ids = [rng.randrange(10, 200) for _ in range(rng.randint(1, sampling.max_new_tokens))]
+        return GenerateResult(ids, [-rng.random() for _ in ids], "stop", weight_version="0")
+
+
+class CountingEnv(Env):
+    """Three turns, forks by copy; reward: the parity of the last action's length."""
+
+    scores_itself = True
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.turn = 0
+        return [{"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.turn += 1
+        if self.turn < 3:
+            return StepResult(f"turn {self.turn}")
+        return StepResult(reward=float(len(action_text) % 2), terminated=True)
+
+    def fork(self) -> CountingEnv:
+        return copy.copy(self)
+
+
+async def _deterministic_batch(tok: Any, tree: dict[str, Any] | None, timing_seed: int) -> list[Trajectory]:
+    config = cfg(group_size=2, batch_size=2, max_turns=3, tree=tree)
+    orch = Orchestrator(config, SeededEngine(timing_seed), tok, CountingEnv, tasks(6), deterministic=True)
+    await orch.start()
+    try:
+        return await orch.buffer.get_batch(timeout=30)
+    finally:
+        await orch.stop()
+
+
+async def test_deterministic_trees_that_never_branch_sample_as_flat_episodes(tok):
+    def view(batch: list[Trajectory]) -> list[tuple]:
+        return sorted(
+            (t.group_id, t.sample_index, t.response_ids, t.rollout_logprobs, t.reward) for t in batch
+        )
+
+    flat = await _deterministic_batch(tok, None, 0)
+    unbranched = await _deterministic_batch(tok, {"branch_at": [1, 2], "k": 1}, 1)
+    assert view(unbranched) == view(flat) and all(t.tree.path == [0, 0] for t in unbranched)
+    # branching: the same trees whatever the timing, and children that go their own ways
+    a = await _deterministic_batch(tok, {"branch_at": [1], "k": 2}, 2)
+    b = await _deterministic_batch(tok, {"branch_at": [1], "k": 2}, 3)
+    assert sorted((t.group_id, tuple(t.tree.path), t.response_ids) for t in a) == sorted(
+        (t.group_id, tuple(t.tree.path), t.response_ids) for t in b
+    )
+    pairs: dict[str, list[Trajectory]] = {}
+    for t in a:
+        pairs.setdefault(t.tree.tree_id, []).append(t)
+    assert any(x.response_ids != y.response_ids for x, y in pairs.values())
