@@ -1,14 +1,23 @@
 """A Ray cluster of two hosts that share no loopback: two network namespaces joined by a veth pair
 (:mod:`agentrl.testing.netns`), the head in one (resources ``trainer_node`` and ``service_node``) and a
 worker in the other (``engine_node`` and ``rollout_node``), both started by ``scripts/cluster/ray_up.sh``
-as a user starts them, Ray's token authentication on. The harness itself: two node addresses, each node's
-tasks see their own, and a loopback listener of one host is out of the other's reach.
+as a user starts them, Ray's token authentication on.
+
+First the harness itself: two node addresses, each node's tasks see their own, and a loopback listener
+of one host is out of the other's reach. Then a tiny Search-R1 run with ``--ray-address`` of the head:
+the engine and the rollout on the worker, the trainer and the retrieval server on the head, weights
+broadcast over gloo. It must finish with every URL it hands across hosts off loopback, leave nothing
+running, and learn as the same config does on one host: deterministic, both runs train the same batches
+to the same weights, bit for bit.
 
 Namespaces need root; the tests fail without them under ``CI=true`` and skip with the reason elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import ipaddress
 import json
 import os
 import secrets
@@ -22,9 +31,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
+from agentrl.metrics import read_metrics, without_timings
+from agentrl.testing.configs import TINY_SEARCH_R1
 from agentrl.testing.netns import Host, TwoHosts, need_netns
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,6 +189,12 @@ def _remove(cluster: NamespaceCluster) -> None:
 
 
 @pytest.fixture(scope="module")
+def bootstrap_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Search-R1 bootstrap's cache, shared by the module's runs (built by the first)."""
+    return tmp_path_factory.mktemp("search_r1_cache")
+
+
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[NamespaceCluster]:
     """The two-host cluster, shared by the module's tests (each leaves it as it found it)."""
     need_netns()
@@ -185,6 +203,13 @@ def cluster() -> Iterator[NamespaceCluster]:
         yield cluster
     finally:
         _remove(cluster)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 # ---- the harness ------------------------------------------------------------------------------------------
@@ -272,3 +297,222 @@ def test_without_namespaces_ci_fails_and_elsewhere_skips(monkeypatch: pytest.Mon
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match=r"need root .*CI fails here instead"):
         need_netns()
+
+
+# ---- a run across the two hosts ---------------------------------------------------------------------------
+
+CONFIG = (
+    TINY_SEARCH_R1
+    + """output_dir: {out}
+steps: 2
+deterministic: true
+engine: {{max_batch_size: 8}}
+weight_sync: distributed
+rollout: {{group_size: 2, batch_size: 2, max_staleness: 1, max_concurrency: 8, max_turns: 2,
+          max_total_tokens: 400, sampling: {{temperature: 1.0, max_new_tokens: 16}},
+          eval_sampling: {{temperature: 0.0, max_new_tokens: 16}}, verifier: exact_match,
+          filter_zero_variance: false}}
+trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 4}}
+eval: {{num_tasks: 4}}
+"""
+)
+# where each part goes: the engine and the rollout on the worker, the trainer and the retrieval server on
+# the head
+ROLES = {
+    "engine": "engine_node",
+    "rollout": "rollout_node",
+    "trainer": "trainer_node",
+    "service": "service_node",
+}
+ACROSS = [f"ray.{role}_resources={{{name}: 1}}" for role, name in ROLES.items()]
+
+
+def _train_async(
+    cmd_host: Host | None, env: dict[str, str], cfg: Path, *args: str, timeout: float
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train_async.py", "--config", str(cfg), *args]
+    if cmd_host is None:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return cmd_host.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _urls(record: Any) -> list[str]:
+    """Every ``url`` value anywhere in a placement record."""
+    if isinstance(record, dict):
+        return [v for k, v in record.items() if k == "url" and isinstance(v, str)] + [
+            u for v in record.values() for u in _urls(v)
+        ]
+    if isinstance(record, list):
+        return [u for v in record for u in _urls(v)]
+    return []
+
+
+def _node_ips(record: Any) -> set[str]:
+    if isinstance(record, dict):
+        own = {record["node_ip"]} if isinstance(record.get("node_ip"), str) else set()
+        return own.union(*(_node_ips(v) for v in record.values()))
+    if isinstance(record, list):
+        return set().union(*(_node_ips(v) for v in record))
+    return set()
+
+
+def _trained(out: Path) -> list[dict[str, Any]]:
+    return [without_timings(r) for r in read_metrics(out / "metrics.jsonl")]
+
+
+# the engine's prefix-cache counts depend on which requests meet in the engine at the same moment (timing),
+# not on what it generates
+CACHE_COUNTS = ("rollout/cached_input_tokens", "rollout/prefix_cache_hit_rate")
+
+
+def _learned(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in CACHE_COUNTS}
+
+
+def _final_weights(out: Path) -> dict[str, bytes]:
+    import torch
+
+    step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    model = torch.load(step / "rank_00000.pt", map_location="cpu", weights_only=False)["model"]
+    return {k: v.numpy().tobytes() for k, v in model.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="the weight-sync group's gloo pairs advertise the address the host name resolves to, loopback "
+    "on these hosts (as on many Debian-style hosts): the trainer's side cannot reach the engine's",
+)
+def test_search_r1_across_two_hosts_learns_as_on_one(
+    cluster: NamespaceCluster, tmp_path: Path, bootstrap_cache: Path
+) -> None:
+    a, b = cluster.hosts.a, cluster.hosts.b
+    cfg = tmp_path / "run.yaml"
+    two, one = tmp_path / "two", tmp_path / "one"
+    cfg.write_text(CONFIG.format(out=two, cache=bootstrap_cache))
+
+    t0 = time.monotonic()
+    proc = _train_async(a, cluster.env, cfg, "--ray-address", cluster.address, *ACROSS, timeout=500)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, f"the two-host run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    rows = _trained(two)
+    assert [r["policy_version"] for r in rows if "policy_version" in r] == [1, 2]
+
+    placed = json.loads((two / "placement.json").read_text())
+    assert _node_ips(placed) == {a.address, b.address}, placed
+    assert {e["node_ip"] for e in placed["engines"]} == {b.address}
+    assert {r["node_ip"] for r in placed["trainer_ranks"]} == {a.address}
+    assert {r["node_ip"] for r in placed["rollout_shards"]} == {b.address}
+    assert {s["node_ip"] for s in placed["services"]} == {a.address}
+    assert not _is_loopback(placed["listen"])
+    urls = _urls(placed)
+    assert urls and not [u for u in urls if _is_loopback(urlsplit(u).hostname or "")], placed
+    assert not cluster.left_by_the_job(), "the run left processes behind on the cluster"
+
+    # the same config on one host (a local Ray, everything on loopback): the same figures, the same weights
+    cfg.write_text(CONFIG.format(out=one, cache=bootstrap_cache))
+    proc = _train_async(None, dict(os.environ), cfg, "ray.num_cpus=4", timeout=500)
+    assert proc.returncode == 0, f"the one-host run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert [_learned(r) for r in _trained(one)] == [_learned(r) for r in rows]
+    assert _final_weights(one) == _final_weights(two)
+    print(f"two-host run: {took:.0f} s")
+
+
+# ---- a host lost mid-run ----------------------------------------------------------------------------------
+
+LOST_CONFIG = (
+    TINY_SEARCH_R1
+    + """output_dir: {out}
+steps: 4
+engine: {{max_batch_size: 8}}
+weight_sync: disk
+checkpoint: {{interval: 1}}
+rollout: {{group_size: 2, batch_size: 2, max_staleness: 1, max_concurrency: 8, max_turns: 2,
+          max_total_tokens: 400, sampling: {{temperature: 1.0, max_new_tokens: 16}},
+          verifier: exact_match, filter_zero_variance: false, dump: all}}
+trainer: {{device: cpu, lr: 1.0e-4, micro_batch_size: 4}}
+eval: {{before: false, after: false}}
+"""
+)
+B = 2  # groups per batch
+
+
+def _dumped(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """The training batch of every step, as the episode dumps hold it (a resumed run rewrites its steps)."""
+    batches = {}
+    for f in sorted((out / "trajectories").glob("step_*.jsonl.gz")):
+        with gzip.open(f, "rt") as fh:
+            batches[int(f.name[5:11])] = [r for line in fh if (r := json.loads(line))["kind"] == "train"]
+    return batches
+
+
+@pytest.mark.slow
+def test_a_host_lost_mid_run_stops_it_and_resume_loses_nothing(
+    cluster: NamespaceCluster, tmp_path: Path, bootstrap_cache: Path
+) -> None:
+    a, b = cluster.hosts.a, cluster.hosts.b
+    out, cfg = tmp_path / "run", tmp_path / "run.yaml"
+    cfg.write_text(LOST_CONFIG.format(out=out, cache=bootstrap_cache))
+    cmd = [sys.executable, "-u", "train_async.py", "--config", str(cfg), "--ray-address", cluster.address]
+    log = tmp_path / "run.log"
+    engine_dirs = {p.name for p in Path(tempfile.gettempdir()).glob("agentrl-engine-*")}
+    with log.open("w") as sink:
+        job = a.popen([*cmd, *ACROSS], cwd=ROOT, env=cluster.env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        # the worker's host goes away once a step is trained and checkpointed: its Ray node and everything
+        # on it killed at once (the engine, the rollout shard)
+        deadline = time.monotonic() + 400
+        while not (out / "checkpoints" / "latest").is_file():
+            assert job.poll() is None, (
+                f"the run ended before its first checkpoint:\n{log.read_text()[-4000:]}"
+            )
+            assert time.monotonic() < deadline, f"no checkpoint in 400 s:\n{log.read_text()[-4000:]}"
+            time.sleep(0.5)
+        os.killpg(cluster.nodes["worker"].pid, signal.SIGKILL)
+        for pid in b.pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        lost_at = time.monotonic()
+        job.wait(timeout=120)
+        took = time.monotonic() - lost_at
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    text = log.read_text()
+    assert job.returncode != 0, text[-4000:]
+    assert took < 60, f"the run took {took:.0f} s to stop after its host was lost"
+    said = [line for line in text.splitlines() if f"({b.address})" in line and "lost node" in line]
+    assert len(said) == 1 and "engine 0" in said[0] and "rollout shard 0" in said[0], text[-4000:]
+    assert not cluster.left_by_the_job(), "the stopped run left processes behind"
+    trained_before = sorted(_dumped(out))
+
+    # a fresh worker, and the run resumed: every step trained once, no task lost or trained twice
+    cluster.start_node("worker")
+    cluster.alive_nodes(2)
+    proc = _train_async(
+        a, cluster.env, cfg, "--ray-address", cluster.address, *ACROSS, "--resume", timeout=500
+    )
+    assert proc.returncode == 0, f"the resumed run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "resumed at step" in proc.stdout
+    dumps = _dumped(out)
+    rows = {int(r["step"]): r for r in read_metrics(out / "metrics.jsonl") if "policy_version" in r}
+    assert sorted(dumps) == sorted(rows) == [1, 2, 3, 4], (trained_before, sorted(rows))
+    assert [rows[s]["policy_version"] for s in range(1, 5)] == [1, 2, 3, 4]
+    assert [rows[s]["rollout/trained_groups"] for s in range(1, 5)] == [B * s for s in range(1, 5)]
+    firsts = [r["task_id"] for s in dumps for r in dumps[s] if r["sample_index"] == 0]
+    assert len(firsts) == 4 * B and len(set(firsts)) == len(firsts), firsts
+    assert all(r["trained"] and r["status"] != "failed" for s in dumps for r in dumps[s])
+    assert not cluster.left_by_the_job(), "the resumed run left processes behind"
+    # the lost host's engine never removed its scratch dir (the port file): that one, and no other
+    scratch = [p for p in Path(tempfile.gettempdir()).glob("agentrl-engine-*") if p.name not in engine_dirs]
+    assert len(scratch) <= 1, scratch
+    for p in scratch:
+        shutil.rmtree(p)
+    print(f"lost host: the run stopped {took:.1f} s after it; steps before: {trained_before}")
+
+
+def test_the_cluster_stops_clean(cluster: NamespaceCluster) -> None:
+    """Last in the module: the nodes stop with their ``ray start --block`` and leave nothing behind."""
+    assert cluster.stop() == [], "stopping the nodes left processes behind"
+    assert [host.pids() for host in cluster.hosts.hosts] == [[], []]
