@@ -327,3 +327,64 @@ async def test_deterministic_trees_that_never_branch_sample_as_flat_episodes(tok
     for t in a:
         pairs.setdefault(t.tree.tree_id, []).append(t)
     assert any(x.response_ids != y.response_ids for x, y in pairs.values())
+
+
+class FragileEnv(ForkingEnv):
+    """Forks, but the fork of a task marked ``bad_fork`` fails, and a forked child of a task marked
+    ``bad_child`` fails at its first step; every instance is kept, to check that all were closed."""
+
+    made: list[FragileEnv] = []
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(turns=3, **kw)
+        self.task: dict[str, Any] = {}
+        self.child = False
+        FragileEnv.made.append(self)
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.task = task
+        return await super().reset(task)
+
+    def fork(self) -> FragileEnv:
+        if self.task.get("bad_fork"):
+            raise RuntimeError("snapshot failed")
+        child = super().fork()
+        child.child, child.closed = True, False
+        FragileEnv.made.append(child)
+        return child
+
+    async def step(self, action_text: str) -> StepResult:
+        if self.child and self.task.get("bad_child"):
+            raise RuntimeError("child broke")
+        return await super().step(action_text)
+
+
+async def test_failed_forks_and_children_are_failed_leaves_and_every_env_is_closed(tok):
+    FragileEnv.made = []
+    marked = [{"prompt": "a", "bad_fork": True}, {"prompt": "b", "bad_child": True}, {"prompt": "c"}]
+    config = cfg(
+        group_size=1,
+        batch_size=1,
+        max_retries=0,
+        failed_member_policy="drop_member",
+        tree={"branch_at": [1], "k": 2},
+    )
+    async with stub_engine_in_process(min_tokens=2, max_tokens=6, seed=2) as (_, url):
+        client = EngineClient(url, timeout=10)
+        orch = Orchestrator(config, client, tok, FragileEnv, marked)
+        await orch.start()
+        batches = [await orch.buffer.get_batch(timeout=30) for _ in range(2)]
+        failed = orch.take_failed()
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    errors = sorted(t.error for t in failed)
+    assert errors == ["env: RuntimeError: child broke", "env: RuntimeError: snapshot failed"], errors
+    assert stats["rollout/tree_fork_failures"] == 1
+    # the task whose fork failed lost its only leaf (dropped); the one with a broken child trains the
+    # other leaf; the third trains both
+    assert sorted(len(b) for b in batches) == [1, 2]
+    assert stats["rollout/dropped_groups/failed:env"] == 1
+    kept = [t for b in batches for t in b]
+    assert all(t.status == Status.COMPLETED for t in kept)
+    assert FragileEnv.made and all(env.closed for env in FragileEnv.made)
