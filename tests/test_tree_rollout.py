@@ -388,3 +388,27 @@ async def test_failed_forks_and_children_are_failed_leaves_and_every_env_is_clos
     kept = [t for b in batches for t in b]
     assert all(t.status == Status.COMPLETED for t in kept)
     assert FragileEnv.made and all(env.closed for env in FragileEnv.made)
+
+
+@pytest.mark.parametrize("interrupt_mode", ["continue", "restart"])
+async def test_trees_through_weight_updates_stay_within_the_bound(tok, interrupt_mode):
+    """Updates interrupt trees in flight: interrupted children resume (or their trees restart), every
+    trained token stays within η, and every env is closed at the end."""
+    FragileEnv.made = []
+    config = cfg(max_staleness=0, interrupt_mode=interrupt_mode, over_sampling=2.0)
+    async with stub_engine_in_process(min_tokens=2, max_tokens=8, per_token_time=0.002) as (_, url):
+        client = EngineClient(url, timeout=10)
+        orch = Orchestrator(config, client, tok, FragileEnv, tasks(40))
+        await orch.start()
+        for _ in range(3):
+            batch = await orch.buffer.get_batch(timeout=60)
+            for t in batch:
+                assert orch.version - t.min_policy_version <= 0 and t.status == Status.COMPLETED
+            await orch.pause_for_update()
+            await client.update_weight_version(str(orch.version + 1))
+            await orch.resume_after_update(orch.version + 1)
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    assert stats["rollout/interrupted_requests"] + stats.get("rollout/stale_episode_restarts", 0) > 0
+    assert all(env.closed for env in FragileEnv.made)
