@@ -138,7 +138,8 @@ class EpisodeRunner:
         elif not await run_verifier(verifier, traj, traj.label, self.cfg.verifier_timeout):
             m.failure("verifier", traj.error)
 
-    async def _env_call(self, aw: Awaitable[T]) -> T:
+    async def env_call(self, aw: Awaitable[T]) -> T:
+        """``await aw`` (an env's reset, step or fork), bounded by ``rollout.env_step_timeout``."""
         if self.cfg.env_step_timeout is None:
             return await aw
         try:
@@ -185,7 +186,7 @@ class EpisodeRunner:
         try:
             if ep.env is None:
                 ep.env = self.env_factory()
-                messages = await self._env_call(ep.env.reset(dict(ep.draw.task)))
+                messages = await self.env_call(ep.env.reset(dict(ep.draw.task)))
                 if ep.log is not None:
                     ep.log.messages = messages
                 ep.phase = "tokenizer"
@@ -203,10 +204,14 @@ class EpisodeRunner:
         finally:
             if not paused:
                 await self.close(ep, m)
+        self.ended(ep, m)
+        return False
+
+    def ended(self, ep: LiveEpisode, m: RolloutMetrics) -> None:
+        """Time and count an episode that is over."""
         traj = ep.traj
         traj.timings["episode_s"] = time.monotonic() - ep.t0
         m.episode(traj.status.value, len(traj.response_ids), traj.num_turns)
-        return False
 
     def fail(self, ep: LiveEpisode, err: Exception, m: RolloutMetrics) -> None:
         """Mark ``ep`` FAILED with ``err``, blamed on the engine or on the phase it was in."""
@@ -255,7 +260,7 @@ class EpisodeRunner:
                 break
             ep.phase = "env"
             ts = time.monotonic()
-            res = await self._env_call(env.step(text))
+            res = await self.env_call(env.step(text))
             step_time = time.monotonic() - ts
             ep.tool_time += step_time
             if ep.log is not None:

@@ -28,7 +28,6 @@ them); :func:`tree_stats` gives the same per trained batch (``tree/...``).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 
 from agentrl.engine.types import SamplingParams
@@ -39,8 +38,6 @@ from agentrl.rollout.dataset import Draw
 from agentrl.rollout.episode import EpisodeRunner, LiveEpisode
 from agentrl.rollout.metrics import RolloutMetrics
 from agentrl.types import Trajectory, TreePosition
-
-log = logging.getLogger(__name__)
 
 
 class TreeRunner:
@@ -109,9 +106,9 @@ class TreeRunner:
         """Child ``j`` of ``ep`` at its branch point: a fork of its env, a copy of its trajectory."""
         assert ep.env is not None and ep.traj.tree is not None
         ep.phase = "env"
-        log_ = ep.log.copy() if ep.log is not None else None
-        env: Env = await self.episodes._env_call(
-            fork_env(ep.env, log_ or EpisodeLog({}, []), self.episodes.env_factory)
+        replay_log = ep.log.copy() if ep.log is not None else None
+        env: Env = await self.episodes.env_call(
+            fork_env(ep.env, replay_log or EpisodeLog({}, []), self.episodes.env_factory)
         )
         traj = Trajectory.from_dict(ep.traj.to_dict())
         assert traj.tree is not None
@@ -123,7 +120,7 @@ class TreeRunner:
             stop=list(ep.stop),
             status=ep.status,
             tool_time=ep.tool_time,
-            log=log_,
+            log=replay_log,
             t0=ep.t0,
         )
         m.count("tree_forks")
