@@ -134,6 +134,14 @@ def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def search_r1_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bootstrap cache dir (``{cache}`` of :data:`agentrl.testing.configs.TINY_SEARCH_R1`) that every
+    run of the session shares. Its entries (world, tiny model, SFT warm start, retrieval index) are keyed by
+    their config, so the first run builds them through the job's own bootstrap and the others reuse them."""
+    return tmp_path_factory.mktemp("search_r1_cache")
+
+
+@pytest.fixture(scope="session")
 def sglang_required() -> None:
     """Skip, with the reason, where SGLang is not installed (:func:`agentrl.engine.launcher.sglang_installed`:
     its own directory from scripts/gpu_setup.sh --sglang, or this Python). Where it is, a test that cannot

@@ -13,11 +13,11 @@ from agentrl.metrics import read_metrics
 
 
 @pytest.mark.slow
-def test_train_async_with_fp8_rollout(tmp_path: Path) -> None:
+def test_train_async_with_fp8_rollout(tmp_path: Path, search_r1_cache: Path) -> None:
     assert not _leftovers(), "processes from an earlier test are still running"
     cfg = tmp_path / "e2e.yaml"
     out = tmp_path / "run"
-    cfg.write_text(CONFIG.format(out=out, cache=tmp_path / "cache"))
+    cfg.write_text(CONFIG.format(out=out, cache=search_r1_cache))
     _run(["--config", str(cfg), "steps=2", "eval.num_tasks=2", "engine.quantization=fp8"])
     assert "float32, fp8 projections" in (out / "engine_0.log").read_text()
     train = [r for r in read_metrics(out / "metrics.jsonl") if "policy_version" in r]

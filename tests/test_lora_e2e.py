@@ -16,11 +16,11 @@ from agentrl.metrics import read_metrics
 
 
 @pytest.mark.slow
-def test_train_async_with_lora(tmp_path: Path) -> None:
+def test_train_async_with_lora(tmp_path: Path, search_r1_cache: Path) -> None:
     assert not _leftovers(), "processes from an earlier test are still running"
     cfg = tmp_path / "e2e.yaml"
     out = tmp_path / "run"
-    cfg.write_text(CONFIG.format(out=out, cache=tmp_path / "cache"))
+    cfg.write_text(CONFIG.format(out=out, cache=search_r1_cache))
 
     # an entropy bonus: a gradient even when a tiny model's rewards in a group are all equal
     lora = ["trainer.lora.rank=8", "trainer.loss.entropy_coef=0.01", "trainer.lr=1e-2"]

@@ -14,10 +14,10 @@ from agentrl.metrics import read_metrics
 
 
 @pytest.mark.slow
-def test_train_async_with_two_rollout_shards(tmp_path: Path) -> None:
+def test_train_async_with_two_rollout_shards(tmp_path: Path, search_r1_cache: Path) -> None:
     assert not _leftovers(), "processes from an earlier test are still running"
     out = tmp_path / "run"
-    text = CONFIG.format(out=out, cache=tmp_path / "cache")
+    text = CONFIG.format(out=out, cache=search_r1_cache)
     text = text.replace("engine: {max_batch_size: 16}", "engine: {max_batch_size: 16, num_engines: 2}")
     text = text.replace("steps: 3", "steps: 2").replace("eval: {num_tasks: 8}", "eval: {num_tasks: 5}")
     cfg = tmp_path / "shards.yaml"

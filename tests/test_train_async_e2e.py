@@ -124,11 +124,13 @@ def _run(args: list[str], timeout: float = 600) -> str:
 
 
 @pytest.mark.slow
-def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(tmp_path: Path) -> None:
+def test_train_async_trains_syncs_checkpoints_resumes_and_cleans_up(
+    tmp_path: Path, search_r1_cache: Path
+) -> None:
     assert not _leftovers(), "processes from an earlier test are still running"
     cfg = tmp_path / "e2e.yaml"
     out = tmp_path / "run"
-    cfg.write_text(CONFIG.format(out=out, cache=tmp_path / "cache"))
+    cfg.write_text(CONFIG.format(out=out, cache=search_r1_cache))
 
     stdout = _run(["--config", str(cfg)])
     assert "held-out exact match before" in stdout and "held-out exact match after" in stdout
@@ -182,16 +184,16 @@ def test_bad_config_field_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
+def test_ctrl_c_shuts_everything_down(tmp_path: Path, search_r1_cache: Path) -> None:
     """SIGINT in the middle of training: the job exits and leaves no engine, server or Ray process."""
     import signal
 
     cfg = tmp_path / "e2e.yaml"
     cfg.write_text(
-        CONFIG.format(out=tmp_path / "run", cache=tmp_path / "cache").replace("steps: 3", "steps: 500")
+        CONFIG.format(out=tmp_path / "run", cache=search_r1_cache).replace("steps: 3", "steps: 500")
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-u", "train_async.py", "--config", str(cfg)],
+    proc = subprocess.Popen(  # no held-out eval before training: the interrupt falls in a step sooner
+        [sys.executable, "-u", "train_async.py", "--config", str(cfg), "eval.before=false"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -292,12 +294,14 @@ def test_engine_memory_reports_the_largest_peak_and_never_fails_a_step() -> None
 
 
 @pytest.mark.slow
-def test_a_run_that_can_never_score_stops_with_the_cause_and_the_field(tmp_path: Path) -> None:
+def test_a_run_that_can_never_score_stops_with_the_cause_and_the_field(
+    tmp_path: Path, search_r1_cache: Path
+) -> None:
     """Every group zero-variance (one new token: no answer, reward 0 everywhere) with
     rollout.filter_zero_variance on: the job exits non-zero within minutes, printing one line that names the
     cause and the field, instead of waiting for a batch that can never form."""
     cfg = tmp_path / "e2e.yaml"
-    cfg.write_text(CONFIG.format(out=tmp_path / "run", cache=tmp_path / "cache"))
+    cfg.write_text(CONFIG.format(out=tmp_path / "run", cache=search_r1_cache))
     args = [
         "--config",
         str(cfg),
