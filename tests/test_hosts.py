@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,25 @@ def test_node_address_comes_from_the_node(monkeypatch: pytest.MonkeyPatch) -> No
     assert bind_address("127.0.0.1") == "127.0.0.1" and url_host("::1") == "[::1]"
     monkeypatch.delenv(NODE_ADDRESS_ENV)
     assert node_address()  # the route out (or loopback on a machine without one)
+
+
+def test_gloo_talks_over_the_interface_that_reaches_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gloo advertises the address the host name resolves to (loopback on many hosts) unless told an
+    interface: the groups agentrl opens name the one the route to the rendezvous host leaves from."""
+    import psutil
+
+    from agentrl.engine.dist import gloo_interface, use_gloo_interface_for
+
+    assert gloo_interface("127.0.0.1") is None and gloo_interface("::1") is None
+    name = gloo_interface("10.255.255.1")  # any routed address: the route out of this machine
+    if name is not None:  # a machine with no route out has nothing to choose
+        assert name in psutil.net_if_addrs() and name != "lo"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    use_gloo_interface_for("127.0.0.1")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # one host: gloo's own choice, as before
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    use_gloo_interface_for("10.255.255.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine"  # the user's setting wins
 
 
 def test_listen_is_a_checked_field() -> None:

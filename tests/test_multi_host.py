@@ -378,11 +378,6 @@ def _final_weights(out: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the weight-sync group's gloo pairs advertise the address the host name resolves to, loopback "
-    "on these hosts (as on many Debian-style hosts): the trainer's side cannot reach the engine's",
-)
 def test_search_r1_across_two_hosts_learns_as_on_one(
     cluster: NamespaceCluster, tmp_path: Path, bootstrap_cache: Path
 ) -> None:

@@ -22,8 +22,11 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import os
+import socket
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,38 @@ def host_store(world_size: int, timeout: float | datetime.timedelta = 600.0) -> 
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def gloo_interface(peer: str) -> str | None:
+    """The name of this host's network interface that reaches ``peer`` (None for a loopback peer, or when
+    no interface holds the address the route to it leaves from)."""
+    from agentrl.cluster import is_loopback
+
+    host = peer.strip("[]")
+    if not host or is_loopback(host):
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:  # a route lookup: nothing is sent
+            s.connect((host, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addresses):
+            return name
+    return None
+
+
+def use_gloo_interface_for(peer: str) -> None:
+    """Have this process's gloo groups talk over the interface that reaches ``peer`` (the rendezvous
+    host), unless ``GLOO_SOCKET_IFNAME`` says otherwise. Gloo advertises the address its host name
+    resolves to, which on many hosts is a loopback one that peers on other hosts cannot reach."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := gloo_interface(peer)) is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("gloo groups use interface %s (the route to %s)", name, peer)
 
 
 def init_custom_process_group(
@@ -76,6 +111,8 @@ def init_custom_process_group(
 
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    if str(backend) == "gloo":
+        use_gloo_interface_for(urlsplit(init_method).hostname or "")
     if store is None:
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)

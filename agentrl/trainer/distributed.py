@@ -40,6 +40,10 @@ def init_distributed(cfg: TrainerConfig, device: torch.device, store: Any = None
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "gloo" and world > 1:  # ranks on several hosts reach rank 0's address
+            from agentrl.engine.dist import use_gloo_interface_for
+
+            use_gloo_interface_for(os.environ.get("MASTER_ADDR", ""))
         if store is None and world == 1:
             store = dist.HashStore()
         if store is not None:
