@@ -412,3 +412,18 @@ async def test_trees_through_weight_updates_stay_within_the_bound(tok, interrupt
         await client.close()
     assert stats["rollout/interrupted_requests"] + stats.get("rollout/stale_episode_restarts", 0) > 0
     assert all(env.closed for env in FragileEnv.made)
+
+
+def test_shards_merge_the_prefix_cache_hit_rate_from_their_counts():
+    from agentrl.rollout.shards import merge_stats
+
+    def shard(cached: int, sent: int) -> dict[str, float]:
+        rate = cached / sent
+        return {
+            "rollout/cached_input_tokens": cached,
+            "rollout/request_input_tokens": sent,
+            "rollout/prefix_cache_hit_rate": rate,
+        }
+
+    merged = merge_stats([shard(90, 100), shard(0, 300)])
+    assert merged["rollout/prefix_cache_hit_rate"] == 90 / 400

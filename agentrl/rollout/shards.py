@@ -133,9 +133,9 @@ def merge_stats(
     version the maximum; the dataset epoch and ``buffer/batches`` the minimum; the engines' idle fraction
     the mean; a text (``rollout/first_error/...``) the first shard's; means weighted by what each shard
     counted in the window (``weights[i]``: ``episodes``, ``requests``; the staleness mean by the shard's
-    histogram), the plain mean where nothing counts them (over the shards that report a value). With one
-    shard, its dict unchanged; with more, also ``rollout/shard{i}/...`` for the loop's busy fraction and lag
-    p90 and the turns/s of every shard."""
+    histogram), the plain mean where nothing counts them (over the shards that report a value), the
+    prefix-cache hit rate from the summed token counts. With one shard, its dict unchanged; with more,
+    also ``rollout/shard{i}/...`` for the loop's busy fraction and lag p90 and the turns/s of every shard."""
     if len(stats) == 1:
         return dict(stats[0])
     weights = weights or [{} for _ in stats]
@@ -168,6 +168,11 @@ def merge_stats(
             )
         else:
             out[key] = sum(values)
+    if out.get("rollout/request_input_tokens") and "rollout/prefix_cache_hit_rate" in out:
+        # a ratio of two counts: the ratio of the sums, not the sum of the ratios
+        out["rollout/prefix_cache_hit_rate"] = (
+            out["rollout/cached_input_tokens"] / out["rollout/request_input_tokens"]
+        )
     for i, s in enumerate(stats):
         for key in SHARD_KEYS:
             if key in s:
