@@ -333,6 +333,34 @@ async def test_rejection_acceptance_in_the_engine_emits_target_logprobs(peaked_m
         assert max(abs(a - b) for a, b in zip(want, r.logprobs, strict=True)) < 1e-4
 
 
+@pytest.mark.slow
+def test_a_deterministic_run_with_speculation_is_the_run_without_it(
+    tmp_path: Path, search_r1_cache: Path
+) -> None:
+    """Deterministic mode keeps its guarantee with speculation on: two short ``train_async.py`` runs of the
+    deterministic config, without and with ``engine.speculative``, end with the same weights, bit for bit,
+    and log the same figures apart from timings, the engine's counters and the prefix cache's hits, while
+    the second one's engine ran verify steps."""
+    from test_deterministic import _deterministic_run, _same_bytes
+
+    from agentrl.metrics import read_metrics
+
+    spec = ("engine.speculative.num_draft_tokens=4", "engine.speculative.min_ngram=1")
+    wa, ma = _deterministic_run(tmp_path, search_r1_cache, "plain")
+    wb, mb = _deterministic_run(tmp_path, search_r1_cache, "spec", *spec)
+    _same_bytes(wa, wb)
+    # Prefix-cache hits follow the schedule (whether a turn's KV is still cached when the next turn comes;
+    # two runs without speculation differ there too), and speculation changes the schedule.
+    schedule = {"rollout/cached_input_tokens", "rollout/prefix_cache_hit_rate"}
+    keys = {k for r in ma + mb for k in r} - schedule
+    differ = sorted(k for k in keys if [r.get(k) for r in ma] != [r.get(k) for r in mb])
+    assert not differ, [(k, [r.get(k) for r in ma], [r.get(k) for r in mb]) for k in differ]
+    counted = [
+        r.get("engine/spec_verify_steps", 0.0) for r in read_metrics(tmp_path / "spec" / "metrics.jsonl")
+    ]
+    assert max(counted) > 0, "no verify step ran"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch_invariant", [True, False])
 async def test_speculation_on_a_gpu(peaked_model_dir: Path, batch_invariant: bool) -> None:
