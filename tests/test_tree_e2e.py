@@ -32,23 +32,14 @@ checkpoint: {{interval: 0}}
 )
 
 
-@pytest.fixture
-def cache_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    """The session's shared bootstrap cache when the suite has one, else a cache of this test's own."""
-    try:
-        return request.getfixturevalue("search_r1_cache")
-    except pytest.FixtureLookupError:
-        return tmp_path / "cache"
-
-
 @pytest.mark.slow
-def test_tree_rollouts_train_log_their_figures_and_clean_up(tmp_path: Path, cache_dir: Path) -> None:
+def test_tree_rollouts_train_log_their_figures_and_clean_up(tmp_path: Path, search_r1_cache: Path) -> None:
     from test_train_async_e2e import _left_after, _leftovers
 
     assert not _leftovers(), "processes from an earlier test are still running"
     cfg = tmp_path / "tree.yaml"
     out = tmp_path / "run"
-    cfg.write_text(CONFIG.format(out=out, cache=cache_dir))
+    cfg.write_text(CONFIG.format(out=out, cache=search_r1_cache))
     proc = subprocess.run(
         [sys.executable, "train_async.py", "--config", str(cfg)],
         cwd=ROOT,
