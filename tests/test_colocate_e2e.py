@@ -22,19 +22,17 @@ COLOCATED = (
 )
 
 
-def _config(tmp_path: Path, steps: int) -> Path:
+def _config(tmp_path: Path, cache: Path, steps: int) -> Path:
     cfg = tmp_path / "colocated.yaml"
-    text = COLOCATED.format(out=tmp_path / "run", cache=tmp_path / "cache").replace(
-        "steps: 3", f"steps: {steps}"
-    )
+    text = COLOCATED.format(out=tmp_path / "run", cache=cache).replace("steps: 3", f"steps: {steps}")
     cfg.write_text(text.replace("checkpoint: {interval: 2}", "checkpoint: {interval: 0}"))
     return cfg
 
 
-def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) -> None:
+def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path, search_r1_cache: Path) -> None:
     assert not _leftovers(), "processes from an earlier test are still running"
     proc = subprocess.run(
-        [sys.executable, "train_async.py", "--config", str(_config(tmp_path, 2))],
+        [sys.executable, "train_async.py", "--config", str(_config(tmp_path, search_r1_cache, 2))],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -70,9 +68,9 @@ def test_colocated_run_sleeps_offloads_and_reports_each_phase(tmp_path: Path) ->
     assert not _left_after(), "the run left processes behind"
 
 
-def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path) -> None:
+def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path, search_r1_cache: Path) -> None:
     """colocation.mode overlap: no release, no offload; generation pauses for the weight sync only."""
-    cfg = _config(tmp_path, 2)
+    cfg = _config(tmp_path, search_r1_cache, 2)
     text = cfg.read_text().replace(
         "colocation: {mode: turns, engine_release: all, trainer_offload: ahead}",
         "colocation: {mode: overlap}",
@@ -101,10 +99,10 @@ def test_overlapped_run_generates_beside_the_step_and_trains(tmp_path: Path) -> 
     assert not _left_after(), "the run left processes behind"
 
 
-def test_ctrl_c_while_the_engine_sleeps_shuts_everything_down(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, 500)
-    proc = subprocess.Popen(
-        [sys.executable, "-u", "train_async.py", "--config", str(cfg)],
+def test_ctrl_c_while_the_engine_sleeps_shuts_everything_down(tmp_path: Path, search_r1_cache: Path) -> None:
+    cfg = _config(tmp_path, search_r1_cache, 500)
+    proc = subprocess.Popen(  # no held-out eval before training: the interrupt falls in a step sooner
+        [sys.executable, "-u", "train_async.py", "--config", str(cfg), "eval.before=false"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

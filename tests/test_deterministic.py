@@ -206,11 +206,11 @@ eval: {{num_tasks: 8}}
 # may vary with timing; what they produced may not), and the load of the rollout's event loop and of the
 # retrieval server
 def _deterministic_run(
-    tmp: Path, name: str, *overrides: str, rank: int = 0
+    tmp: Path, cache: Path, name: str, *overrides: str, rank: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     cfg = tmp / f"{name}.yaml"
     out = tmp / name
-    cfg.write_text(CONFIG.format(out=out, cache=tmp / "cache"))
+    cfg.write_text(CONFIG.format(out=out, cache=cache))
     proc = subprocess.run(
         [sys.executable, "train_async.py", "--config", str(cfg), *overrides],
         cwd=ROOT,
@@ -232,9 +232,9 @@ def _same_bytes(wa: dict[str, Any], wb: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_two_seeded_runs_are_bit_identical(tmp_path: Path) -> None:
-    wa, ma = _deterministic_run(tmp_path, "a")
-    wb, mb = _deterministic_run(tmp_path, "b")
+def test_two_seeded_runs_are_bit_identical(tmp_path: Path, search_r1_cache: Path) -> None:
+    wa, ma = _deterministic_run(tmp_path, search_r1_cache, "a")
+    wb, mb = _deterministic_run(tmp_path, search_r1_cache, "b")
     _same_bytes(wa, wb)
     assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
     train = [r for r in ma if "policy_version" in r]
@@ -244,14 +244,14 @@ def test_two_seeded_runs_are_bit_identical(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_seeded_data_parallel_runs_are_bit_identical(tmp_path: Path) -> None:
+def test_two_seeded_data_parallel_runs_are_bit_identical(tmp_path: Path, search_r1_cache: Path) -> None:
     """Two engines and two trainer ranks (data parallel), the rollout in two shards (an orchestrator per
     engine): each rank's weights are the same bytes in both runs, the two ranks hold the same replica,
     and every logged value is equal, the shards' merged figures included. (One orchestrator over two
     engines: the same pair ran on two GPUs, docs/results/multi-gpu.md.)"""
     dp2 = ("trainer_world_size=2", "engine.num_engines=2", "rollout.shards=2", "ray.num_cpus=4")
-    wa, ma = _deterministic_run(tmp_path, "a", *dp2, rank=1)
-    wb, mb = _deterministic_run(tmp_path, "b", *dp2, rank=1)
+    wa, ma = _deterministic_run(tmp_path, search_r1_cache, "a", *dp2, rank=1)
+    wb, mb = _deterministic_run(tmp_path, search_r1_cache, "b", *dp2, rank=1)
     _same_bytes(wa, wb)
     step = tmp_path / "a" / "checkpoints" / (tmp_path / "a" / "checkpoints" / "latest").read_text().strip()
     _same_bytes(torch.load(step / "rank_00000.pt", map_location="cpu", weights_only=False)["model"], wa)

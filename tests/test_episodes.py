@@ -247,10 +247,10 @@ def test_reader_names_a_cut_or_corrupt_gzip_file_and_reads_the_other_files(tmp_p
 
 # ---------------------------------------------------------------- a real run
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_dir(tmp_path_factory: pytest.TempPathFactory, search_r1_cache: Path) -> Path:
     tmp = tmp_path_factory.mktemp("episodes")
     cfg = tmp / "run.yaml"
-    cfg.write_text(CONFIG.format(out=tmp / "run", cache=tmp / "cache"))
+    cfg.write_text(CONFIG.format(out=tmp / "run", cache=search_r1_cache))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no API key: offline
     proc = subprocess.run(
         [sys.executable, "train_async.py", "--config", str(cfg)],
