@@ -7,8 +7,11 @@ First the harness itself: two node addresses, each node's tasks see their own, a
 of one host is out of the other's reach. Then a tiny Search-R1 run with ``--ray-address`` of the head:
 the engine and the rollout on the worker, the trainer and the retrieval server on the head, weights
 broadcast over gloo. It must finish with every URL it hands across hosts off loopback, leave nothing
-running, and learn as the same config does on one host: deterministic, both runs train the same batches
-to the same weights, bit for bit.
+running, and learn as the same config does on one host: deterministic, both runs log the same figures
+(the engine's prefix-cache counts aside) and end with the same weights, bit for bit. Then the worker's
+host is lost mid-run: the run stops within 60 s naming the node and what ran there, and ``--resume`` on a
+fresh worker trains every step once, no task lost or trained twice. Last, the nodes stop and leave
+nothing behind.
 
 Namespaces need root; the tests fail without them under ``CI=true`` and skip with the reason elsewhere.
 """
@@ -186,12 +189,6 @@ def _remove(cluster: NamespaceCluster) -> None:
     cluster.stop()
     cluster.hosts.close()
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def bootstrap_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Search-R1 bootstrap's cache, shared by the module's runs (built by the first)."""
-    return tmp_path_factory.mktemp("search_r1_cache")
 
 
 @pytest.fixture(scope="module")
@@ -379,12 +376,12 @@ def _final_weights(out: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_search_r1_across_two_hosts_learns_as_on_one(
-    cluster: NamespaceCluster, tmp_path: Path, bootstrap_cache: Path
+    cluster: NamespaceCluster, tmp_path: Path, search_r1_cache: Path
 ) -> None:
     a, b = cluster.hosts.a, cluster.hosts.b
     cfg = tmp_path / "run.yaml"
     two, one = tmp_path / "two", tmp_path / "one"
-    cfg.write_text(CONFIG.format(out=two, cache=bootstrap_cache))
+    cfg.write_text(CONFIG.format(out=two, cache=search_r1_cache))
 
     t0 = time.monotonic()
     proc = _train_async(a, cluster.env, cfg, "--ray-address", cluster.address, *ACROSS, timeout=500)
@@ -402,10 +399,12 @@ def test_search_r1_across_two_hosts_learns_as_on_one(
     assert not _is_loopback(placed["listen"])
     urls = _urls(placed)
     assert urls and not [u for u in urls if _is_loopback(urlsplit(u).hostname or "")], placed
+    nodes = {at["node_id"] for at in [*placed["engines"], *placed["trainer_ranks"]]}
+    assert all(f"node {node[:8]} " in proc.stdout for node in nodes), proc.stdout[-3000:]  # said at start
     assert not cluster.left_by_the_job(), "the run left processes behind on the cluster"
 
     # the same config on one host (a local Ray, everything on loopback): the same figures, the same weights
-    cfg.write_text(CONFIG.format(out=one, cache=bootstrap_cache))
+    cfg.write_text(CONFIG.format(out=one, cache=search_r1_cache))
     proc = _train_async(None, dict(os.environ), cfg, "ray.num_cpus=4", timeout=500)
     assert proc.returncode == 0, f"the one-host run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert [_learned(r) for r in _trained(one)] == [_learned(r) for r in rows]
@@ -443,11 +442,11 @@ def _dumped(out: Path) -> dict[int, list[dict[str, Any]]]:
 
 @pytest.mark.slow
 def test_a_host_lost_mid_run_stops_it_and_resume_loses_nothing(
-    cluster: NamespaceCluster, tmp_path: Path, bootstrap_cache: Path
+    cluster: NamespaceCluster, tmp_path: Path, search_r1_cache: Path
 ) -> None:
     a, b = cluster.hosts.a, cluster.hosts.b
     out, cfg = tmp_path / "run", tmp_path / "run.yaml"
-    cfg.write_text(LOST_CONFIG.format(out=out, cache=bootstrap_cache))
+    cfg.write_text(LOST_CONFIG.format(out=out, cache=search_r1_cache))
     cmd = [sys.executable, "-u", "train_async.py", "--config", str(cfg), "--ray-address", cluster.address]
     log = tmp_path / "run.log"
     engine_dirs = {p.name for p in Path(tempfile.gettempdir()).glob("agentrl-engine-*")}
