@@ -6,7 +6,9 @@ traceback, or a collective that waits for a peer that is gone until its timeout.
 ``ray.nodes()`` while the loop runs; when a node that holds one of the run's parts (:func:`parts_by_node`,
 from the placement record ``Fleet.where`` writes) is no longer alive, it cancels the loop and raises
 :class:`NodeLost` in its place. An actor's death that surfaces before the poll sees its node go is held
-back until Ray says whether a node was lost (:data:`DEATH_GRACE_S`), so both paths end in the same line.
+back until Ray says whether a node was lost (:data:`DEATH_GRACE_S`), so both paths end in the same line;
+so is any other error while a node of the run does not answer a probe within :data:`PROBE_S` (a call to
+a lost engine fails with a connection error before Ray's health checks declare its node dead).
 The checkpoints hold what the run trained; ``--resume`` on a replacement node goes on from the last one.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 
 POLL_S = 2.0  # how often the alive nodes are read
 DEATH_GRACE_S = 45.0  # how long an actor's death waits for Ray to declare its node dead (health checks)
+PROBE_S = 10.0  # how long every node of the run has to run a no-op task after an error
 
 
 class NodeLost(RuntimeError):
@@ -78,6 +81,28 @@ def _is_death(err: BaseException) -> bool:
     return False
 
 
+async def _all_answer(placed: dict[str, Any], probe: Callable[[str], Any], timeout: float) -> bool:
+    """Whether every node of ``placed`` runs ``probe(node_id)`` within ``timeout`` seconds."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*[probe(n) for n in parts_by_node(placed)]), timeout)
+    except Exception:  # a timeout, or a node Ray no longer schedules on
+        return False
+    return True
+
+
+async def _run_noop_on(node_id: str) -> None:
+    """A no-op Ray task on the node ``node_id`` (it waits while the node cannot take it)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    where = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    await ray.remote(_noop).options(num_cpus=0, scheduling_strategy=where).remote()
+
+
+def _noop() -> None:
+    return None
+
+
 async def _wait_for_loss(
     placed: dict[str, Any], read_nodes: Callable[[], list[dict[str, Any]]], grace: float
 ) -> str | None:
@@ -95,9 +120,12 @@ async def watch_nodes(
     poll: float = POLL_S,
     grace: float = DEATH_GRACE_S,
     read_nodes: Callable[[], list[dict[str, Any]]] | None = None,
+    probe: Callable[[str], Any] = _run_noop_on,
+    probe_timeout: float = PROBE_S,
 ) -> AsyncIterator[None]:
     """Run the body while the nodes of ``placed`` are alive; a lost one cancels the body and raises
-    :class:`NodeLost`. ``read_nodes``: what lists the nodes (default ``ray.nodes``)."""
+    :class:`NodeLost`. ``read_nodes``: what lists the nodes (default ``ray.nodes``); ``probe(node_id)``:
+    what checks that a node answers after an error (default: a no-op Ray task there)."""
     if read_nodes is None:
         import ray
 
@@ -119,7 +147,10 @@ async def watch_nodes(
     try:
         yield
     except BaseException as err:
-        if not lost and _is_death(err):
+        suspect = not isinstance(err, (KeyboardInterrupt, asyncio.CancelledError)) and (
+            _is_death(err) or not await _all_answer(placed, probe, probe_timeout)
+        )
+        if not lost and suspect:
             if (message := await _wait_for_loss(placed, read_nodes, grace)) is not None:
                 lost.append(message)
         if not lost:

@@ -260,10 +260,30 @@ async def test_an_actor_death_waits_for_the_node_and_other_errors_pass() -> None
     with pytest.raises(NodeLost, match="which ran engine 0, rollout shard 0"):  # the death, then the node
         async with watch_nodes(PLACED, poll=30, grace=10, read_nodes=lambda: list(nodes)):
             raise ray.exceptions.RayActorError()
-    with pytest.raises(ValueError, match="a bug"):  # not a death: as it was, at once
-        async with watch_nodes(PLACED, poll=30, read_nodes=lambda: list(nodes[:1])):
+
+    async def answers(node_id: str) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="a bug"):  # every node answers: the error as it was, at once
+        async with watch_nodes(PLACED, poll=30, read_nodes=lambda: list(nodes[:1]), probe=answers):
             raise ValueError("a bug")
+
+    # a call to a lost engine fails (connection refused) before Ray declares its node dead: the worker's
+    # node does not answer the probe, and the run waits for Ray's word on it
+    nodes = [_node("h" * 56, "10.1.0.1"), _node("w" * 56, "10.1.0.2")]
+    loop.call_later(0.3, lambda: nodes.__setitem__(1, {**nodes[1], "Alive": False}))
+
+    async def worker_silent(node_id: str) -> None:
+        if node_id.startswith("w"):
+            await asyncio.sleep(60)
+
+    watch = watch_nodes(
+        PLACED, poll=30, grace=10, read_nodes=lambda: list(nodes), probe=worker_silent, probe_timeout=0.5
+    )
+    with pytest.raises(NodeLost, match="which ran engine 0, rollout shard 0"):
+        async with watch:
+            raise ConnectionRefusedError("engine 0 unreachable")
     alive = [_node("h" * 56, "10.1.0.1"), _node("w" * 56, "10.1.0.2")]
     with pytest.raises(ray.exceptions.RayActorError):  # a death with every node alive: as it was
-        async with watch_nodes(PLACED, poll=30, grace=0.2, read_nodes=lambda: alive):
+        async with watch_nodes(PLACED, poll=30, grace=0.2, read_nodes=lambda: alive, probe=answers):
             raise ray.exceptions.RayActorError()
