@@ -417,7 +417,7 @@ def test_search_r1_across_two_hosts_learns_as_on_one(
 LOST_CONFIG = (
     TINY_SEARCH_R1
     + """output_dir: {out}
-steps: 4
+steps: 12
 engine: {{max_batch_size: 8}}
 weight_sync: disk
 checkpoint: {{interval: 1}}
@@ -429,6 +429,7 @@ eval: {{before: false, after: false}}
 """
 )
 B = 2  # groups per batch
+STEPS = 12  # enough that the host is lost with steps still to train
 
 
 def _dumped(out: Path) -> dict[int, list[dict[str, Any]]]:
@@ -480,6 +481,7 @@ def test_a_host_lost_mid_run_stops_it_and_resume_loses_nothing(
     assert len(said) == 1 and "engine 0" in said[0] and "rollout shard 0" in said[0], text[-4000:]
     assert not cluster.left_by_the_job(), "the stopped run left processes behind"
     trained_before = sorted(_dumped(out))
+    assert trained_before and max(trained_before) < STEPS, trained_before  # the resume has work to do
 
     # a fresh worker, and the run resumed: every step trained once, no task lost or trained twice
     cluster.start_node("worker")
@@ -491,11 +493,12 @@ def test_a_host_lost_mid_run_stops_it_and_resume_loses_nothing(
     assert "resumed at step" in proc.stdout
     dumps = _dumped(out)
     rows = {int(r["step"]): r for r in read_metrics(out / "metrics.jsonl") if "policy_version" in r}
-    assert sorted(dumps) == sorted(rows) == [1, 2, 3, 4], (trained_before, sorted(rows))
-    assert [rows[s]["policy_version"] for s in range(1, 5)] == [1, 2, 3, 4]
-    assert [rows[s]["rollout/trained_groups"] for s in range(1, 5)] == [B * s for s in range(1, 5)]
+    steps = list(range(1, STEPS + 1))
+    assert sorted(dumps) == sorted(rows) == steps, (trained_before, sorted(rows))
+    assert [rows[s]["policy_version"] for s in steps] == steps
+    assert [rows[s]["rollout/trained_groups"] for s in steps] == [B * s for s in steps]
     firsts = [r["task_id"] for s in dumps for r in dumps[s] if r["sample_index"] == 0]
-    assert len(firsts) == 4 * B and len(set(firsts)) == len(firsts), firsts
+    assert len(firsts) == STEPS * B and len(set(firsts)) == len(firsts), firsts
     assert all(r["trained"] and r["status"] != "failed" for s in dumps for r in dumps[s])
     assert not cluster.left_by_the_job(), "the resumed run left processes behind"
     # the lost host's engine never removed its scratch dir (the port file): that one, and no other
