@@ -205,23 +205,37 @@ eval: {{num_tasks: 8}}
 # batching counters (decode steps and rows, prefill and cached tokens: how requests were batched, which
 # may vary with timing; what they produced may not), and the load of the rollout's event loop and of the
 # retrieval server
-def _deterministic_run(
-    tmp: Path, cache: Path, name: str, *overrides: str, rank: int = 0
-) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    cfg = tmp / f"{name}.yaml"
-    out = tmp / name
-    cfg.write_text(CONFIG.format(out=out, cache=cache))
-    proc = subprocess.run(
-        [sys.executable, "train_async.py", "--config", str(cfg), *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
-    weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]
-    rows = [without_timings(r) for r in read_metrics(out / "metrics.jsonl")]
-    return weights, rows
+Result = tuple[dict[str, torch.Tensor], list[dict[str, Any]]]
+
+
+def _deterministic_pair(tmp: Path, cache: Path, *overrides: str, rank: int = 0) -> tuple[Result, Result]:
+    """Two runs ``a`` and ``b`` of one config: rank ``rank``'s final weights and the metrics rows without
+    timings of each. They run at the same time (a timing that differs all the more) when the bootstrap
+    cache is built; otherwise ``b`` starts when ``a`` has built it, as two runs would write it together."""
+    built = any(cache.glob("sft-*/DONE"))
+    procs = {}
+    for name in ("a", "b"):
+        cfg = tmp / f"{name}.yaml"
+        cfg.write_text(CONFIG.format(out=tmp / name, cache=cache))
+        with open(tmp / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(
+                [sys.executable, "train_async.py", "--config", str(cfg), *overrides],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        if not built:
+            procs[name].wait()
+    for proc in procs.values():  # both ended before either is checked: a failed one leaves no other behind
+        proc.wait()
+    results = []
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (tmp / f"{name}.log").read_text()[-8000:]
+        out = tmp / name
+        step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+        weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]
+        results.append((weights, [without_timings(r) for r in read_metrics(out / "metrics.jsonl")]))
+    return results[0], results[1]
 
 
 def _same_bytes(wa: dict[str, Any], wb: dict[str, Any]) -> None:
@@ -233,8 +247,7 @@ def _same_bytes(wa: dict[str, Any], wb: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_two_seeded_runs_are_bit_identical(tmp_path: Path, search_r1_cache: Path) -> None:
-    wa, ma = _deterministic_run(tmp_path, search_r1_cache, "a")
-    wb, mb = _deterministic_run(tmp_path, search_r1_cache, "b")
+    (wa, ma), (wb, mb) = _deterministic_pair(tmp_path, search_r1_cache)
     _same_bytes(wa, wb)
     assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
     train = [r for r in ma if "policy_version" in r]
@@ -250,8 +263,7 @@ def test_two_seeded_data_parallel_runs_are_bit_identical(tmp_path: Path, search_
     and every logged value is equal, the shards' merged figures included. (One orchestrator over two
     engines: the same pair ran on two GPUs, docs/results/multi-gpu.md.)"""
     dp2 = ("trainer_world_size=2", "engine.num_engines=2", "rollout.shards=2", "ray.num_cpus=4")
-    wa, ma = _deterministic_run(tmp_path, search_r1_cache, "a", *dp2, rank=1)
-    wb, mb = _deterministic_run(tmp_path, search_r1_cache, "b", *dp2, rank=1)
+    (wa, ma), (wb, mb) = _deterministic_pair(tmp_path, search_r1_cache, *dp2, rank=1)
     _same_bytes(wa, wb)
     step = tmp_path / "a" / "checkpoints" / (tmp_path / "a" / "checkpoints" / "latest").read_text().strip()
     _same_bytes(torch.load(step / "rank_00000.pt", map_location="cpu", weights_only=False)["model"], wa)
