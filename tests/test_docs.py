@@ -150,6 +150,7 @@ CMD_FILES = [
     *sorted(p for p in (ROOT / "docs").rglob("*.md") if "reference" not in p.parts),
 ]
 FLAG = re.compile(r"^--?[A-Za-z][\w-]*")
+OPTIONAL = re.compile(r"\[(\s*--?[A-Za-z][^\]]*)\]")  # an optional flag, [--steps 8]: taken as given
 
 
 def _argvs() -> list[tuple[str, list[str]]]:
@@ -163,7 +164,7 @@ def _argvs() -> list[tuple[str, list[str]]]:
                 for part in line.split(" #", 1)[0].split("&&"):
                     if not part.strip().startswith(("python ", "/usr/bin/time python ")):
                         continue
-                    argv = shlex.split(part.strip().replace("[", "").replace("]", ""))
+                    argv = shlex.split(OPTIONAL.sub(r"\1", part.strip()))
                     if argv[:1] == ["/usr/bin/time"]:
                         argv = argv[1:]
                     if len(argv) >= 2 and argv[0] == "python":
