@@ -147,19 +147,17 @@ async def watch_nodes(
     try:
         yield
     except BaseException as err:
-        suspect = not isinstance(err, (KeyboardInterrupt, asyncio.CancelledError)) and (
-            _is_death(err) or not await _all_answer(placed, probe, probe_timeout)
-        )
-        if not lost and suspect:
-            if (message := await _wait_for_loss(placed, read_nodes, grace)) is not None:
-                lost.append(message)
+        watcher.cancel()  # from here on only this block decides: no cancel lands in its own waits
+        if lost and task.cancelling():
+            task.uncancel()  # the watch's own cancel, turned into the error it stands for
+        elif not lost and not isinstance(err, (KeyboardInterrupt, asyncio.CancelledError)):
+            if _is_death(err) or not await _all_answer(placed, probe, probe_timeout):
+                if (message := await _wait_for_loss(placed, read_nodes, grace)) is not None:
+                    lost.append(message)
         if not lost:
             raise
-        if isinstance(err, asyncio.CancelledError):
-            task.uncancel()  # the watch's own cancel, turned into the error it stands for
         raise NodeLost(lost[0]) from err
     else:
+        watcher.cancel()
         if lost:  # lost as the body ended
             raise NodeLost(lost[0])
-    finally:
-        watcher.cancel()

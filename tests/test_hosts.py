@@ -251,6 +251,21 @@ async def test_watch_ends_a_waiting_loop_when_a_node_goes() -> None:
     assert not asyncio.current_task().cancelling()  # the watch's cancel does not leak to the caller
 
 
+async def test_a_death_then_the_watch_firing_still_ends_in_the_line() -> None:
+    """The body fails on a dead actor; while the run waits for Ray's word on the node, the watch's own poll
+    sees it go: the run still ends with the lost-node line, not with a cancel."""
+    import ray.exceptions
+
+    nodes = [_node("h" * 56, "10.1.0.1"), _node("w" * 56, "10.1.0.2")]
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, lambda: nodes.__setitem__(1, {**nodes[1], "Alive": False}))
+    with pytest.raises(NodeLost, match="which ran engine 0, rollout shard 0"):
+        async with watch_nodes(PLACED, poll=0.05, grace=10, read_nodes=lambda: list(nodes)):
+            await asyncio.sleep(0.25)
+            raise ray.exceptions.RayActorError()
+    assert not asyncio.current_task().cancelling()
+
+
 async def test_an_actor_death_waits_for_the_node_and_other_errors_pass() -> None:
     import ray.exceptions
 
