@@ -208,13 +208,16 @@ eval: {{num_tasks: 8}}
 Result = tuple[dict[str, torch.Tensor], list[dict[str, Any]]]
 
 
-def _deterministic_pair(tmp: Path, cache: Path, *overrides: str, rank: int = 0) -> tuple[Result, Result]:
-    """Two runs ``a`` and ``b`` of one config: rank ``rank``'s final weights and the metrics rows without
-    timings of each. They run at the same time (a timing that differs all the more) when the bootstrap
-    cache is built; otherwise ``b`` starts when ``a`` has built it, as two runs would write it together."""
+def _deterministic_runs(
+    tmp: Path, cache: Path, runs: dict[str, tuple[str, ...]], rank: int = 0
+) -> dict[str, Result]:
+    """Runs of one config, each named with its overrides: rank ``rank``'s final weights and the metrics rows
+    without timings of each. They run at the same time (a timing that differs all the more) when the
+    bootstrap cache is built; otherwise each starts when the one before has built it, as runs would write
+    it together."""
     built = any(cache.glob("sft-*/DONE"))
     procs = {}
-    for name in ("a", "b"):
+    for name, overrides in runs.items():
         cfg = tmp / f"{name}.yaml"
         cfg.write_text(CONFIG.format(out=tmp / name, cache=cache))
         with open(tmp / f"{name}.log", "w") as log:
@@ -226,16 +229,22 @@ def _deterministic_pair(tmp: Path, cache: Path, *overrides: str, rank: int = 0) 
             )
         if not built:
             procs[name].wait()
-    for proc in procs.values():  # both ended before either is checked: a failed one leaves no other behind
+    for proc in procs.values():  # all ended before any is checked: a failed one leaves no other behind
         proc.wait()
-    results = []
+    results = {}
     for name, proc in procs.items():
         assert proc.returncode == 0, (tmp / f"{name}.log").read_text()[-8000:]
         out = tmp / name
         step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
         weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]
-        results.append((weights, [without_timings(r) for r in read_metrics(out / "metrics.jsonl")]))
-    return results[0], results[1]
+        results[name] = (weights, [without_timings(r) for r in read_metrics(out / "metrics.jsonl")])
+    return results
+
+
+def _deterministic_pair(tmp: Path, cache: Path, *overrides: str, rank: int = 0) -> tuple[Result, Result]:
+    """Two runs ``a`` and ``b`` of one config with the same ``overrides`` (:func:`_deterministic_runs`)."""
+    runs = _deterministic_runs(tmp, cache, {"a": overrides, "b": overrides}, rank)
+    return runs["a"], runs["b"]
 
 
 def _same_bytes(wa: dict[str, Any], wb: dict[str, Any]) -> None:

@@ -341,18 +341,16 @@ def test_a_deterministic_run_with_speculation_is_the_run_without_it(
     deterministic config, without and with ``engine.speculative``, end with the same weights, bit for bit,
     and log the same figures apart from timings, the engine's counters and the prefix cache's hits, while
     the second one's engine ran verify steps."""
-    from test_deterministic import _deterministic_run, _same_bytes
+    from test_deterministic import _deterministic_runs, _same_bytes
 
     from agentrl.metrics import read_metrics
 
     spec = ("engine.speculative.num_draft_tokens=4", "engine.speculative.min_ngram=1")
-    wa, ma = _deterministic_run(tmp_path, search_r1_cache, "plain")
-    wb, mb = _deterministic_run(tmp_path, search_r1_cache, "spec", *spec)
+    runs = _deterministic_runs(tmp_path, search_r1_cache, {"plain": (), "spec": spec})
+    (wa, ma), (wb, mb) = runs["plain"], runs["spec"]
     _same_bytes(wa, wb)
-    # Prefix-cache hits follow the schedule (whether a turn's KV is still cached when the next turn comes;
-    # two runs without speculation differ there too), and speculation changes the schedule.
-    schedule = {"rollout/cached_input_tokens", "rollout/prefix_cache_hit_rate"}
-    keys = {k for r in ma + mb for k in r} - schedule
+    # prefix-cache hits follow the schedule, which speculation changes: without_timings leaves them out
+    keys = {k for r in ma + mb for k in r}
     differ = sorted(k for k in keys if [r.get(k) for r in ma] != [r.get(k) for r in mb])
     assert not differ, [(k, [r.get(k) for r in ma], [r.get(k) for r in mb]) for k in differ]
     counted = [
