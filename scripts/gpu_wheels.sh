@@ -95,6 +95,8 @@ mkdir -p "$out"
 fetch "$out" megatron-core==0.19.2 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
     typing-extensions bm25s gguf jsonschema jsonschema-specifications referencing rpds-py click==8.2.1 \
     pytest-asyncio
+# scripts/gpu_test.sh spreads the GPU suite over the GPUs with pytest-xdist (and its execnet)
+fetch "$out" pytest-xdist==3.8.0 execnet==2.1.2
 # agents on the openai SDK (agentrl.rollout.agent; the test files that use it import it)
 fetch "$out" openai==2.6.1 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
 # CUDA virtual memory for the colocated engine's sleep and wake (abi3: one wheel for every Python 3)

@@ -8,6 +8,16 @@ the machine's temp dir.
 pytest's ``tmp_path`` and Ray's session files stay in the machine's temp dir (``PYTEST_DEBUG_TEMPROOT``,
 ``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``, see
 :func:`agentrl.cluster.start_ray`).
+
+GPUs: ``@pytest.mark.gpus(N)`` says a test needs N distinct GPUs; it skips, saying so, where fewer are
+visible (``gpus(2, at_least=1)``: it wants two and runs its one-GPU variant on one). Under
+scripts/gpu_test.sh (pytest-xdist, ``AGENTRL_TEST_GPUS``) each worker is pinned to GPUs of its own through
+``CUDA_VISIBLE_DEVICES`` before anything touches CUDA, a module's tests that share a module-scoped fixture
+(a server, a converted model) stay on one worker, and the units that need two GPUs go to the worker that
+holds two (tests/_xdist_gpus.py). Every test process runs with SGLang's NCCL setting
+(:data:`agentrl.weight_sync.SGLANG_PEER_ENV`): NCCL reads it once per process, at its first communicator, so
+a test that meets an SGLang server in a weight-update group cannot set it itself once an earlier test in
+the process has used NCCL.
 """
 
 from __future__ import annotations
@@ -21,7 +31,18 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.models.tiny import build_tiny_model
+from agentrl.testing.gpus import TEST_GPUS_ENV, gpus_of_worker, parse_gpu_list
+
+_GPUS = parse_gpu_list(os.environ.get(TEST_GPUS_ENV, ""))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _GPUS and _WORKER:  # before torch is imported, let alone CUDA initialized
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus_of_worker(_WORKER, _GPUS))
+
+from agentrl.models.tiny import build_tiny_model  # noqa: E402
+from agentrl.weight_sync import SGLANG_PEER_ENV  # noqa: E402
+
+for _key, _value in SGLANG_PEER_ENV.items():  # before any test's first NCCL communicator
+    os.environ.setdefault(_key, _value)
 
 _SYSTEM_TMP = tempfile.gettempdir()
 _PREFIX = "pytest-agentrl-"
@@ -59,15 +80,94 @@ def pytest_configure(config: pytest.Config) -> None:
         "sglang: runs a real SGLang server (GPU); skips when SGLang is not installed, fails when it is but "
         "does not work",
     )
+    config.addinivalue_line(
+        "markers",
+        "gpus(n, at_least=n): needs n distinct GPUs (at_least: runs, in a smaller variant, on that many); "
+        "skips with the reason where fewer are visible",
+    )
     os.environ["TMPDIR"] = str(SESSION_TMP)
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
-    os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
+    # a parallel worker's Ray keeps its own record of "the machine's latest cluster" and session files
+    os.environ.setdefault("RAY_TMPDIR", f"{_SYSTEM_TMP}/ray_{_WORKER}" if _WORKER else _SYSTEM_TMP)
     os.environ.setdefault("RAY_worker_niceness", "0")
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(SESSION_TMP, ignore_errors=True)  # also when no test ran
+
+
+def _gpus_needed(item: pytest.Item) -> tuple[int, int]:
+    """(GPUs wanted, GPUs at least) of a test from its ``gpus`` mark; (1, 1) without one."""
+    mark = item.get_closest_marker("gpus")
+    if mark is None:
+        return 1, 1
+    want = int(mark.args[0]) if mark.args else int(mark.kwargs["n"])
+    return want, int(mark.kwargs.get("at_least", want))
+
+
+def _shares_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture set up once for its module (or class, or package) and kept."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return False
+    return any(
+        d.scope in ("module", "class", "package") for fds in defs.name2fixturedefs.values() for d in fds[-1:]
+    )
+
+
+def _split_group(nodeid: str) -> tuple[str, str]:
+    """``tests/f.py::t[a]@grp`` -> (``tests/f.py::t[a]``, ``grp``); no group: (nodeid, "")."""
+    at = nodeid.rfind("@")
+    return (nodeid[:at], nodeid[at + 1 :]) if at > nodeid.rfind("]") else (nodeid, "")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has put each test's xdist_group into its node id
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup``: a module's tests that share a module-scoped fixture form one group (an
+    explicit ``xdist_group`` wins), and a group whose tests need N > 1 GPUs is named ``...~gpusN`` for the
+    scheduler (tests/_xdist_gpus.py)."""
+    if not _WORKER or not getattr(config.option, "loadgroup", False):  # a worker of --dist loadgroup
+        return
+    groups: dict[pytest.Item, str] = {}
+    need: dict[str, int] = {}
+    for item in items:
+        base, explicit = _split_group(item.nodeid)
+        group = explicit or (item.path.name if _shares_module_fixture(item) else "")
+        group = group or (base if _gpus_needed(item)[0] > 1 else "")
+        if group:
+            groups[item] = group
+            need[group] = max(need.get(group, 1), _gpus_needed(item)[0])
+    for item, group in groups.items():
+        suffix = f"~gpus{need[group]}" if need[group] > 1 else ""
+        item._nodeid = f"{_split_group(item.nodeid)[0]}@{group}{suffix}"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    at_least = _gpus_needed(item)[1]
+    if at_least > 1:
+        have = _visible_gpus()
+        if have < at_least:
+            pytest.skip(f"needs {at_least} GPUs; {have} visible")
+
+
+def _visible_gpus() -> int:
+    """The GPUs this process sees: a pinned worker's own (conftest's import set them), else CUDA's count."""
+    if _GPUS and _WORKER:
+        return len(parse_gpu_list(os.environ["CUDA_VISIBLE_DEVICES"]))
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Units go to the workers holding the GPUs they need (scripts/gpu_test.sh)."""
+    if not _GPUS or getattr(config.option, "dist", "no") != "loadgroup":
+        return None
+    from _xdist_gpus import GpuGroupScheduling
+
+    return GpuGroupScheduling(config, log)
 
 
 def _temp_entries() -> set[str]:

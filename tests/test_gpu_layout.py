@@ -1,0 +1,173 @@
+"""How scripts/gpu_test.sh spreads the GPU suite over a machine's GPUs, checked on the CPU: the GPU count
+it finds (a stand-in nvidia-smi, or CUDA_VISIBLE_DEVICES), the workers' GPUs
+(:func:`agentrl.testing.gpus.worker_gpus`), and a pytest-xdist run of a small suite under tests/conftest.py
+with four and one stand-in GPUs: each worker pinned to its own GPUs, a module sharing a module-scoped
+fixture kept on one worker, two-GPU tests on the worker holding a pair, and a test needing more GPUs
+than there are skipped with its reason in the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.testing.gpus import gpus_of_worker, parse_gpu_list, worker_gpus
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_test.sh"
+
+
+def test_worker_layout_gives_the_first_worker_a_pair_and_shares_no_gpu() -> None:
+    assert worker_gpus([]) == []
+    assert worker_gpus(["0"]) == [["0"]]
+    assert worker_gpus(["0", "1"]) == [["0", "1"]]
+    assert worker_gpus(["0", "1", "2", "3"]) == [["0", "1"], ["2"], ["3"]]
+    eight = worker_gpus([str(i) for i in range(8)])
+    assert len(eight) == 7 and sorted(g for w in eight for g in w) == [str(i) for i in range(8)]
+    assert gpus_of_worker("gw2", parse_gpu_list("4, 5,6,7")) == ["7"]
+    with pytest.raises(ValueError, match="2 GPUs make 1 workers"):
+        gpus_of_worker("gw1", ["0", "1"])
+
+
+def _dry_run(tmp_path: Path, listed: str | None, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if listed is not None:  # a stand-in nvidia-smi printing one index per GPU, as --query-gpu=index does
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text(f"#!/bin/sh\nprintf '{listed}'\n")
+        fake.chmod(0o755)
+    full = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    full |= {"PATH": f"{bin_dir}:/usr/bin:/bin", **env}
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "-k", "sglang"], env=full, capture_output=True, text=True
+    )
+
+
+def test_script_finds_the_gpus_and_runs_one_worker_per_gpu_but_a_pair(tmp_path: Path) -> None:
+    four = _dry_run(tmp_path, "0\\n1\\n2\\n3\\n")
+    assert four.returncode == 0, four.stderr
+    assert "GPUs 0,1,2,3: 3 worker(s)" in four.stdout
+    assert "AGENTRL_TEST_GPUS=0,1,2,3 python -m pytest -m gpu -n 3 --dist loadgroup -k sglang" in four.stdout
+    two = _dry_run(tmp_path, "0\\n1\\n")
+    assert "GPUs 0,1: 1 worker(s)" in two.stdout and "-n 1 " in two.stdout
+    named = _dry_run(tmp_path, "0\\n1\\n2\\n3\\n", CUDA_VISIBLE_DEVICES="3,1")  # the variable wins
+    assert "GPUs 3,1: 1 worker(s)" in named.stdout
+    one = _dry_run(tmp_path, None, CUDA_VISIBLE_DEVICES="2")
+    assert "GPUs 2: 1 worker(s)" in one.stdout and "AGENTRL_TEST_GPUS=2 " in one.stdout
+    none = _dry_run(tmp_path, "")
+    assert none.returncode == 1 and "no GPU found" in none.stderr
+
+
+SUITE = {
+    "test_shared.py": """
+import pytest
+from record import record
+
+@pytest.fixture(scope="module")
+def server():
+    return object()
+
+@pytest.mark.parametrize("i", range(4))
+def test_uses_the_shared_server(server, i):
+    record(f"shared{i}", 1)
+""",
+    "test_single.py": """
+import pytest
+from record import record
+
+@pytest.mark.parametrize("i", range(6))
+def test_one_gpu(i):
+    record(f"single{i}", 1)
+""",
+    "test_pair.py": """
+import pytest
+from record import record
+
+@pytest.mark.gpus(2)
+def test_two_gpus():
+    record("two", 2)
+
+@pytest.mark.gpus(2, at_least=1)
+def test_two_or_one():
+    record("two_or_one", 1)
+
+@pytest.mark.gpus(3)
+def test_three_gpus():
+    record("three", 3)
+""",
+    "record.py": """
+import json, os
+
+def record(name, need):
+    gpus = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    assert len(gpus) >= need, gpus
+    line = {"test": name, "worker": os.environ["PYTEST_XDIST_WORKER"], "gpus": gpus}
+    with open(os.environ["LAYOUT_LOG"], "a") as f:
+        f.write(json.dumps(line) + "\\n")
+""",
+}
+
+
+def _run_suite(tmp_path: Path, gpus: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed (the test extra has it)")
+    suite = tmp_path / f"suite_{gpus.replace(',', '')}"
+    suite.mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", suite / "conftest.py")
+    shutil.copy(ROOT / "tests" / "_xdist_gpus.py", suite / "_xdist_gpus.py")
+    for name, text in SUITE.items():
+        (suite / name).write_text(text)
+    log = suite / "layout.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_WORKER")}
+    env |= {"AGENTRL_TEST_GPUS": gpus, "LAYOUT_LOG": str(log), "PYTHONPATH": os.pathsep.join(sys.path)}
+    workers = str(len(worker_gpus(parse_gpu_list(gpus))))
+    xdist = ["-n", workers, "--dist", "loadgroup"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            *xdist,
+            "-o",
+            "addopts=",
+            str(suite),
+        ],
+        cwd=suite,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    ran = {}
+    if log.exists():
+        ran = {r["test"]: r for r in map(json.loads, log.read_text().splitlines())}
+    return proc, ran
+
+
+@pytest.mark.slow
+def test_xdist_run_pins_workers_and_places_tests_by_their_gpus(tmp_path: Path) -> None:
+    proc, ran = _run_suite(tmp_path, "0,1,2,3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "12 passed, 1 skipped" in out, out[-2000:]
+    assert "needs 3 GPUs; 2 visible" in out  # the reason, in the summary
+    layout = {"gw0": ["0", "1"], "gw1": ["2"], "gw2": ["3"]}
+    assert all(r["gpus"] == layout[r["worker"]] for r in ran.values()), ran
+    assert ran["two"]["worker"] == "gw0" and ran["two_or_one"]["worker"] == "gw0"
+    assert len({ran[f"shared{i}"]["worker"] for i in range(4)}) == 1  # one module fixture, one worker
+    assert len({ran[f"single{i}"]["worker"] for i in range(6)}) > 1  # the rest spread over the workers
+
+    proc, ran = _run_suite(tmp_path, "0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "11 passed, 2 skipped" in out, out[-2000:]
+    assert "needs 2 GPUs; 1 visible" in out and "needs 3 GPUs; 1 visible" in out
+    assert ran["two_or_one"]["gpus"] == ["0"] and "two" not in ran
