@@ -33,11 +33,6 @@ from agentrl.weight_sync import BroadcastGroup, WeightUpdate
 pytestmark = pytest.mark.gpu
 
 
-def _two_gpus() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-
-
 def _trainer(model_dir: Path, dtype: str = "bfloat16"):
     from _trainer_helpers import free_port
 
@@ -93,8 +88,8 @@ def _random_trajs(n: int, prompt_len: int, lengths: list[int], seed: int) -> lis
     return trajs
 
 
+@pytest.mark.gpus(2)
 async def test_nccl_weight_sync_and_bounded_teardown(tiny_model_dir: Path) -> None:
-    _two_gpus()
     trainer = _trainer(tiny_model_dir)
     env = {**os.environ, **child_gpu_env(1)}
     try:

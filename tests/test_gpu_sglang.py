@@ -30,6 +30,7 @@ serves it in bf16; the reference is a float32 forward of the same weights, so lo
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 from pathlib import Path
@@ -225,23 +226,28 @@ async def test_update_interrupts_and_recomputes_without_stale_kv(
     assert statistics.mean(under_old) > 4 * statistics.mean(under_new)  # B's, not A's (nor a mix)
 
 
-async def test_distributed_weight_update(
-    models: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.gpus(2, at_least=1)
+@pytest.mark.xdist_group("sglang_distributed")  # its own server, apart from the module's shared one
+async def test_distributed_weight_update(models: tuple[Path, Path]) -> None:
     """SGLang's distributed update protocol (``/init_weights_update_group``,
     ``/update_weights_from_distributed``, ``/destroy_weights_update_group``) against agentrl's trainer side:
     NCCL from GPU 0 to a server on GPU 1 when there are two GPUs (an NCCL group cannot hold two processes of
     one GPU), else gloo on one GPU (the same requests and broadcasts). Afterwards the server answers as the
-    broadcast weights do."""
-    from agentrl.cluster import free_port
-    from agentrl.engine.dist import init_custom_process_group, leave_process_group
+    broadcast weights do.
+
+    This end runs with SGLang's NCCL setting (:data:`~agentrl.weight_sync.SGLANG_PEER_ENV`). NCCL reads it
+    once per process, at its first communicator, and earlier tests of the process (an in-process trainer,
+    test_gpu.py's NCCL sync) make communicators: so tests/conftest.py sets it when the process starts. Set
+    here it would come too late, and the update fail with "Cuda failure 'invalid argument'". A failed
+    update leaves this end's broadcast blocked in NCCL: the group is aborted then, so that no thread stays
+    waiting on a peer that is gone, stalling the tests after it."""
+    from agentrl.engine.dist import host_store, init_custom_process_group, leave_process_group
     from agentrl.weight_sync import SGLANG_PEER_ENV
 
     two = torch.cuda.device_count() >= 2
     backend = "nccl" if two else "gloo"
-    # the server's NCCL setting at this end too (read once: before this process's first NCCL group)
     for key, value in SGLANG_PEER_ENV.items():
-        monkeypatch.setenv(key, value)
+        assert os.environ.get(key) == value, f"{key}={os.environ.get(key)}: NCCL here must run as SGLang's"
     torch.cuda.set_device(0)
     cfg = SGLangConfig(
         model_path=str(models[0]),
@@ -255,41 +261,48 @@ async def test_distributed_weight_update(
     names = list(weights)
     prompt = ids(40, seed=5)
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    pg = None
     with SGLangLauncher(cfg) as launcher:
         async with EngineClient(launcher.url, timeout=300) as client:
-            port = free_port()
-            _, pg = await asyncio.gather(
-                client.init_weights_update_group("127.0.0.1", port, 1, 2, "agentrl_test", backend),
-                asyncio.to_thread(
-                    init_custom_process_group,
-                    backend,
-                    f"tcp://127.0.0.1:{port}",
-                    2,
-                    0,
-                    "agentrl_test",
-                    120.0,
-                ),  # the NCCL communicator comes at the first broadcast, as SGLang's end makes its own
-            )
+            store = host_store(2, 120.0)  # held from here on: no other process can take the port meanwhile
+            try:
+                _, pg = await asyncio.gather(
+                    client.init_weights_update_group("127.0.0.1", store.port, 1, 2, "agentrl_test", backend),
+                    asyncio.to_thread(
+                        init_custom_process_group,
+                        backend,
+                        f"tcp://127.0.0.1:{store.port}",
+                        2,
+                        0,
+                        "agentrl_test",
+                        120.0,
+                        store=store,
+                    ),  # the NCCL communicator comes at the first broadcast, as SGLang's end makes its own
+                )
 
-            def broadcast() -> None:
-                for n in names:
-                    torch.distributed.broadcast(weights[n], src=0, group=pg)
-                torch.cuda.synchronize()
+                def broadcast() -> None:
+                    for n in names:
+                        torch.distributed.broadcast(weights[n], src=0, group=pg)
+                    torch.cuda.synchronize()
 
-            await asyncio.gather(
-                client.update_weights_from_distributed(
-                    names,
-                    [str(weights[n].dtype) for n in names],
-                    [list(weights[n].shape) for n in names],
-                    "agentrl_test",
-                    weight_version="1",
-                ),
-                asyncio.to_thread(broadcast),
-            )
-            out = await client.generate(prompt, sp)
-            left = await asyncio.gather(
-                client.destroy_weights_update_group("agentrl_test"), leave_process_group(pg)
-            )
+                await asyncio.gather(
+                    client.update_weights_from_distributed(
+                        names,
+                        [str(weights[n].dtype) for n in names],
+                        [list(weights[n].shape) for n in names],
+                        "agentrl_test",
+                        weight_version="1",
+                    ),
+                    asyncio.to_thread(broadcast),
+                )
+                out = await client.generate(prompt, sp)
+                left = await asyncio.gather(
+                    client.destroy_weights_update_group("agentrl_test"), leave_process_group(pg)
+                )
+                pg = None
+            finally:
+                if pg is not None:  # failed midway: abort this end (the server goes with the launcher)
+                    await leave_process_group(pg, timeout=10)
     assert out.weight_version == "1"
     assert left[1], "the trainer's end of the group had to be aborted"
     got = gaps(out.logprobs, reference_logprobs(models[1], prompt + out.output_ids, len(prompt)))
@@ -301,6 +314,7 @@ async def test_distributed_weight_update(
     assert statistics.mean(got) < 0.15 and statistics.mean(old) > 4 * statistics.mean(got)
 
 
+@pytest.mark.xdist_group("sglang_fp8")  # its own server: a worker of its own may run it meanwhile
 async def test_fp8_update_is_quantized_again(models: tuple[Path, Path], tmp_path: Path) -> None:
     """``quantization: fp8`` on a bf16 checkpoint: the launcher adds ``--load-format flash_rl``, whose loader
     quantizes weights pushed later again (plain ``--quantization fp8`` only quantizes at load; see
@@ -408,6 +422,7 @@ def _adapted_logprobs(
     return lp.gather(1, torch.tensor(ids[start:], device="cuda")[:, None])[:, 0].tolist()
 
 
+@pytest.mark.xdist_group("sglang_lora")  # the LoRA server, apart from the plain one
 @pytest.mark.parametrize(
     "targets", [ALL_TARGETS, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]], ids=["all", "partial"]
 )
