@@ -184,19 +184,25 @@ def convert(
     """Write (or find cached) the HF directory of ``name`` in ``dtype``; returns its path."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    import fcntl
+
     src = _source(name)
     path = find_gguf(name, gguf)
     digest = sha256(path)
     dest = Path(out) if out is not None else cache_root() / "models" / f"{name}-{dtype}-{digest[:12]}"
     stamp = dest / STAMP
     want = {"model": name, "source": f"{src.package}=={src.version}", "gguf_sha256": digest, "dtype": dtype}
-    if stamp.is_file() and json.loads(stamp.read_text()) == want:
-        return dest
-    if stamp.exists():
-        stamp.unlink()  # another model or dtype was here: rewrite all of it
-    model, tokenizer = load_gguf(path, "float32")  # dequantize once, in fp32; cast on write
-    write_checkpoint(model, tokenizer, dest, dtype)
-    stamp.write_text(json.dumps(want, indent=2))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # one writer at a time: a process that finds no stamp while another writes waits, then finds it
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and json.loads(stamp.read_text()) == want:
+            return dest
+        if stamp.exists():
+            stamp.unlink()  # another model or dtype was here: rewrite all of it
+        model, tokenizer = load_gguf(path, "float32")  # dequantize once, in fp32; cast on write
+        write_checkpoint(model, tokenizer, dest, dtype)
+        stamp.write_text(json.dumps(want, indent=2))
     return dest
 
 
