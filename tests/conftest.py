@@ -81,6 +81,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "does not work",
     )
     config.addinivalue_line(
+        "markers", "xdist_group(name): pytest-xdist's: with --dist loadgroup the group's tests share a worker"
+    )
+    config.addinivalue_line(
         "markers",
         "gpus(n, at_least=n): needs n distinct GPUs (at_least: runs, in a smaller variant, on that many); "
         "skips with the reason where fewer are visible",
@@ -133,7 +136,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     need: dict[str, int] = {}
     for item in items:
         base, explicit = _split_group(item.nodeid)
-        group = explicit or (item.path.name if _shares_module_fixture(item) else "")
+        group = explicit or (base.split("::")[0] if _shares_module_fixture(item) else "")
         group = group or (base if _gpus_needed(item)[0] > 1 else "")
         if group:
             groups[item] = group
