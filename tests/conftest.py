@@ -44,7 +44,9 @@ from agentrl.weight_sync import SGLANG_PEER_ENV  # noqa: E402
 for _key, _value in SGLANG_PEER_ENV.items():  # before any test's first NCCL communicator
     os.environ.setdefault(_key, _value)
 
-_SYSTEM_TMP = tempfile.gettempdir()
+# a pytest-xdist worker inherits the controller's TMPDIR (its session dir): the machine's temp dir is the
+# one the controller handed on for tmp_path (short paths matter: SGLang puts its IPC sockets in TMPDIR)
+_SYSTEM_TMP = (_WORKER and os.environ.get("PYTEST_DEBUG_TEMPROOT")) or tempfile.gettempdir()
 _PREFIX = "pytest-agentrl-"
 SESSION_TMP = Path(_SYSTEM_TMP)  # the session's own temp dir, made in pytest_configure
 _KEPT = (f"torchinductor_{getpass.getuser()}",)  # torch's compile cache, not a leak
@@ -91,7 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TMPDIR"] = str(SESSION_TMP)
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)  # tmp_path stays pytest's, where it was
     # a parallel worker's Ray keeps its own record of "the machine's latest cluster" and session files
-    os.environ.setdefault("RAY_TMPDIR", f"{_SYSTEM_TMP}/ray_{_WORKER}" if _WORKER else _SYSTEM_TMP)
+    os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
+    if _WORKER:  # (the controller set the variable for every worker)
+        os.environ["RAY_TMPDIR"] = f"{os.environ['RAY_TMPDIR']}/ray_{_WORKER}"
+        Path(os.environ["RAY_TMPDIR"]).mkdir(exist_ok=True)
     os.environ.setdefault("RAY_worker_niceness", "0")
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 

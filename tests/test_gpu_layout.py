@@ -106,7 +106,9 @@ import json, os
 def record(name, need):
     gpus = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
     assert len(gpus) >= need, gpus
-    line = {"test": name, "worker": os.environ["PYTEST_XDIST_WORKER"], "gpus": gpus}
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    line = {"test": name, "worker": worker, "gpus": gpus}
+    line |= {"tmp": os.environ["TMPDIR"], "ray": os.environ["RAY_TMPDIR"]}
     with open(os.environ["LAYOUT_LOG"], "a") as f:
         f.write(json.dumps(line) + "\\n")
 """,
@@ -164,6 +166,9 @@ def test_xdist_run_pins_workers_and_places_tests_by_their_gpus(tmp_path: Path) -
     assert ran["two"]["worker"] == "gw0" and ran["two_or_one"]["worker"] == "gw0"
     assert len({ran[f"shared{i}"]["worker"] for i in range(4)}) == 1  # one module fixture, one worker
     assert len({ran[f"single{i}"]["worker"] for i in range(6)}) > 1  # the rest spread over the workers
+    for r in ran.values():  # a temp dir of the worker's own, not inside the controller's, and a Ray dir
+        assert not Path(r["tmp"]).parent.name.startswith("pytest-agentrl-"), r
+        assert Path(r["ray"]).name == f"ray_{r['worker']}", r
 
     proc, ran = _run_suite(tmp_path, "0")
     out = proc.stdout + proc.stderr
