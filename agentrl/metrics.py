@@ -331,6 +331,7 @@ async def engine_metrics(client: Any) -> dict[str, float]:
         "spec_verify_rows",
         "spec_draft_tokens",
         "spec_accepted_tokens",
+        "spec_skipped_steps",
     )
     for key in counters:
         vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]

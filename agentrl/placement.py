@@ -192,6 +192,7 @@ def engine_starter(
             extra += ["--speculative", spec.method, "--spec-k", str(spec.num_draft_tokens)]
             extra += ["--spec-ngram", str(spec.max_ngram), "--spec-min-ngram", str(spec.min_ngram)]
             extra += ["--spec-acceptance", spec.acceptance]
+            extra += [] if spec.adaptive else ["--spec-always"]
         return functools.partial(
             start_embedded_server,
             model_dir,

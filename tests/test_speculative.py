@@ -19,9 +19,15 @@ import torch
 
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.sampling import RequestSampling
-from agentrl.embedded.speculative import NgramDrafter, SpeculativeConfig, accepted_exact, rejection_verify
+from agentrl.embedded.speculative import (
+    NgramDrafter,
+    SpeculationGate,
+    SpeculativeConfig,
+    accepted_exact,
+    rejection_verify,
+)
 
-SPEC = SpeculativeConfig(num_draft_tokens=4, max_ngram=3, min_ngram=1)
+SPEC = SpeculativeConfig(num_draft_tokens=4, max_ngram=3, min_ngram=1, adaptive=False)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +110,26 @@ def _draws(logits: torch.Tensor, n: int) -> None:
         assert chi2 < 25.0, chi2  # 5 degrees of freedom at most: p-value ~1e-4
         assert abs(accepted / n - float(p[draft])) < 0.03
         assert counts[~keep].sum() == 0  # a filtered-out token is never emitted
+
+
+def test_the_gate_speculates_only_while_it_pays() -> None:
+    """The adaptive gate verifies first (nothing measured), then decodes once to time a decode step;
+    afterwards it speculates while a verify step's tokens per row outweigh its cost in decode steps, and
+    otherwise decodes plainly, verifying once every PROBE_EVERY decode steps to look again."""
+    gate = SpeculationGate(adaptive=True)
+    assert gate.speculate(0.0, 0.0)
+    gate.verified(rows=10, emitted=12)  # 1.2 tokens a row
+    assert not gate.speculate(0.003, 0.0)  # no decode step timed yet
+    assert not gate.speculate(0.003, 0.002)  # 1.2 x 2 ms < 3 ms: plain decode pays more
+    gate.decoded(SpeculationGate.PROBE_EVERY - 1)
+    assert not gate.speculate(0.003, 0.002)
+    gate.decoded(1)
+    assert gate.speculate(0.003, 0.002)  # a probe
+    gate.verified(rows=10, emitted=40)  # drafts started to hit: 4 tokens a row
+    assert gate.speculate(0.003, 0.002)  # (0.8 x 1.2 + 0.2 x 4) x 2 ms > 3 ms
+    fixed = SpeculationGate(adaptive=False)
+    fixed.verified(rows=10, emitted=10)
+    assert fixed.speculate(1.0, 0.001)
 
 
 def test_the_switch_reaches_the_embedded_server() -> None:

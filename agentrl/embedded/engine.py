@@ -109,6 +109,7 @@ class EmbeddedEngine(AdapterEndpoints):
             cuda_graphs,
             compile,
             memory_mode,
+            speculative,
         ).result()
         self.prefix_cache = (
             PrefixCache(list(range(max_batch_size, max_batch_size + slots))) if slots else None
@@ -133,7 +134,8 @@ class EmbeddedEngine(AdapterEndpoints):
         if quantization is not None:  # seconds the last quantization of the weights took (load or update)
             self.stats["quantize_s"] = self._quantize_s
         if speculative is not None:  # verify steps, the rows they ran, drafted / accepted / emitted tokens
-            for key in ("verify_steps", "verify_rows", "draft_tokens", "accepted_tokens", "emitted_tokens"):
+            keys = ("verify_steps", "verify_rows", "draft_tokens", "accepted_tokens", "emitted_tokens")
+            for key in (*keys, "skipped_steps"):
                 self.stats[f"spec_{key}"] = 0
         self.scheduler = Scheduler(
             self.runner,
@@ -149,7 +151,15 @@ class EmbeddedEngine(AdapterEndpoints):
         self.sleep_wake = SleepWake(self.memory, self.gate, self.scheduler, self.runner, self._on_device)
 
     def _load(
-        self, auto_model, mem_fraction, prefix_cache_slots, context_len, cuda_graphs, compile, memory_mode
+        self,
+        auto_model,
+        mem_fraction,
+        prefix_cache_slots,
+        context_len,
+        cuda_graphs,
+        compile,
+        memory_mode,
+        speculative,
     ) -> int:
         """Device thread: the model, the KV cache plan and the runner; returns the prefix-cache slots."""
         max_batch_size, on_gpu = self.max_batch_size, self.device.type == "cuda"
@@ -186,6 +196,7 @@ class EmbeddedEngine(AdapterEndpoints):
             # virtual memory: the cache lives in its releasable region from the start (allocating it
             # elsewhere first left those blocks in the caching allocator)
             kv_region=(lambda: self.memory.region("kv_cache")) if self.memory.mode == "virtual" else None,
+            verify_tokens=max_batch_size * (1 + speculative.num_draft_tokens) if speculative else 0,
         )
         self._quantize_s = time.perf_counter() - t0 if self.quantization else 0.0  # the runner quantizes
         routed = [] if self.runner.routed is None else [self.runner.routed]  # MoE: experts of cached tokens

@@ -52,6 +52,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Packed prefill steps of up to this many tokens replay a captured graph; larger ones run eagerly (their
 # GPU work covers the launches, and a graph's activations stay in the graph pool while the engine sleeps)
 PREFILL_GRAPH_TOKENS = 8192
+# Speculative verify steps (logits at every token) of up to this many tokens replay a captured graph: a
+# verify step is a decode step's work over a few tokens a row, as launch-bound as one
+VERIFY_GRAPH_TOKENS = 1024
 
 
 def _bucket(x: int, buckets: list[int]) -> int:
@@ -200,6 +203,7 @@ class ModelRunner:
         kv_region: Callable[[], AbstractContextManager] | None = None,
         quantization: str | None = None,
         weights_region: Callable[[], AbstractContextManager] | None = None,
+        verify_tokens: int = 0,
     ) -> None:
         cfg = model.config
         refuse_unservable(cfg)
@@ -266,6 +270,20 @@ class ModelRunner:
             top = self.prefill_buckets[-1]
             size = 3 * top + max_batch + 4 * self._prefill_blocks(top)
             self._p_flat = torch.zeros(size, dtype=torch.long, device=self.device)
+        # verify graphs (speculative decoding, ``verify_tokens``: the largest verify step), one per token
+        # bucket up to VERIFY_GRAPH_TOKENS, reading the prefill graphs' buffer and writing every token's
+        # logits into their own
+        self.verify_buckets: list[int] = []
+        self._verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if modes.prefill_graphs and verify_tokens > 0:
+            cap = min(verify_tokens, VERIFY_GRAPH_TOKENS)
+            self.verify_buckets = [b for b in self.prefill_buckets if b < cap]
+            self.verify_buckets.append(next(b for b in self.prefill_buckets if b >= cap))
+            top = self.verify_buckets[-1]
+            self._v_logits = torch.zeros(top, self.vocab_size, dtype=torch.float32, device=self.device)
+            size = 4 * top + 4 * self._prefill_blocks(top)
+            if size > self._p_flat.numel():
+                self._p_flat = torch.zeros(size, dtype=torch.long, device=self.device)
 
     def _slot_cache(
         self, kv_region: Callable[[], AbstractContextManager] | None
@@ -360,12 +378,8 @@ class ModelRunner:
         Returns fp32 logits [rows, vocab] at each row's last new token, or with ``every_token`` at every
         new token, the rows' tokens in order [tokens, vocab] (a speculative verify step: .speculative)."""
         if self.packed_prefill:
-            if every_token:  # eager, exact sizes: every token's logits
-                flat, blocks = self._packed_layout(batch, every_token=True)
-                t = sum(len(toks) for toks in batch.tokens)
-                if self.device.type == "cuda":
-                    flat = flat.pin_memory().to(self.device, non_blocking=True)
-                return self._extend_forward(flat, t, t, blocks)
+            if every_token:
+                return self._verify_packed(batch)
             return self._extend_packed(batch)
         dev = self.device
         rows = len(batch.slots)
@@ -439,6 +453,36 @@ class ModelRunner:
         self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
         graph.replay()
         return self._logits[: len(batch.slots)]
+
+    def _verify_packed(self, batch: ExtendBatch) -> torch.Tensor:
+        """Every token's logits of a packed step (a speculative verify step): up to the largest of
+        :attr:`verify_buckets` tokens the captured graph of its token bucket, larger steps eagerly."""
+        t = sum(len(toks) for toks in batch.tokens)
+        bucket = next((b for b in self.verify_buckets if b >= t), None)
+        if bucket is None:  # eager, exact sizes
+            flat, blocks = self._packed_layout(batch, every_token=True)
+            if self.device.type == "cuda":
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
+            return self._extend_forward(flat, t, t, blocks)
+        graph = self._verify_graphs.get(bucket)
+        if graph is None:  # before the copy: the capture runs on padding in the same buffer
+            graph = self._capture_verify(bucket)
+        nb = self._prefill_blocks(bucket)
+        host, _ = self._packed_layout(batch, bucket, bucket, nb, every_token=True)
+        self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        graph.replay()
+        return self._v_logits[:t]
+
+    def _capture_verify(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """Capture the verify step of ``bucket`` tokens (logits at every one of them, padding included).
+        The warm-up runs are all padding: they write only the scratch column."""
+        t, nb = bucket, self._prefill_blocks(bucket)
+        flat = self._p_flat
+        flat[: 4 * t + 4 * nb].zero_()
+        flat[2 * t : 3 * t].fill_(self.context_len)
+        graph = self._graph_of(lambda: self._v_logits[:t].copy_(self._extend_forward(flat, t, t, nb)))
+        self._verify_graphs[bucket] = graph
+        return graph
 
     def _packed_layout(
         self, batch: ExtendBatch, tokens: int = 0, rows: int = 0, blocks: int = 0, every_token: bool = False
@@ -601,10 +645,11 @@ class ModelRunner:
         self.drop_graphs()
 
     def drop_graphs(self) -> None:
-        """Forget the captured decode and prefill graphs (their memory moved: see
+        """Forget the captured decode, prefill and verify graphs (their memory moved: see
         :mod:`agentrl.embedded.memory`); each bucket is captured again when next used."""
         self._graphs.clear()
         self._prefill_graphs.clear()
+        self._verify_graphs.clear()
         self._pool = None
 
     def capture_all(self, max_length: int | None = None) -> int:
@@ -620,7 +665,10 @@ class ModelRunner:
         for bucket in self.prefill_buckets:
             if bucket not in self._prefill_graphs:
                 self._capture_prefill(bucket)
-        return len(self._graphs) + len(self._prefill_graphs)
+        for bucket in self.verify_buckets:
+            if bucket not in self._verify_graphs:
+                self._capture_verify(bucket)
+        return len(self._graphs) + len(self._prefill_graphs) + len(self._verify_graphs)
 
 
 __all__ = [

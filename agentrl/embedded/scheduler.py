@@ -26,7 +26,13 @@ from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest
 from agentrl.embedded.runner import ExtendBatch, ModelRunner
 from agentrl.embedded.sampling import sample_tokens
-from agentrl.embedded.speculative import SpeculativeConfig, accepted_exact, make_drafter, rejection_verify
+from agentrl.embedded.speculative import (
+    SpeculationGate,
+    SpeculativeConfig,
+    accepted_exact,
+    make_drafter,
+    rejection_verify,
+)
 
 log = logging.getLogger("agentrl.engine")
 
@@ -89,6 +95,7 @@ class Scheduler:
         self.stats = stats
         self.speculative = speculative
         self.drafter = make_drafter(speculative) if speculative is not None else None
+        self.gate = SpeculationGate(speculative.adaptive if speculative is not None else False)
         self.waiting: deque[EngineRequest] = deque()
         self.active: list[EngineRequest] = []  # index = slot
         self.epoch = 0
@@ -189,6 +196,8 @@ class Scheduler:
                         self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + took
                         self.stats[f"{step[0]}_busy_s"] = self.stats.get(f"{step[0]}_busy_s", 0.0) + took
                         self._since_prefill += steps - 1 if step[0] == "decode" else 0
+                        if step[0] == "decode":
+                            self.gate.decoded(steps)
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
                     self._fail(step[1], err)
@@ -270,7 +279,7 @@ class Scheduler:
             return "prefill", picked, ExtendBatch([r.slot for r in picked], tokens, start), done
         if self.active:
             self._since_prefill += 1
-            drafts = self._drafts(self.active) if self.drafter is not None else None
+            drafts = self._drafts(self.active) if self._speculates() else None
             if drafts is not None:
                 tokens = [[r.seq[-1], *d] for r, d in zip(self.active, drafts, strict=True)]
                 batch = ExtendBatch(
@@ -279,6 +288,15 @@ class Scheduler:
                 return "verify", list(self.active), batch, drafts
             return "decode", list(self.active), None, list(range(len(self.active)))
         return None
+
+    def _speculates(self) -> bool:
+        """Whether the next decode step verifies drafts (:class:`.speculative.SpeculationGate`)."""
+        if self.drafter is None:
+            return False
+        if self.gate.speculate(self._step_s["verify"], self._step_s["decode"]):
+            return True
+        self.stats["spec_skipped_steps"] = self.stats.get("spec_skipped_steps", 0) + 1
+        return False
 
     def _drafts(self, rows: list[EngineRequest]) -> list[list[int]] | None:
         """Each row's draft, or None when no row has one (a plain decode step, with its graphs, then).
@@ -455,6 +473,7 @@ class Scheduler:
         st["spec_verify_steps"] = st.get("spec_verify_steps", 0) + 1
         st["spec_verify_rows"] = st.get("spec_verify_rows", 0) + len(rows)
         st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(len(d) for d in drafts)
+        self.gate.verified(len(rows), sum(len(toks) for toks in ids))
         finished = []
         for r, toks, row_lps in zip(rows, ids, lps, strict=True):
             st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + len(toks) - 1

@@ -158,6 +158,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="--speculative: exact keeps a drafted token only where it equals the token sampled there; "
         "rejection is standard speculative sampling (the target distribution, not the same tokens)",
     )
+    p.add_argument(
+        "--spec-always",
+        action="store_true",
+        help="--speculative: verify at every decode step with a draft, also where it does not pay (by "
+        "default the engine speculates only while a verify step emits more tokens per second than a "
+        "decode step)",
+    )
     p.add_argument("--default-max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
@@ -209,6 +216,7 @@ def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
         max_ngram=args.spec_ngram,
         min_ngram=args.spec_min_ngram,
         acceptance=args.spec_acceptance,
+        adaptive=not args.spec_always,
     )
 
 

@@ -52,6 +52,12 @@ class SpeculativeConfig(ConfigModel):
     min_ngram: int = Field(
         2, ge=1, description="the shortest suffix looked up (1 drafts more, and misses more)"
     )
+    adaptive: bool = Field(
+        True,
+        description="speculate only while a verify step emits more tokens per second than a decode step "
+        "(measured as the engine runs, with a verify step now and then to look again); false: every "
+        "decode step with a draft verifies",
+    )
     acceptance: Acceptance = Field(
         "exact",
         description="exact: a drafted token is kept only where it equals the token sampled there (the "
@@ -133,6 +139,41 @@ class NgramDrafter:
         return draft
 
 
+class SpeculationGate:
+    """Whether the next decode step speculates. A verify step costs more than a decode step (more tokens
+    through the model, every one of them sampled) and pays only when its rows emit enough tokens: it
+    speculates while ``emitted x decode_s >= verify_s`` (``emitted``: tokens a verify step emits per row,
+    a running mean; the step times are the scheduler's running means), and otherwise decodes plainly,
+    with one verify step every :attr:`PROBE_EVERY` decode steps to look again. Drafts that rarely hit
+    (random text) then cost one verify step in ``PROBE_EVERY``; the tokens are the same either way."""
+
+    PROBE_EVERY = 16  # plain decode steps between verify steps while speculating does not pay
+
+    def __init__(self, adaptive: bool = True) -> None:
+        self.adaptive = adaptive
+        self.emitted = 0.0  # running mean of the tokens a verify step emits per row
+        self._plain = 0  # decode steps since the last verify step
+
+    def speculate(self, verify_s: float, decode_s: float) -> bool:
+        """Whether the next decode step verifies drafts, given the mean seconds of a verify step and of a
+        decode step (0.0: none measured yet)."""
+        if not self.adaptive or verify_s == 0.0 or self.emitted == 0.0:
+            return True  # nothing to weigh yet: verify once to measure
+        if decode_s == 0.0:
+            return False  # decode once to measure
+        return self.emitted * decode_s >= verify_s or self._plain >= self.PROBE_EVERY
+
+    def verified(self, rows: int, emitted: int) -> None:
+        """A verify step of ``rows`` rows emitted ``emitted`` tokens."""
+        each = emitted / rows
+        self.emitted = each if self.emitted == 0.0 else 0.8 * self.emitted + 0.2 * each
+        self._plain = 0
+
+    def decoded(self, steps: int) -> None:
+        """``steps`` plain decode steps ran."""
+        self._plain += steps
+
+
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter ``config`` names."""
     return NgramDrafter(config.max_ngram, config.min_ngram)
@@ -194,6 +235,7 @@ __all__ = [
     "Acceptance",
     "Drafter",
     "NgramDrafter",
+    "SpeculationGate",
     "SpeculativeConfig",
     "accepted_exact",
     "make_drafter",
