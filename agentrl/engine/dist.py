@@ -35,6 +35,7 @@ __all__ = [
     "abort_process_group",
     "destroy_process_group",
     "host_store",
+    "in_daemon_thread",
     "init_custom_process_group",
     "leave_process_group",
     "parse_dtype",
@@ -153,7 +154,7 @@ def abort_process_group(pg: Any) -> None:
         log.warning("aborting the process group failed (%s); leaving it to process exit", err)
 
 
-async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
+async def in_daemon_thread(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a daemon thread: unlike ``asyncio.to_thread``, a call that never returns neither
     keeps the event loop's executor from shutting down nor the interpreter from exiting."""
     loop = asyncio.get_running_loop()
@@ -182,12 +183,12 @@ async def leave_process_group(pg: Any, timeout: float = 30.0) -> bool:
     leaving at the same time (the trainer tells the engines to), since an NCCL destroy waits for them.
     """
     try:
-        await asyncio.wait_for(asyncio.shield(_in_daemon_thread(destroy_process_group, pg)), timeout)
+        await asyncio.wait_for(asyncio.shield(in_daemon_thread(destroy_process_group, pg)), timeout)
         return True
     except TimeoutError:
         log.warning("the weight-sync group did not tear down within %.0f s: aborting it", timeout)
     try:
-        await asyncio.wait_for(asyncio.shield(_in_daemon_thread(abort_process_group, pg)), timeout)
+        await asyncio.wait_for(asyncio.shield(in_daemon_thread(abort_process_group, pg)), timeout)
     except TimeoutError:
         log.error("aborting the weight-sync group hung too; its thread is left to process exit")
     return False

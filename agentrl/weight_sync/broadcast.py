@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agentrl.engine.dist import in_daemon_thread
 from agentrl.weight_sync.update import RankSide, WeightUpdate
 
 log = logging.getLogger("agentrl.weight_sync")
@@ -89,7 +90,9 @@ async def broadcast_weights(
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-        send = asyncio.to_thread(_broadcast_bucket, bucket, group)
+        # a daemon thread: a broadcast whose receivers failed blocks for good, and must not hold up the
+        # event loop's executor or the interpreter's exit
+        send = in_daemon_thread(_broadcast_bucket, bucket, group)
         if announce is not None:
             await asyncio.gather(announce(names, dtypes, shapes, i == len(buckets) - 1), send)
         else:
