@@ -30,6 +30,7 @@ serves it in bf16; the reference is a float32 forward of the same weights, so lo
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import statistics
@@ -239,9 +240,15 @@ async def test_distributed_weight_update(models: tuple[Path, Path]) -> None:
     once per process, at its first communicator, and earlier tests of the process (an in-process trainer,
     test_gpu.py's NCCL sync) make communicators: so tests/conftest.py sets it when the process starts. Set
     here it would come too late, and the update fail with "Cuda failure 'invalid argument'". A failed
-    update leaves this end's broadcast blocked in NCCL: the group is aborted then, so that no thread stays
-    waiting on a peer that is gone, stalling the tests after it."""
-    from agentrl.engine.dist import host_store, init_custom_process_group, leave_process_group
+    update leaves this end's broadcast blocked in NCCL: it runs in a daemon thread, which neither the event
+    loop's close nor the interpreter's exit waits for, and the group is aborted, so that the tests after it
+    do not stall."""
+    from agentrl.engine.dist import (
+        host_store,
+        in_daemon_thread,
+        init_custom_process_group,
+        leave_process_group,
+    )
     from agentrl.weight_sync import SGLANG_PEER_ENV
 
     two = torch.cuda.device_count() >= 2
@@ -268,15 +275,14 @@ async def test_distributed_weight_update(models: tuple[Path, Path]) -> None:
             try:
                 _, pg = await asyncio.gather(
                     client.init_weights_update_group("127.0.0.1", store.port, 1, 2, "agentrl_test", backend),
-                    asyncio.to_thread(
-                        init_custom_process_group,
+                    in_daemon_thread(
+                        functools.partial(init_custom_process_group, store=store),
                         backend,
                         f"tcp://127.0.0.1:{store.port}",
                         2,
                         0,
                         "agentrl_test",
                         120.0,
-                        store=store,
                     ),  # the NCCL communicator comes at the first broadcast, as SGLang's end makes its own
                 )
 
@@ -293,7 +299,7 @@ async def test_distributed_weight_update(models: tuple[Path, Path]) -> None:
                         "agentrl_test",
                         weight_version="1",
                     ),
-                    asyncio.to_thread(broadcast),
+                    in_daemon_thread(broadcast),  # blocked for good if the server failed: left behind
                 )
                 out = await client.generate(prompt, sp)
                 left = await asyncio.gather(
