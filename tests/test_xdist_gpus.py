@@ -126,6 +126,7 @@ def _run_suite(tmp_path: Path, gpus: str) -> tuple[subprocess.CompletedProcess, 
     log = suite / "layout.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_WORKER")}
     env |= {"AGENTRL_TEST_GPUS": gpus, "LAYOUT_LOG": str(log), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env["RAY_TMPDIR"] = str(suite)  # the workers' Ray dirs go below it
     workers = str(len(worker_gpus(parse_gpu_list(gpus))))
     xdist = ["-n", workers, "--dist", "loadgroup"]
     proc = subprocess.run(
@@ -168,7 +169,7 @@ def test_xdist_run_pins_workers_and_places_tests_by_their_gpus(tmp_path: Path) -
     assert len({ran[f"single{i}"]["worker"] for i in range(6)}) > 1  # the rest spread over the workers
     for r in ran.values():  # a temp dir of the worker's own, not inside the controller's, and a Ray dir
         assert not Path(r["tmp"]).parent.name.startswith("pytest-agentrl-"), r
-        assert Path(r["ray"]).name == f"ray_{r['worker']}", r
+        assert Path(r["ray"]) == tmp_path / "suite_0123" / f"ray_{r['worker']}", r
 
     proc, ran = _run_suite(tmp_path, "0")
     out = proc.stdout + proc.stderr
