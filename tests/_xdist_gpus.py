@@ -1,19 +1,19 @@
 """pytest-xdist scheduling of the GPU suite over a machine's GPUs (scripts/gpu_test.sh).
 
-Each worker owns GPUs of its own (:func:`agentrl.testing.gpus.worker_gpus`: the first worker a pair, every
-other one a single GPU). A work unit is an ``xdist_group`` (``--dist loadgroup``), or one test; a unit whose
-tests need two GPUs carries ``~gpusN`` at the end of its group name (tests/conftest.py names it) and is only
-handed to a worker with that many. The pair worker takes those first, then helps with the rest."""
+Each worker owns GPUs of its own (:func:`agentrl.testing.gpus.worker_gpus`: the first worker as many as
+the most a test needs, every other one a single GPU). A work unit is an ``xdist_group`` (``--dist
+loadgroup``), or one test; a unit whose tests need N > 1 GPUs carries ``~gpusN`` at the end of its group
+name (tests/conftest.py names it) and is only handed to a worker with that many. The first worker takes
+those first, then helps with the rest."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 from xdist.scheduler import LoadGroupScheduling
 
-from agentrl.testing.gpus import TEST_GPUS_ENV, gpus_of_worker, parse_gpu_list
+from agentrl.testing.gpus import gpus_of_worker
 
 _NEED = re.compile(r"~gpus(\d+)$")
 
@@ -27,12 +27,12 @@ def unit_gpus(scope: str) -> int:
 class GpuGroupScheduling(LoadGroupScheduling):
     """``loadgroup`` scheduling that hands a unit only to a worker holding the GPUs it needs."""
 
-    def __init__(self, config: pytest.Config, log=None) -> None:
+    def __init__(self, config: pytest.Config, log, layout: list[list[str]]) -> None:
         super().__init__(config, log)
-        self.gpus = parse_gpu_list(os.environ.get(TEST_GPUS_ENV, ""))
+        self.layout = layout
 
     def _worker_gpus(self, node) -> int:
-        return len(gpus_of_worker(node.gateway.id, self.gpus))
+        return len(gpus_of_worker(node.gateway.id, self.layout))
 
     def _next_unit(self, node) -> str | None:
         """The unit this worker runs next: the first of those needing the most GPUs it has. A unit needing

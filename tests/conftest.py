@@ -31,12 +31,12 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.testing.gpus import TEST_GPUS_ENV, gpus_of_worker, parse_gpu_list
+from agentrl.testing.gpus import TEST_GPUS_ENV, gpus_of_worker, parse_layout
 
-_GPUS = parse_gpu_list(os.environ.get(TEST_GPUS_ENV, ""))
+_LAYOUT = parse_layout(os.environ.get(TEST_GPUS_ENV, ""))  # each worker's GPUs (scripts/gpu_test.sh)
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _GPUS and _WORKER:  # before torch is imported, let alone CUDA initialized
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus_of_worker(_WORKER, _GPUS))
+if _LAYOUT and _WORKER:  # before torch is imported, let alone CUDA initialized
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus_of_worker(_WORKER, _LAYOUT))
 
 from agentrl.models.tiny import build_tiny_model  # noqa: E402
 from agentrl.weight_sync import SGLANG_PEER_ENV  # noqa: E402
@@ -161,8 +161,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _visible_gpus() -> int:
     """The GPUs this process sees: a pinned worker's own (conftest's import set them), else CUDA's count."""
-    if _GPUS and _WORKER:
-        return len(parse_gpu_list(os.environ["CUDA_VISIBLE_DEVICES"]))
+    if _LAYOUT and _WORKER:
+        return len(gpus_of_worker(_WORKER, _LAYOUT))
     import torch
 
     return torch.cuda.device_count()
@@ -171,11 +171,11 @@ def _visible_gpus() -> int:
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Units go to the workers holding the GPUs they need (scripts/gpu_test.sh)."""
-    if not _GPUS or getattr(config.option, "dist", "no") != "loadgroup":
+    if not _LAYOUT or getattr(config.option, "dist", "no") != "loadgroup":
         return None
     from _xdist_gpus import GpuGroupScheduling
 
-    return GpuGroupScheduling(config, log)
+    return GpuGroupScheduling(config, log, _LAYOUT)
 
 
 def _temp_entries() -> set[str]:

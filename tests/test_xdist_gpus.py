@@ -16,22 +16,26 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.testing.gpus import gpus_of_worker, parse_gpu_list, worker_gpus
+from agentrl.testing.gpus import format_layout, gpus_of_worker, parse_layout, worker_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_test.sh"
 
 
-def test_worker_layout_gives_the_first_worker_a_pair_and_shares_no_gpu() -> None:
+def test_worker_layout_gives_the_first_worker_the_largest_need_and_shares_no_gpu() -> None:
     assert worker_gpus([]) == []
     assert worker_gpus(["0"]) == [["0"]]
     assert worker_gpus(["0", "1"]) == [["0", "1"]]
     assert worker_gpus(["0", "1", "2", "3"]) == [["0", "1"], ["2"], ["3"]]
+    assert worker_gpus(["0", "1", "2", "3"], largest=1) == [["0"], ["1"], ["2"], ["3"]]
+    assert worker_gpus(["0", "1", "2", "3"], largest=3) == [["0", "1", "2"], ["3"]]
+    assert worker_gpus(["0", "1"], largest=4) == [["0", "1"]]  # all there are; the test skips
     eight = worker_gpus([str(i) for i in range(8)])
     assert len(eight) == 7 and sorted(g for w in eight for g in w) == [str(i) for i in range(8)]
-    assert gpus_of_worker("gw2", parse_gpu_list("4, 5,6,7")) == ["7"]
-    with pytest.raises(ValueError, match="2 GPUs make 1 workers"):
-        gpus_of_worker("gw1", ["0", "1"])
+    layout = parse_layout(format_layout(worker_gpus(["4", "5", "6", "7"])))
+    assert layout == [["4", "5"], ["6"], ["7"]] and gpus_of_worker("gw2", layout) == ["7"]
+    with pytest.raises(ValueError, match="has 1"):
+        gpus_of_worker("gw1", [["0", "1"]])
 
 
 def _dry_run(tmp_path: Path, listed: str | None, **env: str) -> subprocess.CompletedProcess:
@@ -42,7 +46,7 @@ def _dry_run(tmp_path: Path, listed: str | None, **env: str) -> subprocess.Compl
         fake.write_text(f"#!/bin/sh\nprintf '{listed}'\n")
         fake.chmod(0o755)
     full = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    full |= {"PATH": f"{bin_dir}:/usr/bin:/bin", **env}
+    full |= {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", **env}
     return subprocess.run(
         ["bash", str(SCRIPT), "--dry-run", "-k", "sglang"], env=full, capture_output=True, text=True
     )
@@ -51,14 +55,16 @@ def _dry_run(tmp_path: Path, listed: str | None, **env: str) -> subprocess.Compl
 def test_script_finds_the_gpus_and_runs_one_worker_per_gpu_but_a_pair(tmp_path: Path) -> None:
     four = _dry_run(tmp_path, "0\\n1\\n2\\n3\\n")
     assert four.returncode == 0, four.stderr
-    assert "GPUs 0,1,2,3: 3 worker(s)" in four.stdout
-    assert "AGENTRL_TEST_GPUS=0,1,2,3 python -m pytest -m gpu -n 3 --dist loadgroup -k sglang" in four.stdout
+    # the suite's tests need at most two GPUs (test_gpu.py's NCCL sync): the first worker holds a pair
+    assert "GPUs 0,1,2,3: 3 worker(s), their GPUs 0,1;2;3" in four.stdout
+    cmd = "AGENTRL_TEST_GPUS='0,1;2;3' python -m pytest -m gpu -n 3 --dist loadgroup -k sglang"
+    assert cmd in four.stdout
     two = _dry_run(tmp_path, "0\\n1\\n")
-    assert "GPUs 0,1: 1 worker(s)" in two.stdout and "-n 1 " in two.stdout
+    assert "GPUs 0,1: 1 worker(s), their GPUs 0,1" in two.stdout and "-n 1 " in two.stdout
     named = _dry_run(tmp_path, "0\\n1\\n2\\n3\\n", CUDA_VISIBLE_DEVICES="3,1")  # the variable wins
-    assert "GPUs 3,1: 1 worker(s)" in named.stdout
+    assert "GPUs 3,1: 1 worker(s), their GPUs 3,1" in named.stdout
     one = _dry_run(tmp_path, None, CUDA_VISIBLE_DEVICES="2")
-    assert "GPUs 2: 1 worker(s)" in one.stdout and "AGENTRL_TEST_GPUS=2 " in one.stdout
+    assert "GPUs 2: 1 worker(s), their GPUs 2" in one.stdout and "AGENTRL_TEST_GPUS='2' " in one.stdout
     none = _dry_run(tmp_path, "")
     assert none.returncode == 1 and "no GPU found" in none.stderr
 
@@ -125,9 +131,11 @@ def _run_suite(tmp_path: Path, gpus: str) -> tuple[subprocess.CompletedProcess, 
         (suite / name).write_text(text)
     log = suite / "layout.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_WORKER")}
-    env |= {"AGENTRL_TEST_GPUS": gpus, "LAYOUT_LOG": str(log), "PYTHONPATH": os.pathsep.join(sys.path)}
+    layout = worker_gpus(gpus.split(","))  # a pair first: the 3-GPU test finds too few and skips
+    env |= {"AGENTRL_TEST_GPUS": format_layout(layout), "LAYOUT_LOG": str(log)}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
     env["RAY_TMPDIR"] = str(suite)  # the workers' Ray dirs go below it
-    workers = str(len(worker_gpus(parse_gpu_list(gpus))))
+    workers = str(len(layout))
     xdist = ["-n", workers, "--dist", "loadgroup"]
     proc = subprocess.run(
         [
