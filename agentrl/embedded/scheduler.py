@@ -303,6 +303,9 @@ class Scheduler:
         A draft never reaches past the request's max_new_tokens or the KV slot: the step emits at most
         one token more than it holds."""
         k = self.speculative.num_draft_tokens
+        if self.runner.verify_buckets:
+            # within the largest verify graph: an eager verify step costs as much as several graphed ones
+            k = min(k, self.runner.verify_buckets[-1] // len(rows) - 1)
         budgets = [
             max(
                 0,
