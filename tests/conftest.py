@@ -13,8 +13,8 @@ GPUs: ``@pytest.mark.gpus(N)`` says a test needs N distinct GPUs; it skips, sayi
 visible (``gpus(2, at_least=1)``: it wants two and runs its one-GPU variant on one). Under
 scripts/gpu_test.sh (pytest-xdist, ``AGENTRL_TEST_GPUS``) each worker is pinned to GPUs of its own through
 ``CUDA_VISIBLE_DEVICES`` before anything touches CUDA, a module's tests that share a module-scoped fixture
-(a server, a converted model) stay on one worker, and the units that need two GPUs go to the worker that
-holds two (tests/_xdist_gpus.py). Every test process runs with SGLang's NCCL setting
+(a server, a converted model) stay on one worker, and the units that need N > 1 GPUs go to a worker that
+holds N (tests/_xdist_gpus.py). Every test process runs with SGLang's NCCL setting
 (:data:`agentrl.weight_sync.SGLANG_PEER_ENV`): NCCL reads it once per process, at its first communicator, so
 a test that meets an SGLang server in a weight-update group cannot set it itself once an earlier test in
 the process has used NCCL.
