@@ -113,23 +113,28 @@ def _draws(logits: torch.Tensor, n: int) -> None:
 
 
 def test_the_gate_speculates_only_while_it_pays() -> None:
-    """The adaptive gate verifies first (nothing measured), then decodes once to time a decode step;
-    afterwards it speculates while a verify step's tokens per row outweigh its cost in decode steps, and
-    otherwise decodes plainly, verifying once every PROBE_EVERY decode steps to look again."""
+    """The adaptive gate verifies first (nothing measured), then decodes once to measure a decode step;
+    afterwards it takes the kind of step that emitted more tokens per second, and the other kind once
+    every PROBE_EVERY steps to look again."""
     gate = SpeculationGate(adaptive=True)
-    assert gate.speculate(0.0, 0.0)
-    gate.verified(rows=10, emitted=12)  # 1.2 tokens a row
-    assert not gate.speculate(0.003, 0.0)  # no decode step timed yet
-    assert not gate.speculate(0.003, 0.002)  # 1.2 x 2 ms < 3 ms: plain decode pays more
-    gate.decoded(SpeculationGate.PROBE_EVERY - 1)
-    assert not gate.speculate(0.003, 0.002)
-    gate.decoded(1)
-    assert gate.speculate(0.003, 0.002)  # a probe
-    gate.verified(rows=10, emitted=40)  # drafts started to hit: 4 tokens a row
-    assert gate.speculate(0.003, 0.002)  # (0.8 x 1.2 + 0.2 x 4) x 2 ms > 3 ms
+    assert gate.speculate()
+    gate.ran("verify", tokens=12, steps=1, seconds=0.003)  # 10 rows, 1.2 tokens a row: 4,000 tokens/s
+    assert not gate.speculate()  # no decode step measured yet
+    gate.ran("decode", tokens=80, steps=8, seconds=0.016)  # 10 rows x 8 steps: 5,000 tokens/s
+    for _ in range(SpeculationGate.PROBE_EVERY - 8):
+        assert not gate.speculate()
+        gate.ran("decode", tokens=10, steps=1, seconds=0.002)
+    assert gate.speculate()  # a probe, PROBE_EVERY decode steps after the last verify step
+    gate.ran("verify", tokens=40, steps=1, seconds=0.003)  # drafts started to hit: 4 tokens a row
+    assert gate.rate["verify"] > gate.rate["decode"]
+    for _ in range(SpeculationGate.PROBE_EVERY - 1):  # the probe was the first of them
+        assert gate.speculate()
+        gate.ran("verify", tokens=40, steps=1, seconds=0.003)
+    assert not gate.speculate()  # a decode probe
     fixed = SpeculationGate(adaptive=False)
-    fixed.verified(rows=10, emitted=10)
-    assert fixed.speculate(1.0, 0.001)
+    fixed.ran("verify", tokens=1, steps=1, seconds=1.0)
+    fixed.ran("decode", tokens=1000, steps=1, seconds=0.001)
+    assert fixed.speculate()
 
 
 def test_the_switch_reaches_the_embedded_server() -> None:

@@ -196,8 +196,9 @@ class Scheduler:
                         self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + took
                         self.stats[f"{step[0]}_busy_s"] = self.stats.get(f"{step[0]}_busy_s", 0.0) + took
                         self._since_prefill += steps - 1 if step[0] == "decode" else 0
-                        if step[0] == "decode":
-                            self.gate.decoded(steps)
+                        if step[0] in ("decode", "verify"):  # tokens emitted: every row's, every step
+                            emitted = sum(map(len, ids)) if step[0] == "verify" else len(ids) * steps
+                            self.gate.ran(step[0], emitted, steps, took)
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
                     self._fail(step[1], err)
@@ -293,7 +294,7 @@ class Scheduler:
         """Whether the next decode step verifies drafts (:class:`.speculative.SpeculationGate`)."""
         if self.drafter is None:
             return False
-        if self.gate.speculate(self._step_s["verify"], self._step_s["decode"]):
+        if self.gate.speculate():
             return True
         self.stats["spec_skipped_steps"] = self.stats.get("spec_skipped_steps", 0) + 1
         return False
@@ -476,7 +477,6 @@ class Scheduler:
         st["spec_verify_steps"] = st.get("spec_verify_steps", 0) + 1
         st["spec_verify_rows"] = st.get("spec_verify_rows", 0) + len(rows)
         st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(len(d) for d in drafts)
-        self.gate.verified(len(rows), sum(len(toks) for toks in ids))
         finished = []
         for r, toks, row_lps in zip(rows, ids, lps, strict=True):
             st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + len(toks) - 1

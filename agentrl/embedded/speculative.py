@@ -141,37 +141,39 @@ class NgramDrafter:
 
 class SpeculationGate:
     """Whether the next decode step speculates. A verify step costs more than a decode step (more tokens
-    through the model, every one of them sampled) and pays only when its rows emit enough tokens: it
-    speculates while ``emitted x decode_s >= verify_s`` (``emitted``: tokens a verify step emits per row,
-    a running mean; the step times are the scheduler's running means), and otherwise decodes plainly,
-    with one verify step every :attr:`PROBE_EVERY` decode steps to look again. Drafts that rarely hit
-    (random text) then cost one verify step in ``PROBE_EVERY``; the tokens are the same either way."""
+    through the model, every one of them sampled) and pays only where its rows emit enough tokens. The gate
+    keeps a running mean of the tokens per second each kind of step emits (all its rows' tokens over its
+    wall time on the device thread) and takes the faster kind, taking the other one once every
+    :attr:`PROBE_EVERY` steps to look again. Where drafts rarely hit (random text) a run then pays one
+    verify step in ``PROBE_EVERY``; the tokens are the same either way."""
 
-    PROBE_EVERY = 16  # plain decode steps between verify steps while speculating does not pay
+    PROBE_EVERY = 16  # steps of the faster kind between two of the other
 
     def __init__(self, adaptive: bool = True) -> None:
         self.adaptive = adaptive
-        self.emitted = 0.0  # running mean of the tokens a verify step emits per row
-        self._plain = 0  # decode steps since the last verify step
+        self.rate = {"verify": 0.0, "decode": 0.0}  # running means of the tokens per second emitted
+        self._since = {"verify": 0, "decode": 0}  # steps since the last step of each kind
 
-    def speculate(self, verify_s: float, decode_s: float) -> bool:
-        """Whether the next decode step verifies drafts, given the mean seconds of a verify step and of a
-        decode step (0.0: none measured yet)."""
-        if not self.adaptive or verify_s == 0.0 or self.emitted == 0.0:
+    def speculate(self) -> bool:
+        """Whether the next decode step verifies drafts."""
+        if not self.adaptive or self.rate["verify"] == 0.0:
             return True  # nothing to weigh yet: verify once to measure
-        if decode_s == 0.0:
+        if self.rate["decode"] == 0.0:
             return False  # decode once to measure
-        return self.emitted * decode_s >= verify_s or self._plain >= self.PROBE_EVERY
+        faster = "verify" if self.rate["verify"] >= self.rate["decode"] else "decode"
+        other = "decode" if faster == "verify" else "verify"
+        return (other if self._since[other] >= self.PROBE_EVERY else faster) == "verify"
 
-    def verified(self, rows: int, emitted: int) -> None:
-        """A verify step of ``rows`` rows emitted ``emitted`` tokens."""
-        each = emitted / rows
-        self.emitted = each if self.emitted == 0.0 else 0.8 * self.emitted + 0.2 * each
-        self._plain = 0
-
-    def decoded(self, steps: int) -> None:
-        """``steps`` plain decode steps ran."""
-        self._plain += steps
+    def ran(self, kind: str, tokens: int, steps: int, seconds: float) -> None:
+        """``steps`` steps of ``kind`` (verify or decode) emitted ``tokens`` tokens in ``seconds``."""
+        if seconds <= 0.0 or tokens <= 0:
+            return
+        each = tokens / seconds
+        mean = self.rate[kind]
+        self.rate[kind] = each if mean == 0.0 else 0.8 * mean + 0.2 * each
+        other = "decode" if kind == "verify" else "verify"
+        self._since[kind] = 0
+        self._since[other] += steps
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
