@@ -39,6 +39,7 @@ if _LAYOUT and _WORKER:  # before torch is imported, let alone CUDA initialized
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus_of_worker(_WORKER, _LAYOUT))
 
 from agentrl.models.tiny import build_tiny_model  # noqa: E402
+from agentrl.testing.processes import pid_alive  # noqa: E402
 from agentrl.weight_sync import SGLANG_PEER_ENV  # noqa: E402
 
 for _key, _value in SGLANG_PEER_ENV.items():  # before any test's first NCCL communicator
@@ -56,22 +57,12 @@ _KEPT_SUFFIXES = ("wandb-media", "wandb-artifacts")
 _REPORTED: set[str] = set()  # leftovers a test already failed for
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """The session's temp dir, named by its pid; those of sessions that were killed are removed."""
     global SESSION_TMP
     for old in Path(_SYSTEM_TMP).glob(f"{_PREFIX}*"):
         pid = old.name[len(_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     SESSION_TMP = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=_SYSTEM_TMP))
     # traversable like the system temp dir: the process sandbox runs commands as another uid in work dirs

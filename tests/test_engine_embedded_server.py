@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,23 +24,11 @@ from agentrl.embedded.server import EmbeddedServer, start_embedded_server
 from agentrl.engine._proc import ServerStartError
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.types import SamplingParams
+from agentrl.testing.processes import pid_alive
 
 KEY = "test-admin-key"
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [42] * 12]
 TOL = 1e-4
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); treat it as gone
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +36,7 @@ def server(tiny_model_dir: Path):
     srv = start_embedded_server(tiny_model_dir, api_key=KEY, max_batch_size=64)
     yield srv
     srv.stop()
-    assert not _pid_alive(srv.pid), "server process survived stop()"
+    assert not pid_alive(srv.pid), "server process survived stop()"
 
 
 @pytest.fixture(scope="module")

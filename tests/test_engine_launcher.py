@@ -26,26 +26,15 @@ from agentrl.engine.launcher import (
     sglang_installed,
     sglang_site,
 )
+from agentrl.testing.processes import pid_alive
 
 STAND_IN = Path(__file__).parent / "fixtures" / "fake_sglang.py"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_dead(pid: int, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -222,7 +211,7 @@ def test_lifecycle_start_health_stop_without_orphans(tmp_path: Path, fake_python
         assert launcher.port != 0 and launcher.url == f"http://127.0.0.1:{launcher.port}"
         leader = launcher.process.pid
         child = int((tmp_path / "child.pid").read_text())
-        assert _pid_alive(leader) and _pid_alive(child)
+        assert pid_alive(leader) and pid_alive(child)
     assert _wait_dead(leader) and _wait_dead(child), "stop() left processes behind"
     assert not launcher.healthy()
 
@@ -339,7 +328,7 @@ def test_ray_actor_runs_and_stops_the_server(tmp_path: Path, fake_python: str) -
         assert ray.get(actor.healthy.remote())
         leader = ray.get(actor.pid.remote())
         child = int((tmp_path / "child.pid").read_text())
-        assert _pid_alive(leader) and _pid_alive(child)
+        assert pid_alive(leader) and pid_alive(child)
         ray.get(actor.stop.remote())
         assert _wait_dead(leader) and _wait_dead(child)
     finally:

@@ -25,6 +25,7 @@ from agentrl.examples.search_r1.retrieval_server import (
     start_retrieval_server,
 )
 from agentrl.examples.search_r1.world import generate_world
+from agentrl.testing.processes import pid_alive
 
 bm25s = import_bm25s()  # JAX kept off the GPU (see import_bm25s)
 
@@ -47,15 +48,6 @@ def server(corpus_file):
     )
     yield handle
     handle.stop()
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # ---- in-process index
@@ -268,8 +260,8 @@ def test_loopback_only_by_default(corpus_file):
 def test_server_lifecycle_leaves_no_process(corpus_file):
     with start_retrieval_server(corpus_file) as s:
         pid = s.pid
-        assert _alive(pid) and httpx.get(f"{s.url}/health").status_code == 200
-    assert not _alive(pid)
+        assert pid_alive(pid) and httpx.get(f"{s.url}/health").status_code == 200
+    assert not pid_alive(pid)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{s.url}/health", timeout=2)
     s.stop()  # idempotent
@@ -291,9 +283,9 @@ def test_server_exits_with_its_parent(corpus_file, workers):
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == workers
     deadline = time.monotonic() + 10
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(_alive, pids))
+    assert not any(map(pid_alive, pids))
 
 
 def _children() -> list[int]:
@@ -398,7 +390,7 @@ def test_workers_share_one_port_and_one_mapped_index(corpus_file, world):
     expected = RetrievalIndex(world.corpus).search(queries, 3)
     before = set(_children())
     with start_retrieval_server(corpus_file, workers=2) as s:
-        assert len(set(s.pids)) == 2 and all(map(_alive, s.pids)) and s.info["workers"] == 2
+        assert len(set(s.pids)) == 2 and all(map(pid_alive, s.pids)) and s.info["workers"] == 2
         assert asyncio.run(_search_all(s.url, queries, connections=32)) == expected
         stats = httpx.get(f"{s.url}/stats").json()
         # the kernel spread the connections over both workers; /stats sums them whichever answered
@@ -410,7 +402,7 @@ def test_workers_share_one_port_and_one_mapped_index(corpus_file, world):
         cache = f"{corpus_file}.bm25s/data.csc.index.npy"
         assert all(cache in _mapped_files(pid) for pid in s.pids)
         pids = s.pids
-    assert not any(map(_alive, pids)) and set(_children()) <= before
+    assert not any(map(pid_alive, pids)) and set(_children()) <= before
     s.stop()  # idempotent
 
 
@@ -468,7 +460,7 @@ def test_cli_starts_and_stops_its_workers(corpus_file):
     finally:
         proc.kill()
         proc.wait()
-    assert not any(map(_alive, info["pids"]))
+    assert not any(map(pid_alive, info["pids"]))
 
 
 def test_the_recipe_logs_the_servers_load_each_step(corpus_file, world):

@@ -5,7 +5,6 @@ URL, and stopped with no process left behind."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 import sys
 import time
@@ -16,17 +15,9 @@ import pytest
 from agentrl.cluster import stop_all
 from agentrl.placement import Fleet
 from agentrl.recipe import load_run_config
+from agentrl.testing.processes import pid_alive
 
 STAND_IN = Path(__file__).parent / "fixtures" / "fake_sglang.py"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 @pytest.mark.slow
@@ -67,11 +58,11 @@ def test_sglang_backend_launches_in_ray_actors_and_stops(tmp_path: Path) -> None
         assert argv[argv.index("--context-length") + 1] == "4096"
         assert rec["original_logprob"] == "1"
         pid = rec["pid"]
-        assert _alive(pid)
+        assert pid_alive(pid)
     finally:
         stop_all(fleet.services)
         ray.shutdown()
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), "the SGLang server outlived its actor"
+    assert not pid_alive(pid), "the SGLang server outlived its actor"

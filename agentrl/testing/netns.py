@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.testing.processes import pid_alive
+
 PREFIX = "agentrl-ns-"  # every namespace made here: PREFIX<pid of the test process>-<tag>-<a|b>
 NETWORK = (10, 250)  # the /16 the pairs' /30s come from
 
@@ -111,16 +113,6 @@ class Host:
         return left
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _namespaces() -> list[str]:
     proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
@@ -137,7 +129,7 @@ def reap_stale() -> list[str]:
     stale = []
     for name in _namespaces():
         pid = name[len(PREFIX) :].split("-")[0] if name.startswith(PREFIX) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             _delete(name)
             stale.append(name)
     return stale
