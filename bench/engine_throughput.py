@@ -178,19 +178,27 @@ ENGINE_COUNTERS = (
 )
 
 
-SPEC_COUNTERS = ("spec_verify_steps", "spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
+SPEC_COUNTERS = (
+    "spec_verify_steps",
+    "spec_verify_rows",
+    "spec_skipped_steps",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+)
 
 
 def speculation_account(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """A speculating engine's account of a round, from its counters before and after it (empty for an
-    engine that does not speculate): verify steps and rows, tokens drafted and accepted, accepted tokens
-    per verified row and accepted over drafted."""
+    engine that does not speculate): verify steps and rows, the decode steps its gate chose not to
+    speculate on, tokens drafted and accepted, accepted tokens per verified row and accepted over
+    drafted."""
     if not all(f"engine/{k}" in after for k in SPEC_COUNTERS):
         return {}
     d = {k: after[f"engine/{k}"] - before.get(f"engine/{k}", 0.0) for k in SPEC_COUNTERS}
     return {
         "verify_steps": int(d["spec_verify_steps"]),
         "verify_rows": int(d["spec_verify_rows"]),
+        "skipped_steps": int(d["spec_skipped_steps"]),
         "draft_tokens": int(d["spec_draft_tokens"]),
         "accepted_tokens": int(d["spec_accepted_tokens"]),
         "accepted_per_verify_row": round(d["spec_accepted_tokens"] / max(d["spec_verify_rows"], 1.0), 3),

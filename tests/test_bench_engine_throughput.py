@@ -51,7 +51,7 @@ def test_an_unknown_quantization_list_is_refused_before_anything_starts() -> Non
 
 def test_speculative_ab_reports_both_servers_and_the_drafts_account() -> None:
     """``--speculative``: the same rounds and episodes without and then with speculative decoding, the
-    ratio, and the speculating server's verify steps, drafted and accepted tokens."""
+    ratio, and the speculating server's verify steps, skipped steps, drafted and accepted tokens."""
     args = [
         "--concurrency",
         "2",
@@ -63,7 +63,7 @@ def test_speculative_ab_reports_both_servers_and_the_drafts_account() -> None:
         "--multi-turn",
         "2",
     ]
-    spec = "--speculative ngram --spec-k 3 --spec-ngram 2 --spec-min-ngram 1"
+    spec = "--speculative ngram --spec-k 3 --spec-ngram 2 --spec-min-ngram 1 --spec-always"
     proc = subprocess.run(
         [*BENCH, *args, "--obs-len", "8", "--speculative", "--spec-args", spec],
         cwd=ROOT,
@@ -81,4 +81,5 @@ def test_speculative_ab_reports_both_servers_and_the_drafts_account() -> None:
     for account in (row["spec_time"], out["multi_turn_spec"]["spec"]):
         assert 0 <= account["accepted_tokens"] <= account["draft_tokens"]
         assert account["verify_steps"] <= account["verify_rows"]
+        assert account["skipped_steps"] == 0  # --spec-always: no gate, every step with a draft verifies
     assert out["spec_args"] == spec and out["multi_turn_spec"]["episodes"] == 2
