@@ -325,11 +325,9 @@ ACROSS = [f"ray.{role}_resources={{{name}: 1}}" for role, name in ROLES.items()]
 
 
 def _train_async(
-    cmd_host: Host | None, env: dict[str, str], cfg: Path, *args: str, timeout: float
+    cmd_host: Host, env: dict[str, str], cfg: Path, *args: str, timeout: float
 ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train_async.py", "--config", str(cfg), *args]
-    if cmd_host is None:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return cmd_host.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -379,13 +377,33 @@ def test_search_r1_across_two_hosts_learns_as_on_one(
     cluster: NamespaceCluster, tmp_path: Path, search_r1_cache: Path
 ) -> None:
     a, b = cluster.hosts.a, cluster.hosts.b
-    cfg = tmp_path / "run.yaml"
     two, one = tmp_path / "two", tmp_path / "one"
-    cfg.write_text(CONFIG.format(out=two, cache=search_r1_cache))
-
-    t0 = time.monotonic()
-    proc = _train_async(a, cluster.env, cfg, "--ray-address", cluster.address, *ACROSS, timeout=500)
-    took = time.monotonic() - t0
+    (tmp_path / "two.yaml").write_text(CONFIG.format(out=two, cache=search_r1_cache))
+    (tmp_path / "one.yaml").write_text(CONFIG.format(out=one, cache=search_r1_cache))
+    # the same config on one host (a local Ray, everything on loopback), at the same time: deterministic
+    # runs agree whatever their timing, and its processes are outside the cluster's namespaces. It runs
+    # first, alone, when the bootstrap cache is still to be built (two runs would write it together).
+    built = any(search_r1_cache.glob("sft-*/DONE"))
+    with (tmp_path / "one.log").open("w") as log:
+        alone = subprocess.Popen(
+            [sys.executable, "train_async.py", "--config", str(tmp_path / "one.yaml"), "ray.num_cpus=4"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        if not built:
+            alone.wait(timeout=500)
+        t0 = time.monotonic()
+        proc = _train_async(
+            a, cluster.env, tmp_path / "two.yaml", "--ray-address", cluster.address, *ACROSS, timeout=500
+        )
+        took = time.monotonic() - t0
+        alone.wait(timeout=500)
+    finally:
+        if alone.poll() is None:
+            alone.kill()
+            alone.wait(10)
     assert proc.returncode == 0, f"the two-host run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     rows = _trained(two)
     assert [r["policy_version"] for r in rows if "policy_version" in r] == [1, 2]
@@ -403,10 +421,8 @@ def test_search_r1_across_two_hosts_learns_as_on_one(
     assert all(f"node {node[:8]} " in proc.stdout for node in nodes), proc.stdout[-3000:]  # said at start
     assert not cluster.left_by_the_job(), "the run left processes behind on the cluster"
 
-    # the same config on one host (a local Ray, everything on loopback): the same figures, the same weights
-    cfg.write_text(CONFIG.format(out=one, cache=search_r1_cache))
-    proc = _train_async(None, dict(os.environ), cfg, "ray.num_cpus=4", timeout=500)
-    assert proc.returncode == 0, f"the one-host run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    # the one-host run: the same figures, the same weights
+    assert alone.returncode == 0, f"the one-host run failed:\n{(tmp_path / 'one.log').read_text()[-8000:]}"
     assert [_learned(r) for r in _trained(one)] == [_learned(r) for r in rows]
     assert _final_weights(one) == _final_weights(two)
     print(f"two-host run: {took:.0f} s")
@@ -417,7 +433,7 @@ def test_search_r1_across_two_hosts_learns_as_on_one(
 LOST_CONFIG = (
     TINY_SEARCH_R1
     + """output_dir: {out}
-steps: 12
+steps: {steps}
 engine: {{max_batch_size: 8}}
 weight_sync: disk
 checkpoint: {{interval: 1}}
@@ -429,7 +445,8 @@ eval: {{before: false, after: false}}
 """
 )
 B = 2  # groups per batch
-STEPS = 12  # enough that the host is lost with steps still to train
+STEPS = 6  # enough that the host is lost with steps still to train (after the first checkpoint; the
+# trainer runs at most a batch or two ahead of the rollout)
 
 
 def _dumped(out: Path) -> dict[int, list[dict[str, Any]]]:
@@ -447,7 +464,7 @@ def test_a_host_lost_mid_run_stops_it_and_resume_loses_nothing(
 ) -> None:
     a, b = cluster.hosts.a, cluster.hosts.b
     out, cfg = tmp_path / "run", tmp_path / "run.yaml"
-    cfg.write_text(LOST_CONFIG.format(out=out, cache=search_r1_cache))
+    cfg.write_text(LOST_CONFIG.format(out=out, cache=search_r1_cache, steps=STEPS))
     cmd = [sys.executable, "-u", "train_async.py", "--config", str(cfg), "--ray-address", cluster.address]
     log = tmp_path / "run.log"
     engine_dirs = {p.name for p in Path(tempfile.gettempdir()).glob("agentrl-engine-*")}
