@@ -238,7 +238,25 @@ def _deterministic_runs(
         step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
         weights = torch.load(step / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)["model"]
         results[name] = (weights, [without_timings(r) for r in read_metrics(out / "metrics.jsonl")])
+        if not runs[name] and rank == 0:
+            _PLAIN.setdefault(cache, results[name])
     return results
+
+
+# the config's run without overrides, by bootstrap cache: the first of the session, for later comparisons
+_PLAIN: dict[Path, Result] = {}
+
+
+def _against_the_plain_run(
+    tmp: Path, cache: Path, name: str, overrides: tuple[str, ...]
+) -> tuple[Result, Result]:
+    """The config's plain run and a run ``name`` with ``overrides``. The plain run is the session's earlier
+    one when there is one (the pair test ran it: deterministic, any plain run is every plain run, bit for
+    bit); otherwise it runs beside ``name``."""
+    if cache in _PLAIN:
+        return _PLAIN[cache], _deterministic_runs(tmp, cache, {name: overrides})[name]
+    runs = _deterministic_runs(tmp, cache, {"plain": (), name: overrides})
+    return runs["plain"], runs[name]
 
 
 def _deterministic_pair(tmp: Path, cache: Path, *overrides: str, rank: int = 0) -> tuple[Result, Result]:

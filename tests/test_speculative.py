@@ -369,16 +369,16 @@ def test_a_deterministic_run_with_speculation_is_the_run_without_it(
     tmp_path: Path, search_r1_cache: Path
 ) -> None:
     """Deterministic mode keeps its guarantee with speculation on: two short ``train_async.py`` runs of the
-    deterministic config, without and with ``engine.speculative``, end with the same weights, bit for bit,
-    and log the same figures apart from timings, the engine's counters and the prefix cache's hits, while
-    the second one's engine ran verify steps."""
-    from test_deterministic import _deterministic_runs, _same_bytes
+    deterministic config, without (the session's earlier plain run when there is one) and with
+    ``engine.speculative``, end with the same weights, bit for bit, and log the same figures apart from
+    timings, the engine's counters and the prefix cache's hits, while the second one's engine ran verify
+    steps."""
+    from test_deterministic import _against_the_plain_run, _same_bytes
 
     from agentrl.metrics import read_metrics
 
     spec = ("engine.speculative.num_draft_tokens=4", "engine.speculative.min_ngram=1")
-    runs = _deterministic_runs(tmp_path, search_r1_cache, {"plain": (), "spec": spec})
-    (wa, ma), (wb, mb) = runs["plain"], runs["spec"]
+    (wa, ma), (wb, mb) = _against_the_plain_run(tmp_path, search_r1_cache, "spec", spec)
     _same_bytes(wa, wb)
     # prefix-cache hits follow the schedule, which speculation changes: without_timings leaves them out
     keys = {k for r in ma + mb for k in r}
