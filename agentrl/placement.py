@@ -358,32 +358,28 @@ class Fleet:
         train_tasks: list[dict[str, Any]],
         verifier: str | None,
     ) -> None:
-        """Engines, then the trainer ranks beside them, the rollout's shards (each an actor with its engines
+        """Engines and the trainer ranks beside them, the rollout's shards (each an actor with its engines
         and tasks: agentrl.rollout.shards), and the weight-sync connection. ``verifier``: the run's, as
-        resolved at load (None for an env that scores itself), which the shards' episodes use."""
+        resolved at load (None for an env that scores itself), which the shards' episodes use.
+
+        The trainer ranks start while the engines do, unless they share GPUs with them (colocated on
+        GPUs): an engine sizes its KV cache from the memory its GPU has free, so there the ranks wait."""
         from agentrl.engine.client import EngineClient
         from agentrl.rollout.ray_actor import OrchestratorSpec
         from agentrl.rollout.shards import RolloutGroup, shard_specs
-        from agentrl.trainer.ray_actor import TrainerGroup
 
         cfg, e, key = self.cfg, self.cfg.engine, self.network.secret
-        self.start_engines(model_dir)
+        self.spawn_engines(model_dir)
+        if not colocated_bundles(cfg):
+            self.start_trainer(model_dir)
+        self.wait_engines()
         await self.check_reachable(await self.where())  # the engines, from the driver
         self.monitor = EngineClient(self.engine_urls, api_key=key, timeout=10, max_retries=0, router=e.router)
         # behind a router (engine.router): the workers it lists now
         sync_urls = await self.monitor.worker_urls()
         self.control = EngineClient(sync_urls, api_key=key, timeout=300, max_retries=0)
-        self.trainer = TrainerGroup(
-            self.trainer_config(model_dir),
-            cfg.trainer_world_size,
-            num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0,
-            num_cpus_per_rank=TRAINER_CPUS_PER_RANK,
-            master_addr=None if self.network.spans_hosts else "127.0.0.1",
-            deterministic=cfg.deterministic,
-            placement_group=self.group,  # rank i on bundle i: the GPU of engine i
-            resources=cfg.ray.trainer_resources,
-            env=trainer_env(e.backend),  # what the weight-update group with the engines needs
-        )
+        if self.trainer is None:
+            self.start_trainer(model_dir)
         # the run's seed added: task order, and request seeds when deterministic
         rollout_cfg = cfg.rollout.model_copy(
             update={"seed": cfg.rollout.seed + cfg.seed, "verifier": verifier}
@@ -415,12 +411,40 @@ class Fleet:
         await self.trainer.connect_engines(update)
         print(describe_placement(placed), flush=True)
 
+    def start_trainer(self, model_dir: str) -> None:
+        """The trainer's ranks, each in a Ray actor; returns once every rank has built its model."""
+        from agentrl.trainer.ray_actor import TrainerGroup
+
+        cfg = self.cfg
+        self.trainer = TrainerGroup(
+            self.trainer_config(model_dir),
+            cfg.trainer_world_size,
+            num_gpus_per_rank=cfg.trainer_gpus_per_rank or 0,
+            num_cpus_per_rank=TRAINER_CPUS_PER_RANK,
+            master_addr=None if self.network.spans_hosts else "127.0.0.1",
+            deterministic=cfg.deterministic,
+            placement_group=self.group,  # rank i on bundle i: the GPU of engine i
+            resources=cfg.ray.trainer_resources,
+            env=trainer_env(cfg.engine.backend),  # what the weight-update group with the engines needs
+        )
+
     def start_engines(self, model_dir: str) -> list[str]:
         """The engines (or the external URLs), each engine in a Ray actor of its own, all starting at once
         (an engine's start, CUDA graphs included, takes about a minute on a GPU); colocated on GPUs,
         engine i on the bundle of GPU i. Returns their URLs once every engine is up."""
+        self.spawn_engines(model_dir)
+        return self.wait_engines()
+
+    def wait_engines(self) -> list[str]:
+        """The URLs of the engines :meth:`spawn_engines` started (and the external ones), once every
+        engine is up; the first engine's failure raises here, with its server's log tail."""
         import ray
 
+        self.engine_urls += ray.get([engine.url.remote() for engine in self.engines])
+        return self.engine_urls
+
+    def spawn_engines(self, model_dir: str) -> None:
+        """Start the engines' actors (each engine's start goes on in its own), without waiting for them."""
         e, r = self.cfg.engine, self.cfg.ray
         bundles = colocated_bundles(self.cfg)
         if bundles and self.group is None:
@@ -440,9 +464,6 @@ class Fleet:
             )
             self.services.append(engine)  # stopped by stop() even when another engine fails to start
             self.engines.append(engine)
-        # the first failure surfaces here, with its server's log tail
-        self.engine_urls += ray.get([engine.url.remote() for engine in self.engines])
-        return self.engine_urls
 
     async def where(self, out: Path | None = None) -> dict[str, Any]:
         """Where the driver, each engine (with its URL), each trainer rank, each rollout shard and each of
