@@ -378,9 +378,7 @@ class ModelRunner:
         Returns fp32 logits [rows, vocab] at each row's last new token, or with ``every_token`` at every
         new token, the rows' tokens in order [tokens, vocab] (a speculative verify step: .speculative)."""
         if self.packed_prefill:
-            if every_token:
-                return self._verify_packed(batch)
-            return self._extend_packed(batch)
+            return self._extend_packed(batch, every_token)
         dev = self.device
         rows = len(batch.slots)
         width = max(len(t) for t in batch.tokens)
@@ -434,55 +432,38 @@ class ModelRunner:
         last = x[torch.arange(rows, device=dev), lens - 1]
         return self._logits_of(last)
 
-    def _extend_packed(self, batch: ExtendBatch) -> torch.Tensor:
+    def _extend_packed(self, batch: ExtendBatch, every_token: bool = False) -> torch.Tensor:
         """:meth:`extend` over the rows' tokens laid end to end: every op runs on real tokens only, and
-        attention reads each row's keys from its slot (see :mod:`agentrl.embedded.attention`). Up to
-        :data:`PREFILL_GRAPH_TOKENS` tokens a step replays the CUDA graph of its token bucket (a step of a
-        few short turns is otherwise ~20 ms of kernel launches for ~3 ms of GPU work)."""
+        attention reads each row's keys from its slot (see :mod:`agentrl.embedded.attention`). A step of up
+        to :data:`PREFILL_GRAPH_TOKENS` tokens (with ``every_token``, a speculative verify step: up to the
+        largest of :attr:`verify_buckets`) replays the CUDA graph of its token bucket (a step of a few short
+        turns is otherwise ~20 ms of kernel launches for ~3 ms of GPU work); larger steps run eagerly."""
         t = sum(len(toks) for toks in batch.tokens)
-        bucket = next((b for b in self.prefill_buckets if b >= t), None)  # none without graphs
+        buckets, graphs = (
+            (self.verify_buckets, self._verify_graphs)
+            if every_token
+            else (self.prefill_buckets, self._prefill_graphs)
+        )
+        rows = t if every_token else len(batch.slots)  # logits returned: every token's, or each row's last
+        bucket = next((b for b in buckets if b >= t), None)  # none without graphs
         if bucket is None:  # eager, exact sizes
-            flat, blocks = self._packed_layout(batch)
+            flat, blocks = self._packed_layout(batch, every_token=every_token)
             if self.device.type == "cuda":
                 flat = flat.pin_memory().to(self.device, non_blocking=True)
-            return self._extend_forward(flat, t, len(batch.slots), blocks)
-        graph = self._prefill_graphs.get(bucket)
+            return self._extend_forward(flat, t, rows, blocks)
+        graph = graphs.get(bucket)
         if graph is None:  # before the copy: the capture runs on padding in the same buffer
-            graph = self._capture_prefill(bucket)
-        host, _ = self._packed_layout(batch, bucket, self.max_batch, self._prefill_blocks(bucket))
-        self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
-        graph.replay()
-        return self._logits[: len(batch.slots)]
-
-    def _verify_packed(self, batch: ExtendBatch) -> torch.Tensor:
-        """Every token's logits of a packed step (a speculative verify step): up to the largest of
-        :attr:`verify_buckets` tokens the captured graph of its token bucket, larger steps eagerly."""
-        t = sum(len(toks) for toks in batch.tokens)
-        bucket = next((b for b in self.verify_buckets if b >= t), None)
-        if bucket is None:  # eager, exact sizes
-            flat, blocks = self._packed_layout(batch, every_token=True)
-            if self.device.type == "cuda":
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-            return self._extend_forward(flat, t, t, blocks)
-        graph = self._verify_graphs.get(bucket)
-        if graph is None:  # before the copy: the capture runs on padding in the same buffer
-            graph = self._capture_verify(bucket)
+            graph = self._capture_packed(bucket, every_token)
         nb = self._prefill_blocks(bucket)
-        host, _ = self._packed_layout(batch, bucket, bucket, nb, every_token=True)
+        host, _ = self._packed_layout(batch, bucket, self._graph_rows(bucket, every_token), nb, every_token)
         self._p_flat[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
         graph.replay()
-        return self._v_logits[:t]
+        return (self._v_logits if every_token else self._logits)[:rows]
 
-    def _capture_verify(self, bucket: int) -> torch.cuda.CUDAGraph:
-        """Capture the verify step of ``bucket`` tokens (logits at every one of them, padding included).
-        The warm-up runs are all padding: they write only the scratch column."""
-        t, nb = bucket, self._prefill_blocks(bucket)
-        flat = self._p_flat
-        flat[: 4 * t + 4 * nb].zero_()
-        flat[2 * t : 3 * t].fill_(self.context_len)
-        graph = self._graph_of(lambda: self._v_logits[:t].copy_(self._extend_forward(flat, t, t, nb)))
-        self._verify_graphs[bucket] = graph
-        return graph
+    def _graph_rows(self, bucket: int, every_token: bool) -> int:
+        """Logit rows the graph of a packed step of ``bucket`` tokens computes: every token's (a verify
+        step), or the last token's of up to ``max_batch`` rows."""
+        return bucket if every_token else self.max_batch
 
     def _packed_layout(
         self, batch: ExtendBatch, tokens: int = 0, rows: int = 0, blocks: int = 0, every_token: bool = False
@@ -548,15 +529,17 @@ class ModelRunner:
             x = self._post_attention(i, x, o, w)
         return self._logits_of(x.index_select(0, last_d))
 
-    def _capture_prefill(self, bucket: int) -> torch.cuda.CUDAGraph:
-        """Capture the packed prefill of ``bucket`` tokens (all rows' last tokens, up to max_batch, and
-        the bucket's blocks). The warm-up runs are all padding: they write only the scratch column."""
-        t, rows, nb = bucket, self.max_batch, self._prefill_blocks(bucket)
+    def _capture_packed(self, bucket: int, every_token: bool) -> torch.cuda.CUDAGraph:
+        """Capture the packed step of ``bucket`` tokens: a prefill (all rows' last tokens, up to
+        max_batch) or with ``every_token`` a verify step (every token, padding included), with the bucket's
+        blocks. The warm-up runs are all padding: they write only the scratch column."""
+        t, rows, nb = bucket, self._graph_rows(bucket, every_token), self._prefill_blocks(bucket)
+        out = self._v_logits[:t] if every_token else self._logits
         flat = self._p_flat
         flat[: 3 * t + rows + 4 * nb].zero_()
         flat[2 * t : 3 * t].fill_(self.context_len)
-        graph = self._graph_of(lambda: self._logits.copy_(self._extend_forward(flat, t, rows, nb)))
-        self._prefill_graphs[bucket] = graph
+        graph = self._graph_of(lambda: out.copy_(self._extend_forward(flat, t, rows, nb)))
+        (self._verify_graphs if every_token else self._prefill_graphs)[bucket] = graph
         return graph
 
     # ------------------------------------------------------------------ decode
@@ -664,10 +647,10 @@ class ModelRunner:
                     self._capture(b, length)
         for bucket in self.prefill_buckets:
             if bucket not in self._prefill_graphs:
-                self._capture_prefill(bucket)
+                self._capture_packed(bucket, every_token=False)
         for bucket in self.verify_buckets:
             if bucket not in self._verify_graphs:
-                self._capture_verify(bucket)
+                self._capture_packed(bucket, every_token=True)
         return len(self._graphs) + len(self._prefill_graphs) + len(self._verify_graphs)
 
 
