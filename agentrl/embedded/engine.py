@@ -133,9 +133,17 @@ class EmbeddedEngine(AdapterEndpoints):
         self.stats = {"prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
         if quantization is not None:  # seconds the last quantization of the weights took (load or update)
             self.stats["quantize_s"] = self._quantize_s
-        if speculative is not None:  # verify steps, the rows they ran, drafted / accepted / emitted tokens
-            keys = ("verify_steps", "verify_rows", "draft_tokens", "accepted_tokens", "emitted_tokens")
-            for key in (*keys, "skipped_steps"):
+        if speculative is not None:
+            # verify steps, the rows they ran, drafted / accepted / emitted tokens, and the decode steps the
+            # speculation gate chose not to verify drafts at
+            for key in (
+                "verify_steps",
+                "verify_rows",
+                "draft_tokens",
+                "accepted_tokens",
+                "emitted_tokens",
+                "skipped_steps",
+            ):
                 self.stats[f"spec_{key}"] = 0
         self.scheduler = Scheduler(
             self.runner,

@@ -64,9 +64,8 @@ def parse_gpu_list(value: str) -> list[str]:
     return [g.strip() for g in value.split(",") if g.strip()]
 
 
-if (
-    __name__ == "__main__"
-):  # scripts/gpu_test.sh: python -m agentrl.testing.gpus GPU_LIST LARGEST -> the layout
+# scripts/gpu_test.sh: python -m agentrl.testing.gpus GPU_LIST LARGEST -> the layout
+if __name__ == "__main__":
     import sys
 
     print(format_layout(worker_gpus(parse_gpu_list(sys.argv[1]), int(sys.argv[2]))))
