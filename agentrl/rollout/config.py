@@ -15,12 +15,22 @@ from agentrl.episodes import DumpConfig
 class TreeConfig(ConfigModel):
     """Tree rollouts (:mod:`agentrl.rollout.tree`): each of a group's ``group_size`` episodes grows into a
     tree. After each model turn of ``branch_at`` (and its observation) the episode forks into ``k``
-    children that share its tokens; a tree has up to ``k ** len(branch_at)`` leaves, each a trajectory."""
+    children that share its tokens; a tree has up to ``k ** len(branch_at)`` leaves, each a trajectory.
+    With ``fill`` an episode that ends before its next branch point is sampled again from where it
+    started, so that the tree keeps its ``k ** len(branch_at)`` leaves."""
 
     branch_at: list[int] = Field(
         description="model turns (1-based, ascending) after which an episode branches; [] never branches"
     )
     k: int = Field(2, ge=1, description="children of each branch point (1: the tree is one flat episode)")
+    fill: bool = Field(
+        True,
+        description="an episode that completes or is truncated before its next branch point is sampled "
+        "again from where it started (the task, or its parent's branch point), as a sibling of it, until "
+        "the tree has k ** len(branch_at) leaves; costs a spare env (a fork, held while the children play) "
+        "at each branch point of every turn in branch_at but the last. false: such an episode is a leaf "
+        "and the tree has fewer leaves",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TreeConfig:
