@@ -52,7 +52,8 @@ def test_tree_rollouts_train_log_their_figures_and_clean_up(tmp_path: Path, sear
     assert [r["policy_version"] for r in rows] == [1, 2]
     for r in rows:
         assert r["batch/staleness_max"] <= 1
-        # 2 trees a task, each branched once into 2 leaves (an episode that answers at turn 1 is a leaf)
+        # 2 trees a task, each of 2 leaves (one that answers at turn 1 is sampled again); fewer where one
+        # fails
         assert 2 <= r["tree/leaves_per_task"] <= 4 and 1 <= r["tree/leaves_per_tree"] <= 2
         assert 0 < r["tree/generated_tokens"] <= r["tree/leaf_model_tokens"]
         assert r["tree/shared_prefix_tokens"] >= 0
