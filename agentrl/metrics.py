@@ -173,10 +173,10 @@ def _start_wandb(cfg: WandbConfig, out_dir: Path, run_config: dict[str, Any] | N
 # The keys of a metrics row that depend on wall-clock time: durations, rates, latencies and idle shares; the
 # engines' batching counters and the prefix-cache hits the rollout reads from them (which prefixes are still
 # cached when a turn comes depends on what else ran meanwhile); the rollout loop's and the retrieval
-# servers' work. Two deterministic runs of one config agree on everything else
-# (docs/design/deterministic-mode.md).
+# servers' work; GPU memory peaks (the caching allocator's history). Two deterministic runs of one config
+# agree on everything else (docs/design/deterministic-mode.md).
 TIMING_KEYS = re.compile(
-    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|^engine/|^engine_"
+    r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|_mem_gb$|^engine/|^engine_"
     r"|^rollout/(shard\d+/)?(loop_|cached_input_tokens$|prefix_cache_hit_rate$)|^retrieval/(?!workers$)"
 )
 

@@ -332,11 +332,10 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
     one-slot KV cache: a device-side assert): two runs at once on one GPU end with the same bytes in every
     weight and the same metrics, timings apart."""
     import json
-    import re
     import subprocess
     import sys
 
-    from agentrl.metrics import read_metrics
+    from agentrl.metrics import read_metrics, without_timings
     from agentrl.testing.configs import TINY_SEARCH_R1
 
     root = Path(__file__).resolve().parent.parent
@@ -360,20 +359,14 @@ def test_two_deterministic_gpu_runs_at_once_are_bit_identical(tmp_path: Path) ->
         rc = proc.wait(timeout=900)
         log.close()
         assert rc == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
-    # timings, and the engine's batching counters (decode steps and rows, prefill and cached tokens): how
+    # timings, the engine's batching counters and the prefix-cache hits read from them, memory peaks: how
     # requests were batched may vary with timing, what they produced may not
-    timing = re.compile(
-        r"^time$|^time/|_s$|_seconds$|per_s$|latency|idle_frac|mem_gb|^engine/|^engine_"
-        r"|^rollout/(shard\d+/)?loop_|^retrieval/(?!workers$)"
-    )
     runs = []
     for name in ("a", "b"):
         out = tmp_path / name
         ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "rank_00000.pt"
         weights = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
-        rows = [
-            {k: v for k, v in r.items() if not timing.search(k)} for r in read_metrics(out / "metrics.jsonl")
-        ]
+        rows = [without_timings(r) for r in read_metrics(out / "metrics.jsonl")]
         runs.append((weights, rows))
     (wa, ma), (wb, mb) = runs
     tensors = [k for k, v in wa.items() if isinstance(v, torch.Tensor)]
