@@ -64,7 +64,8 @@ class TreePosition:
 
     ``branch_offsets[d]`` is the ``response_ids`` offset at which branch point ``d`` forked the episode:
     ``response_ids[:branch_offsets[d]]`` is shared, id for id, with every leaf whose ``path`` starts with
-    ``path[:d]``; ``branch_turns[d]`` is the model turn (1-based) after which it forked.
+    ``path[:d]``; ``branch_turns[d]`` is the model turn (1-based) after which it forked, 0 for the
+    prompt (a tree whose root ended early and was sampled again from there).
     """
 
     tree_id: str  # one tree per group member: "<group id>/<sample index>"
