@@ -94,8 +94,16 @@ async def test_200_faulty_runs_leave_nothing_behind(backend):
     faults = _faults(marker)
     rng = random.Random(0)
     kinds = [rng.choice(list(faults)) for _ in range(N_RUNS)]
+    # the process backend on uids of its own, so that the leak check below sees only this test's runs
+    uids = {"uid_base": 64000, "uid_count": 8} if backend == "process" else {}
     sb = make_backend(
-        backend, pool_size=4, max_containers=8, max_concurrency=8, memory_mb=256, max_output_bytes=10_000
+        backend,
+        pool_size=4,
+        max_containers=8,
+        max_concurrency=8,
+        memory_mb=256,
+        max_output_bytes=10_000,
+        **uids,
     )
     counts = {"cancelled": 0, "ok": 0, "external_kill": 0}
     dirs_before = {p for p in os.listdir("/tmp") if p.startswith("agentrl-sbx-")}
