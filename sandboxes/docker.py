@@ -123,8 +123,10 @@ def reap_containers(client: Any = None, *, session: str | None = None, dead_owne
     client = client or docker.from_env(timeout=30)
     removed = 0
     try:
-        for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"}):
-            labels = c.labels or {}
+        # sparse: the listing's own labels, no inspect per container, so one that another process removes
+        # meanwhile (its owner closing its sandbox) is no error
+        for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"}, sparse=True):
+            labels = c.attrs.get("Labels") or {}
             mine = session is not None and labels.get(LABEL_SESSION) == session
             orphan = dead_owners and not _owner_alive(labels.get(LABEL_OWNER, ""))
             if mine or orphan:

@@ -12,10 +12,17 @@ import time
 import uuid
 
 import pytest
-from sandbox_fixtures import BACKENDS, make_backend
+from sandbox_fixtures import BACKENDS, IMAGE, make_backend
 
 from agentrl.sandboxes import SandboxError
-from agentrl.sandboxes.docker import LABEL, SESSION_ID, reap_containers
+from agentrl.sandboxes.docker import (
+    LABEL,
+    LABEL_OWNER,
+    LABEL_SESSION,
+    SESSION_ID,
+    _owner_tag,
+    reap_containers,
+)
 
 pytestmark = pytest.mark.timeout(300)
 N_RUNS = 200
@@ -203,6 +210,41 @@ async def test_reaper_removes_containers_of_dead_owners():
     removed = await asyncio.to_thread(reap_containers)
     assert removed >= 2
     assert left() == []
+
+
+@pytest.mark.docker
+def test_a_container_removed_while_the_reaper_lists_them_is_no_error():
+    """Another process closes its sandbox (its containers removed) while a reaper lists the host's
+    containers: the reaper goes on and removes the dead owner's container all the same."""
+    import docker
+
+    make_backend("docker")
+    client = docker.from_env(timeout=30)
+    made = []
+    try:
+        for owner in (_owner_tag(), "{host}:999999999:0"):
+            labels = {LABEL: "1", LABEL_OWNER: owner.format(host=os.uname().nodename), LABEL_SESSION: "other"}
+            made.append(client.containers.create(IMAGE, "true", labels=labels))
+        live, dead = made
+        listing = client.api.containers
+
+        def listing_then_removal(*args, **kwargs):
+            out = listing(*args, **kwargs)
+            live.remove(force=True)  # gone between the listing and whatever the reaper reads per container
+            return out
+
+        client.api.containers = listing_then_removal
+        removed = reap_containers(client)
+        client.api.containers = listing
+        left = {c.id for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"})}
+    finally:
+        for c in made:
+            try:
+                c.remove(force=True)
+            except docker.errors.NotFound:
+                pass
+        client.close()
+    assert removed >= 1 and dead.id not in left
 
 
 @pytest.mark.docker
