@@ -170,6 +170,19 @@ def _start_wandb(cfg: WandbConfig, out_dir: Path, run_config: dict[str, Any] | N
     )
 
 
+# A speculating embedded engine's counters (agentrl.embedded.speculative), in its stats and summed over
+# engines into engine/...: verify steps, the rows they ran, drafted / accepted / emitted tokens, and the
+# decode steps the speculation gate chose not to verify drafts at.
+SPEC_COUNTERS = (
+    "spec_verify_steps",
+    "spec_verify_rows",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_emitted_tokens",
+    "spec_skipped_steps",
+)
+
+
 # The keys of a metrics row that depend on wall-clock time: durations, rates, latencies and idle shares; the
 # engines' batching counters and the prefix-cache hits the rollout reads from them (which prefixes are still
 # cached when a turn comes depends on what else ran meanwhile); the rollout loop's and the retrieval
@@ -327,11 +340,7 @@ async def engine_metrics(client: Any) -> dict[str, float]:
         "slot_copies",
         # speculative decoding (agentrl.embedded.speculative): its verify steps and their tokens
         "verify_busy_s",
-        "spec_verify_steps",
-        "spec_verify_rows",
-        "spec_draft_tokens",
-        "spec_accepted_tokens",
-        "spec_skipped_steps",
+        *SPEC_COUNTERS,
     )
     for key in counters:
         vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]

@@ -72,7 +72,7 @@ import torch
 from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
-from agentrl.metrics import engine_metrics
+from agentrl.metrics import SPEC_COUNTERS, engine_metrics
 from agentrl.models.tiny import FULL_SHAPES, build_tiny_model, shape_config
 
 SHAPES = ("tiny", *FULL_SHAPES)
@@ -175,15 +175,6 @@ ENGINE_COUNTERS = (
     "decode_steps",
     "decode_rows",
     "prefill_steps",
-)
-
-
-SPEC_COUNTERS = (
-    "spec_verify_steps",
-    "spec_verify_rows",
-    "spec_skipped_steps",
-    "spec_draft_tokens",
-    "spec_accepted_tokens",
 )
 
 

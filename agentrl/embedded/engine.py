@@ -53,6 +53,7 @@ from agentrl.embedded.sleep import SleepWake
 from agentrl.embedded.speculative import SpeculativeConfig
 from agentrl.embedded.weight_updates import WeightUpdates
 from agentrl.embedded.weights import pack_parameters
+from agentrl.metrics import SPEC_COUNTERS
 
 log = logging.getLogger("agentrl.engine")
 
@@ -134,17 +135,8 @@ class EmbeddedEngine(AdapterEndpoints):
         if quantization is not None:  # seconds the last quantization of the weights took (load or update)
             self.stats["quantize_s"] = self._quantize_s
         if speculative is not None:
-            # verify steps, the rows they ran, drafted / accepted / emitted tokens, and the decode steps the
-            # speculation gate chose not to verify drafts at
-            for key in (
-                "verify_steps",
-                "verify_rows",
-                "draft_tokens",
-                "accepted_tokens",
-                "emitted_tokens",
-                "skipped_steps",
-            ):
-                self.stats[f"spec_{key}"] = 0
+            for key in SPEC_COUNTERS:
+                self.stats[key] = 0
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
