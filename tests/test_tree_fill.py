@@ -44,11 +44,13 @@ class ScriptEnv(Env):
     """Three turns; an action with END ends the episode at once, one with FAIL raises. Reward: the action
     text's length is odd. Forks by copy. ``fail_fork``: "second" fails the second fork taken at one step
     (a branch point's spare when k = 2), "unstepped" fails the fork of a fork that has not stepped yet (a
-    re-sample from a spare). Every instance is kept, to check that all were closed."""
+    re-sample from a spare). ``hold_close``: (gate, closing): an env that never stepped (a spare) sets
+    closing and closes once gate is set. Every instance is kept, to check that all were closed."""
 
     scores_itself = True
     made: list[ScriptEnv] = []
     fail_fork: str | None = None
+    hold_close: tuple[asyncio.Event, asyncio.Event] | None = None
 
     def __init__(self) -> None:
         self.steps = 0
@@ -82,6 +84,10 @@ class ScriptEnv(Env):
         return child
 
     async def close(self) -> None:
+        if ScriptEnv.hold_close is not None and self.unstepped:  # a spare: held until the test lets it go
+            gate, closing = ScriptEnv.hold_close
+            closing.set()
+            await gate.wait()
         self.closed = True
 
 
@@ -163,7 +169,7 @@ async def grow(
 
 @pytest.fixture(autouse=True)
 def fresh_envs() -> Any:
-    ScriptEnv.made, ScriptEnv.fail_fork = [], None
+    ScriptEnv.made, ScriptEnv.fail_fork, ScriptEnv.hold_close = [], None, None
     yield
     assert all(env.closed for env in ScriptEnv.made), "an env was left open"
 
@@ -318,6 +324,21 @@ async def test_cancelling_a_refilling_tree_closes_every_env(tok):
     await asyncio.wait_for(engine.held.wait(), 10)
     assert any(not env.closed for env in ScriptEnv.made)  # the spare and the re-sample are open
     task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_tree_cancelled_while_it_closes_its_spare_is_cancelled(tok):
+    # every branch done, the root's branch point closes its spare; a cancellation then waits for the close
+    # and is not lost: the tree ends cancelled, not with its leaves
+    gate, closing = asyncio.Event(), asyncio.Event()
+    ScriptEnv.hold_close = (gate, closing)
+    task = asyncio.ensure_future(grow(tok, config([1, 2], 2), ScriptEngine(tok, {})))
+    await asyncio.wait_for(closing.wait(), 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # the spare's close goes on
+    gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
 

@@ -211,7 +211,7 @@ class TreeRunner:
     ) -> None:
         """Stop ``tasks`` (cancel those not being cancelled yet, wait for all) and close the envs of ``eps``
         (a branch cancelled before it started never ran to close its own), to the end even when cancelled
-        again meanwhile: it runs on the way out of an error, which is raised after it anyway."""
+        meanwhile; such a cancellation is raised once it is done."""
 
         async def clean_up() -> None:
             for t in tasks:
@@ -223,11 +223,14 @@ class TreeRunner:
                     await self.episodes.close(ep, m)
 
         job = asyncio.ensure_future(clean_up())
+        cancelled = False
         while not job.done():
             try:
                 await asyncio.shield(job)
             except asyncio.CancelledError:
-                continue
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _fork(self, ep: LiveEpisode, j: int | None, m: RolloutMetrics) -> LiveEpisode:
         """Child ``j`` of ``ep`` at its branch point: a fork of its env, a copy of its trajectory. ``j`` None:
