@@ -245,7 +245,7 @@ class DockerSandbox(Sandbox):
         import docker
 
         for c in self._client.containers.list(
-            all=True, filters={"label": f"{LABEL_SANDBOX}={self.instance_id}"}
+            all=True, filters={"label": f"{LABEL_SANDBOX}={self.instance_id}"}, sparse=True
         ):
             try:
                 c.remove(force=True)
