@@ -372,6 +372,12 @@ class RunConfig(ConfigModel):
             )
         if self.deterministic and t.lora is not None:
             raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
+        if self.deterministic and _sglang_speculates(self):
+            raise ValueError(
+                "engine.sglang.extra_args: speculative-algorithm with deterministic: SGLang's verify step "
+                "does not repeat tokens (its draws ignore sampling_seed; greedy flips with the draft's "
+                "shapes); use the embedded engine's engine.speculative, which changes no token"
+            )
         if t.lora is not None:
             _check_lora(self)
         exact_forward = self.exactness.trainer_kernels(on_gpu=t.device == "cuda").exact_logprobs
@@ -441,6 +447,13 @@ def _engine_on_gpu(cfg: RunConfig) -> bool:
 
 def _trainer_on_gpu(cfg: RunConfig) -> bool:
     return cfg.trainer.device.startswith("cuda")
+
+
+def _sglang_speculates(cfg: RunConfig) -> bool:
+    """Whether the run's SGLang servers get ``--speculative-algorithm`` (``engine.sglang.extra_args``)."""
+    e = cfg.engine
+    extra = e.sglang.extra_args if e.backend == "sglang" and e.sglang else {}
+    return any(str(k).lstrip("-").replace("_", "-") == "speculative-algorithm" for k in extra)
 
 
 def _engine_tp(cfg: RunConfig) -> int:

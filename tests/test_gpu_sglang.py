@@ -14,6 +14,8 @@ tests/test_gpu_sglang.py``; SGLang from ``scripts/gpu_setup.sh --sglang`` or the
   and the server on GPU 1 when there are two GPUs, gloo on one GPU.
 * fp8 (``quantization: fp8``, which the launcher pairs with ``--load-format flash_rl``): bf16 weights pushed
   with agentrl's tensor sync are quantized again, so the served logprobs follow the new weights.
+* NGRAM speculative decoding (no draft model): drafts accepted, the emitted tokens' logprobs the served
+  model's raw ones, and the colocated tensor sync works with it on.
 * LoRA (``lora``: ``--enable-lora`` and its room): an agentrl LoRA trainer syncs its adapters twice
   (``agentrl-v1``, ``agentrl-v2``, each loaded from the request, the previous one unloaded); a client that
   looks the adapter up as the rollout's does serves the adapted model (a float32 forward of base + adapter);
@@ -358,6 +360,68 @@ async def test_fp8_update_is_quantized_again(models: tuple[Path, Path], tmp_path
     # B's fp8 error is of the size of A's (2x and 0.05 nats of room for two sets of sampled tokens)
     assert statistics.mean(under_new) < 2 * statistics.mean(before) + 0.05
     assert statistics.mean(under_old) > 4 * statistics.mean(under_new)  # B's, not A's (nor a mix)
+
+
+@pytest.mark.xdist_group("sglang_ngram")  # its own server: a worker of its own may run it meanwhile
+async def test_ngram_speculation_keeps_target_logprobs_across_an_update(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """SGLang's own speculative decoding without a draft model (``--speculative-algorithm NGRAM``, passed
+    through ``engine.sglang.extra_args``; docs/guide/speculative-decoding.md). On a prompt that repeats
+    itself, asked twice (the second time its n-gram cache holds the first answer), drafts are accepted
+    (fewer verify steps than tokens); every emitted token's logprob is the served model's raw one (a
+    float32 forward at temperature 1, not at the sampling temperature), greedy and sampled; and a push of
+    B's weights with agentrl's tensor sync (the colocated path, ``/update_weights_from_tensor``) succeeds
+    with speculation on, after which the server answers as B."""
+    log = tmp_path / "sglang_ngram.log"
+    cfg = SGLangConfig(
+        model_path=str(models[0]),
+        port=0,
+        mem_fraction_static=0.2,
+        extra_args={
+            "cuda-graph-max-bs": 8,
+            "speculative-algorithm": "NGRAM",
+            "speculative-num-draft-tokens": 4,
+        },
+        startup_timeout=900,
+        log_file=str(log),
+    )
+    prompt = ids(16, seed=9) * 4
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    hot = SamplingParams(temperature=0.7, max_new_tokens=48, ignore_eos=True, sampling_seed=3)
+    with SGLangLauncher(cfg) as launcher:
+        async with EngineClient(launcher.url, timeout=300) as client:
+            info = (await client.server_info())[0]
+            first = await client.generate(prompt, greedy)
+            again = await client.generate(prompt, greedy)
+            sampled = await client.generate(prompt, hot)
+            await push_tensors(client, hf_weights(models[1]), weight_version=1)
+            after = await client.generate(prompt, hot)
+    raw = {
+        name: statistics.mean(
+            gaps(out.logprobs, reference_logprobs(models[0], prompt + out.output_ids, len(prompt)))
+        )
+        for name, out in (("greedy", first), ("greedy again", again), ("sampled", sampled))
+    }
+    scaled = statistics.mean(
+        gaps(sampled.logprobs, reference_logprobs(models[0], prompt + sampled.output_ids, len(prompt), 0.7))
+    )
+    seq = prompt + after.output_ids
+    under_new = statistics.mean(gaps(after.logprobs, reference_logprobs(models[1], seq, len(prompt))))
+    under_old = statistics.mean(gaps(after.logprobs, reference_logprobs(models[0], seq, len(prompt))))
+    verify = {name: out.meta.get("spec_verify_ct") for name, out in (("first", first), ("again", again))}
+    print(
+        f"NGRAM: server speculative_algorithm={info.get('speculative_algorithm')}; verify steps for 48 "
+        f"tokens {verify}; same greedy tokens twice: {first.output_ids == again.output_ids}; |d logp| to "
+        f"A raw {raw}, sampled to A at temperature 0.7 {scaled:.4f}; after the push to B "
+        f"{under_new:.4f}, to A {under_old:.4f}; meta keys {sorted(again.meta)}"
+    )
+    assert str(info.get("speculative_algorithm")).upper() == "NGRAM", info.get("speculative_algorithm")
+    assert verify["again"] is not None and 0 < verify["again"] < len(again.output_ids), verify
+    assert all(v < 0.15 for v in raw.values()), raw  # bf16 against float32, the raw distribution
+    assert scaled > 2 * raw["sampled"]  # not the temperature-scaled logprobs
+    assert after.weight_version == "1"
+    assert under_new < 0.15 and under_old > 4 * under_new  # B's, not A's (nor a mix)
 
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

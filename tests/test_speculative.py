@@ -166,6 +166,22 @@ def test_the_switch_reaches_the_embedded_server() -> None:
     assert " --speculative-algorithm NGRAM --speculative-num-draft-tokens 8" in " ".join(argv)
 
 
+def test_deterministic_refuses_sglang_speculation() -> None:
+    """SGLang's verify step repeats no tokens (greedy flips with the draft's shapes, measured on a GPU), so
+    a deterministic run with ``--speculative-algorithm`` in engine.sglang.extra_args is refused at load,
+    naming the field; without deterministic it loads."""
+    from agentrl.config import ConfigError
+    from agentrl.recipe import load_run_config
+
+    run = ["model_path=/m", "data.path=/d", "env.name=math", "engine.backend=sglang"]
+    for key in ("speculative-algorithm", "speculative_algorithm", "--speculative-algorithm"):
+        spec = f"engine.sglang={{extra_args: {{{key}: NGRAM}}}}"
+        with pytest.raises(ConfigError, match=r"engine\.sglang\.extra_args: speculative-algorithm"):
+            load_run_config(None, [*run, spec, "deterministic=true"])
+        assert load_run_config(None, [*run, spec]).engine.sglang.extra_args == {key: "NGRAM"}
+    load_run_config(None, [*run, "engine.sglang={extra_args: {cuda-graph-max-bs: 8}}", "deterministic=true"])
+
+
 # ----------------------------------------------------------------------------------- the engine
 async def _run(engine: EmbeddedEngine, params: list[RequestSampling], tag: str) -> list:
     prompts = _prompts()
