@@ -101,8 +101,9 @@ async def test_200_faulty_runs_leave_nothing_behind(backend):
     faults = _faults(marker)
     rng = random.Random(0)
     kinds = [rng.choice(list(faults)) for _ in range(N_RUNS)]
-    # the process backend on uids of its own, so that the leak check below sees only this test's runs
-    uids = {"uid_base": 64000, "uid_count": 8} if backend == "process" else {}
+    # the process backend on uids of its own, below the default range (uid_base 61000, 4096 uids) that other
+    # sandboxes of the host lease from, so that the leak check below sees only this test's runs
+    uids = {"uid_base": 60000, "uid_count": 8} if backend == "process" else {}
     sb = make_backend(
         backend,
         pool_size=4,

@@ -21,9 +21,10 @@ pytestmark = [
 ]
 
 SLEEP_THEN_UID = "import os, time; time.sleep({s}); print(os.getuid())"
-# the sandboxes here lease from a lock dir of their own (lock_dir), so they take uids no other sandbox of the
-# host leases: another test process's sandboxes share the default range through the host's lock dir
-UID_BASE = 63000
+# the sandboxes here lease from a lock dir of their own (lock_dir), so they must take uids no other sandbox of
+# the host leases: below the default range (uid_base 61000, 4096 uids), which another test process's sandboxes
+# lease through the host's lock dir (a lease there kills leftovers of its uid: a run here on it would die)
+UID_BASE, UID_COUNT = 59000, 64
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def lock_dir(tmp_path, monkeypatch):
 async def test_concurrent_sandboxes_do_not_kill_each_other(lock_dir) -> None:
     # eight separate instances, as when every tool call opens its own sandbox; short runs end while the
     # long ones still sleep, and their end must not kill them
-    boxes = [ProcessSandbox(uid_base=UID_BASE, uid_count=64) for _ in range(8)]
+    boxes = [ProcessSandbox(uid_base=UID_BASE, uid_count=UID_COUNT) for _ in range(8)]
     try:
         runs = [
             box.run(SLEEP_THEN_UID.format(s=0.2 if i % 2 else 1.5), timeout=30) for i, box in enumerate(boxes)
@@ -46,7 +47,7 @@ async def test_concurrent_sandboxes_do_not_kill_each_other(lock_dir) -> None:
         await asyncio.gather(*(box.close() for box in boxes))
     assert all(r.exit_code == 0 and r.killed_reason is None for r in results), results
     uids = [int(r.stdout) for r in results]
-    assert len(set(uids)) == 8 and all(UID_BASE <= u < UID_BASE + 64 for u in uids), uids
+    assert len(set(uids)) == 8 and all(UID_BASE <= u < UID_BASE + UID_COUNT for u in uids), uids
 
 
 async def test_uid_leases_are_exclusive_across_processes(lock_dir) -> None:
@@ -96,13 +97,13 @@ def test_a_lease_is_held_until_released_and_reused_after(lock_dir) -> None:
 
 
 async def test_a_run_the_sandbox_killed_is_an_error_result(lock_dir) -> None:
-    async with ProcessSandbox(uid_base=UID_BASE, memory_mb=128) as box:
+    async with ProcessSandbox(uid_base=UID_BASE, uid_count=UID_COUNT, memory_mb=128) as box:
         tool = python_tool(box, timeout=1.0)
         slow = await tool.invoke({"code": "import time; time.sleep(30)"})
         fine = await tool.invoke({"code": "raise SystemExit(3)"})
     assert slow.is_error and "SandboxRunKilled" in slow.content and "timeout" in slow.content
     assert not fine.is_error and "[exit code 3]" in fine.content
-    async with ProcessSandbox(uid_base=UID_BASE) as box:
+    async with ProcessSandbox(uid_base=UID_BASE, uid_count=UID_COUNT) as box:
         stopped = await box.run("import time; time.sleep(5)", timeout=0.5)
     with pytest.raises(SandboxRunKilled):
         stopped.text_or_raise()
