@@ -459,7 +459,7 @@ def test_first_action_calibration_sets_the_search_probability(practice_setup):
 
     _, model_dir, tok, rows = practice_setup
     prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
-    train, held_out = prompts[:80], prompts[80:]
+    train, held_out = rows[:80], prompts[80:]
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     cfg = SFTConfig(think=False, search_prob=0.3, calibration_steps=80, calibration_lr=1e-2)
     stats = calibrate_first_action(model, tok, train, cfg)
@@ -471,6 +471,36 @@ def test_first_action_calibration_sets_the_search_probability(practice_setup):
             probs = model(input_ids=torch.tensor([p])).logits[0, -1].softmax(-1)
             assert abs(probs[s_id].item() - 0.3) < 0.08 and abs(probs[a_id].item() - 0.7) < 0.08
             assert probs.argmax().item() == a_id  # greedy answers without searching
+
+
+def test_calibration_keep_holds_the_rest_of_the_warm_start(practice_setup):
+    """With ``calibration_keep`` the calibration also takes the SFT loss on the demonstrations' tokens after
+    the first action: the first action still moves to ``search_prob``, and the loss on the rest ends lower
+    than a calibration of the first action alone leaves it."""
+    import torch
+    import transformers
+
+    from agentrl.examples.search_r1.bootstrap import SFTConfig, _kept_loss, calibrate_first_action
+
+    _, model_dir, tok, rows = practice_setup
+    train, held_out = rows[:80], rows[80:]
+    after = {}
+    for keep in (0.0, 1.0):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        cfg = SFTConfig(
+            think=False,
+            search_prob=0.3,
+            calibration_steps=80,
+            calibration_lr=1e-2,
+            calibration_keep=keep,
+            batch_size=8,
+        )
+        stats = calibrate_first_action(model, tok, train, cfg)
+        assert abs(stats["sft/search_prob"] - 0.3) < 0.05
+        model.eval()
+        with torch.no_grad():
+            after[keep] = _kept_loss(model, held_out, tok.pad_token_id or 0, "cpu").item()
+    assert after[1.0] < after[0.0] - 0.1, after
 
 
 def test_search_prob_needs_think_off():

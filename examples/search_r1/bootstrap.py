@@ -110,6 +110,13 @@ class SFTConfig(ConfigModel):
     )
     calibration_steps: int = Field(100, ge=1, description="optimizer steps of that calibration")
     calibration_lr: float = Field(1e-3, gt=0, description="Adam learning rate of that calibration")
+    calibration_keep: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the SFT loss on a batch of demonstrations (their tokens after the first "
+        "action) in every calibration step: it holds how the model searches, reads and copies where the "
+        "SFT left it while the first action moves; 0: the first action's loss alone",
+    )
     micro_batches: int = Field(
         2, ge=1, description="each batch is sorted by length and run in this many chunks (less padding)"
     )
@@ -278,8 +285,7 @@ def sft(
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     stats = train_rows(model, rows, loop, pad, lambda line: log(f"bootstrap: {line}"))
     if cfg.search_prob is not None:
-        prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
-        stats.update(calibrate_first_action(model, tok, prompts, cfg))
+        stats.update(calibrate_first_action(model, tok, rows, cfg))
         log(f"bootstrap: first action calibrated: <search> with p = {stats['sft/search_prob']:.2f}")
     save_model(model, tok, model_dir, out_dir)
     if str(cfg.device).startswith("cuda"):  # hand the GPU memory back: the engine and trainer start next
@@ -290,7 +296,7 @@ def sft(
 
 
 def calibrate_first_action(
-    model: Any, tokenizer: Any, prompts: list[list[int]], cfg: SFTConfig, batch_size: int = 32
+    model: Any, tokenizer: Any, rows: list[dict[str, list[int]]], cfg: SFTConfig, batch_size: int = 32
 ) -> dict[str, float]:
     """Make the model open its response with ``<search>`` with probability ``cfg.search_prob``, else
     ``<answer>``.
@@ -301,6 +307,11 @@ def calibrate_first_action(
     sampling at temperature 1 still searches with probability about ``p``: the reluctant searcher that
     Search-R1's RL turns into one that searches. Returns the mean ``P(<search>)`` it ends with (measured on
     the last batches).
+
+    With ``cfg.calibration_keep`` above 0 each step also takes the SFT loss (loss-masked cross-entropy) on
+    ``cfg.batch_size`` demonstrations, their first action's token left out, times that weight: the first
+    action's loss alone, through weights every position shares, also moves what comes after it (how the
+    model reads passages and copies a name out of them); the kept loss holds that where the SFT left it.
     """
     import torch
 
@@ -316,6 +327,7 @@ def calibrate_first_action(
     target[ids["<search>"]] = cfg.search_prob
     target[ids["<answer>"]] = 1.0 - cfg.search_prob
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.calibration_lr)
     model.train()
@@ -331,11 +343,33 @@ def calibrate_first_action(
         logp = torch.log_softmax(logits, dim=-1)
         loss = -(target * logp).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
+        if cfg.calibration_keep:
+            loss = loss + cfg.calibration_keep * _kept_loss(model, rng.sample(rows, cfg.batch_size), pad, dev)
         loss.backward()
         opt.step()
         seen.append(logp[:, ids["<search>"]].exp().mean().item())
     tail = seen[-10:]
     return {"sft/search_prob": sum(tail) / len(tail)}
+
+
+def _kept_loss(model: Any, rows: list[dict[str, list[int]]], pad: int, dev: Any) -> Any:
+    """The SFT loss of ``rows`` (mean over their loss-masked tokens) without each row's first trained token,
+    the first action: what :func:`calibrate_first_action` keeps while it moves that token."""
+    import torch
+
+    from agentrl.sft import right_pad
+
+    masks = []
+    for r in rows:
+        mask = list(r["loss_mask"])
+        mask[mask.index(1)] = 0
+        masks.append(mask)
+    ids = right_pad([r["input_ids"] for r in rows], pad).to(dev)
+    attn = right_pad([[1] * len(r["input_ids"]) for r in rows], 0).to(dev)
+    mask = right_pad(masks, 0).float().to(dev)[:, 1:]
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
 def world_dir_of(cfg: BootstrapConfig) -> Path:
