@@ -9,8 +9,8 @@
 #
 #   AGENTRL_SKIP_SYSTEM_SETUP=1 ./scripts/test.sh    no apt, no dockerd, no image build: for a machine that
 #                                                   has them (or runs Docker elsewhere); only the pip install
-# Arguments go to pytest (./scripts/test.sh tests/test_buffer.py -x). AGENTRL_TEST_WORKERS=2 runs the
-# tests in two processes (pytest-xdist).
+# Arguments go to pytest (./scripts/test.sh tests/test_buffer.py -x). The tests run in two pytest-xdist
+# workers; AGENTRL_TEST_WORKERS=1 runs them in one process (AGENTRL_TEST_WORKERS=N in N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0 -e '.[test]'
@@ -49,9 +49,9 @@ elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
 else
     echo "test.sh: not root or no apt-get: Docker sandbox tests will be skipped (set AGENTRL_REQUIRE_DOCKER=1 to fail instead)"
 fi
-# one process; AGENTRL_TEST_WORKERS=N runs N pytest-xdist workers, and a module's tests that share a
-# module-scoped fixture stay on one worker (tests/conftest.py)
-workers=${AGENTRL_TEST_WORKERS:-1}
+# two pytest-xdist workers (AGENTRL_TEST_WORKERS=N for N, 1 for one process); a module's tests that share
+# a module-scoped fixture stay on one worker (tests/conftest.py)
+workers=${AGENTRL_TEST_WORKERS:-2}
 xdist=()
 if [ "$workers" -gt 1 ]; then
     xdist=(-n "$workers" --dist loadgroup)
