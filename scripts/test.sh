@@ -49,9 +49,9 @@ elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
 else
     echo "test.sh: not root or no apt-get: Docker sandbox tests will be skipped (set AGENTRL_REQUIRE_DOCKER=1 to fail instead)"
 fi
-# two pytest-xdist workers (AGENTRL_TEST_WORKERS=N for N, 1 for one process); a module's tests that share
-# a module-scoped fixture stay on one worker (tests/conftest.py)
-workers=${AGENTRL_TEST_WORKERS:-2}
+# two pytest-xdist workers (one on a 1-core machine; AGENTRL_TEST_WORKERS=N for N, 1 for one process); a
+# module's tests that share a module-scoped fixture stay on one worker (tests/conftest.py)
+workers=${AGENTRL_TEST_WORKERS:-$(($(nproc) < 2 ? 1 : 2))}
 xdist=()
 if [ "$workers" -gt 1 ]; then
     xdist=(-n "$workers" --dist loadgroup)
