@@ -449,11 +449,17 @@ def _trainer_on_gpu(cfg: RunConfig) -> bool:
     return cfg.trainer.device.startswith("cuda")
 
 
-def _sglang_speculates(cfg: RunConfig) -> bool:
-    """Whether the run's SGLang servers get ``--speculative-algorithm`` (``engine.sglang.extra_args``)."""
+def _sglang_flags(cfg: RunConfig) -> dict[str, Any]:
+    """The run's ``engine.sglang.extra_args`` keyed by flag name (``--dp_size`` and ``dp-size`` alike);
+    empty unless the run starts SGLang engines."""
     e = cfg.engine
     extra = e.sglang.extra_args if e.backend == "sglang" and e.sglang else {}
-    return any(str(k).lstrip("-").replace("_", "-") == "speculative-algorithm" for k in extra)
+    return {str(k).lstrip("-").replace("_", "-"): v for k, v in extra.items()}
+
+
+def _sglang_speculates(cfg: RunConfig) -> bool:
+    """Whether the run's SGLang servers get ``--speculative-algorithm`` (``engine.sglang.extra_args``)."""
+    return "speculative-algorithm" in _sglang_flags(cfg)
 
 
 def _engine_tp(cfg: RunConfig) -> int:
@@ -475,9 +481,7 @@ def _check_lora(cfg: RunConfig) -> None:
         )
     if e.backend != "sglang":
         return
-    extra = {
-        str(k).lstrip("-").replace("_", "-"): v for k, v in (e.sglang.extra_args if e.sglang else {}).items()
-    }
+    extra = _sglang_flags(cfg)
     for key in ("dp-size", "dp"):
         if int(extra.get(key) or 1) > 1:
             raise ValueError(
