@@ -241,6 +241,22 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
 
 
+def token_nll(model: Any, rows: list[Row], pad_id: int, device: Any) -> tuple[Any, Any, Any]:
+    """One forward of ``rows`` (right-padded): each token's negative log-likelihood given the ones before
+    it, ``[len(rows), longest - 1]``, with the rows' loss masks and attention masks over the same
+    positions (float, 0 at padding)."""
+    import torch
+
+    ids = right_pad([r["input_ids"] for r in rows], pad_id).to(device)
+    mask = right_pad([r["loss_mask"] for r in rows], 0).float().to(device)
+    attn = right_pad([[1] * len(r["input_ids"]) for r in rows], 0).to(device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(len(rows), -1)
+    return nll, mask[:, 1:], attn[:, 1:]
+
+
 def train_rows(
     model: Any, rows: list[Row], cfg: SFTConfig, pad_id: int, log: Callable[[str], Any] = print
 ) -> dict[str, float]:
@@ -267,19 +283,13 @@ def train_rows(
         loss_value = 0.0
         size = -(-len(batch) // cfg.micro_batches)
         for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):
-            ids = right_pad([r["input_ids"] for r in chunk], pad_id).to(cfg.device)
-            mask = right_pad([r["loss_mask"] for r in chunk], 0).float().to(cfg.device)
-            attn = right_pad([[1] * len(r["input_ids"]) for r in chunk], 0).to(cfg.device)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-            ).view(len(chunk), -1)
-            loss = (nll * mask[:, 1:]).sum() / max(1, n_model)
+            nll, mask, attn = token_nll(model, chunk, pad_id, cfg.device)
+            loss = (nll * mask).sum() / max(1, n_model)
             if cfg.lm_weight:
-                loss = loss + cfg.lm_weight * (nll * attn[:, 1:]).sum() / n_all
+                loss = loss + cfg.lm_weight * (nll * attn).sum() / n_all
             loss.backward()
             loss_value += loss.item()
-            del ids, mask, attn, logits, nll, loss  # the GPU memory of a long chunk, before the next one
+            del mask, attn, nll, loss  # the GPU memory of a long chunk, before the next one
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

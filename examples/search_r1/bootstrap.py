@@ -355,20 +355,14 @@ def calibrate_first_action(
 def _kept_loss(model: Any, rows: list[dict[str, list[int]]], pad: int, dev: Any) -> Any:
     """The SFT loss of ``rows`` (mean over their loss-masked tokens) without each row's first trained token,
     the first action: what :func:`calibrate_first_action` keeps while it moves that token."""
-    import torch
+    from agentrl.sft import token_nll
 
-    from agentrl.sft import right_pad
-
-    masks = []
+    kept = []
     for r in rows:
         mask = list(r["loss_mask"])
         mask[mask.index(1)] = 0
-        masks.append(mask)
-    ids = right_pad([r["input_ids"] for r in rows], pad).to(dev)
-    attn = right_pad([[1] * len(r["input_ids"]) for r in rows], 0).to(dev)
-    mask = right_pad(masks, 0).float().to(dev)[:, 1:]
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        kept.append({"input_ids": r["input_ids"], "loss_mask": mask})
+    nll, mask, _ = token_nll(model, kept, pad, dev)
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
