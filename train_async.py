@@ -38,7 +38,8 @@ from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_m
 from agentrl.node_watch import NodeLost, watch_nodes
 from agentrl.placement import Fleet, check_cluster, run_network
 from agentrl.recipe import describe_for_help, load_run_config, make_recipe, metric_label
-from agentrl.run_config import RunConfig, check_model_shape, check_names
+from agentrl.run_checks import check_model_shape, check_names
+from agentrl.run_config import RunConfig
 from agentrl.trainer.checkpoint import latest_checkpoint, load_rollout_state, save_rollout_state
 from agentrl.types import Trajectory
 

@@ -18,7 +18,7 @@ from agentrl.cluster import user_code_env
 from agentrl.config import ConfigError
 from agentrl.recipe import load_run_config
 from agentrl.registry import did_you_mean
-from agentrl.run_config import check_names
+from agentrl.run_checks import check_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "search_r1" / "config.yaml"

@@ -33,7 +33,7 @@ from agentrl.embedded.sampling import RequestSampling
 from agentrl.engine.launcher import SGLangConfig, SGLangLauncher
 from agentrl.models.decoder import experts_grouped, route, torch_linear
 from agentrl.recipe import load_run_config
-from agentrl.run_config import check_model_shape
+from agentrl.run_checks import check_model_shape
 
 GENERIC = ["model_path=/m", "data.path=/d", "env.name=math"]
 MOE = {"num_experts": 8, "num_experts_per_tok": 2}

@@ -94,7 +94,7 @@ def test_colocated_on_two_gpus_pairs_two_engines_with_two_ranks() -> None:
 def test_tp_must_divide_the_models_heads_before_anything_starts(tmp_path) -> None:
     import json
 
-    from agentrl.run_config import check_model_shape
+    from agentrl.run_checks import check_model_shape
 
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
     two = load_run_config(GPU_CONFIG, ["trainer.tp=2", "trainer_world_size=2", "engine.num_engines=2"])

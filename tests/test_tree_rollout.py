@@ -206,7 +206,7 @@ async def test_an_env_that_cannot_branch_is_refused_at_start(tok):
 def test_a_run_config_with_an_env_that_cannot_branch_fails_at_load():
     from agentrl.config import ConfigError
     from agentrl.recipe import load_run_config
-    from agentrl.run_config import check_names
+    from agentrl.run_checks import check_names
 
     demo = Path(__file__).resolve().parents[1] / "examples" / "search_r1" / "config.yaml"
     tree = "rollout.tree={branch_at: [1], k: 2}"
