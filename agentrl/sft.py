@@ -45,7 +45,9 @@ from agentrl.chat import ChatTemplateError, ChatTokenizer
 from agentrl.config import ConfigModel
 
 Message = dict[str, Any]
-Row = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}: one tokenized demonstration
+# {"input_ids": [...], "loss_mask": [...]}: one tokenized demonstration; loss_mask 1 trains a token, 0 not,
+# and a weight above 0 trains it with that weight
+Row = dict[str, list[Any]]
 
 _MARK = "\u2063AGENTRL_SFT_MARK\u2063"
 _USER: list[Message] = [{"role": "user", "content": "u"}]
@@ -260,8 +262,9 @@ def token_nll(model: Any, rows: list[Row], pad_id: int, device: Any) -> tuple[An
 def train_rows(
     model: Any, rows: list[Row], cfg: SFTConfig, pad_id: int, log: Callable[[str], Any] = print
 ) -> dict[str, float]:
-    """Train ``model`` (a transformers causal LM, in place) on ``rows``: cross-entropy on the loss_mask-1
-    tokens, normalised by their count in the batch, plus ``lm_weight`` times the mean loss on every token.
+    """Train ``model`` (a transformers causal LM, in place) on ``rows``: cross-entropy on the trained tokens
+    (loss_mask above 0, each weighted by its loss_mask value; 1 in every row a renderer makes), normalised by
+    their count in the batch, plus ``lm_weight`` times the mean loss on every token.
     Batches are drawn from reshuffled passes over the rows (seeded), sorted by length and run in
     ``micro_batches`` chunks (gradient accumulation of one normalised loss). Returns ``sft/...`` figures."""
     import torch
@@ -277,7 +280,7 @@ def train_rows(
             rng.shuffle(perm)
             order += perm
         batch = sorted((rows[order.pop()] for _ in range(cfg.batch_size)), key=lambda r: len(r["input_ids"]))
-        n_model = sum(sum(r["loss_mask"][1:]) for r in batch)
+        n_model = sum(sum(1 for m in r["loss_mask"][1:] if m) for r in batch)
         n_all = sum(len(r["input_ids"]) - 1 for r in batch)
         opt.zero_grad(set_to_none=True)
         loss_value = 0.0

@@ -451,6 +451,52 @@ def test_sft_micro_batches_give_the_same_update(practice_setup, tmp_path):
     assert torch.allclose(weights[0], weights[1], atol=1e-5)
 
 
+def test_answer_weight_weighs_the_answer_tokens_only(practice_setup):
+    """``sft.answer_weight``: the loss mask weighs the tokens between ``<answer>`` and ``</answer>`` 1 + w and
+    leaves every other token as it was; an SFT step's loss is normalised by the trained tokens' count, so the
+    weight adds w times the answer's share of the plain loss."""
+    import torch
+    import transformers
+
+    from agentrl.examples.search_r1.bootstrap import practice_rows
+    from agentrl.sft import SFTConfig as LoopConfig
+    from agentrl.sft import token_nll, train_rows
+
+    cfg, model_dir, tok, rows = practice_setup
+    heavy = practice_rows(
+        tok, cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"answer_weight": 4.0})})
+    )
+    assert [r["input_ids"] for r in heavy] == [r["input_ids"] for r in rows]
+    a_open, a_close = tok.convert_tokens_to_ids("<answer>"), tok.convert_tokens_to_ids("</answer>")
+
+    def answer_span(ids):  # the response's answer (the prompt names the tags too)
+        return len(ids) - 1 - ids[::-1].index(a_open), len(ids) - 1 - ids[::-1].index(a_close)
+
+    for plain, weighted in zip(rows, heavy, strict=True):
+        start, end = answer_span(plain["input_ids"])
+        inside = [5.0] * (end - start - 1)
+        assert weighted["loss_mask"] == plain["loss_mask"][: start + 1] + inside + plain["loss_mask"][end:]
+
+    # one step's loss, taken before the step: the plain loss plus w times the answer's share of it
+    batch, pad = rows[:8], tok.pad_token_id or 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        nll, mask, _ = token_nll(model, batch, pad, "cpu")
+    answers = torch.zeros_like(nll)
+    for i, r in enumerate(batch):
+        start, end = answer_span(r["input_ids"])
+        answers[i, start : end - 1] = 1.0  # the positions predicting the answer's words
+    plain_loss = (nll * mask).sum() / (mask > 0).sum()
+    answer_share = (nll * answers).sum() / (mask > 0).sum()
+    loop = LoopConfig(steps=1, batch_size=8, lm_weight=0.0, micro_batches=1)
+    losses = {}
+    for name, rows_ in (("plain", batch), ("heavy", heavy[:8])):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        losses[name] = train_rows(model, rows_, loop, pad, log=lambda *_: None)["sft/final_loss"]
+    assert losses["plain"] == pytest.approx(plain_loss.item(), rel=1e-5)
+    assert losses["heavy"] == pytest.approx((plain_loss + 4.0 * answer_share).item(), rel=1e-5)
+
+
 def test_first_action_calibration_sets_the_search_probability(practice_setup):
     import torch
     import transformers

@@ -131,6 +131,13 @@ class SFTConfig(ConfigModel):
         "format-only warm start that teaches the tags and when to search or answer, but gives no gradient "
         "toward what to answer (needs lm_weight: 0, which would train on every token)",
     )
+    answer_weight: float = Field(
+        0.0,
+        ge=0,
+        description="extra weight of the tokens inside <answer> in the SFT loss (each counts 1 + this): the "
+        "answer is the few tokens a demonstration copies out of the passages, and their gradient brings the "
+        "copy skill sooner",
+    )
     device: str = Field("cpu", description="where the SFT runs: cpu or cuda")
     seed: int = Field(0, description="data order and dropout seed")
 
@@ -196,10 +203,27 @@ def _model_pieces(text: str, first_search: bool, answer_loss: bool) -> list[tupl
     return [(text[: m.end(1)], True), (m.group(3), False), (text[m.start(4) :], True)]
 
 
+def _weigh_answers(ids: list[int], mask: list[float], tags: tuple[int, int], extra: float) -> list[float]:
+    """``mask`` with ``1 + extra`` on the trained tokens between an ``<answer>`` and its ``</answer>`` id."""
+    out, inside = [], False
+    for tok, m in zip(ids, mask, strict=True):
+        inside = inside and tok != tags[1]
+        out.append(m * (1.0 + extra) if inside else m)
+        inside = inside or tok == tags[0]
+    return out
+
+
 def demo_token_rows(
-    tokenizer: Any, tasks: list[dict[str, Any]], search_fn: Any, think: bool, answer_loss: bool = True
-) -> list[dict[str, list[int]]]:
-    """Gold demonstrations as (input_ids, loss_mask) rows, tokenized the way a rollout is built."""
+    tokenizer: Any,
+    tasks: list[dict[str, Any]],
+    search_fn: Any,
+    think: bool,
+    answer_loss: bool = True,
+    answer_weight: float = 0.0,
+) -> list[dict[str, list[Any]]]:
+    """Gold demonstrations as (input_ids, loss_mask) rows, tokenized the way a rollout is built; with
+    ``answer_weight`` the loss mask weighs the answer's tokens ``1 + answer_weight``."""
+    tags = (tokenizer.convert_tokens_to_ids("<answer>"), tokenizer.convert_tokens_to_ids("</answer>"))
     rows = []
     for task in tasks:
         demo = gold_demo(task, search_fn, think=think)
@@ -220,7 +244,8 @@ def demo_token_rows(
                 seg = tokenizer(piece, add_special_tokens=False)["input_ids"]
                 ids += seg
                 mask += [1 if trained else 0] * len(seg)
-        rows.append({"input_ids": ids, "loss_mask": mask})
+        weights = _weigh_answers(ids, mask, tags, answer_weight) if answer_weight else mask
+        rows.append({"input_ids": ids, "loss_mask": weights})
     return rows
 
 
@@ -263,6 +288,7 @@ def practice_rows(tokenizer: Any, cfg: BootstrapConfig) -> list[dict[str, list[i
                 index.search_fn(topk=cfg.topk),
                 cfg.sft.think,
                 cfg.sft.answer_loss,
+                cfg.sft.answer_weight,
             )
         finally:
             index.close()
