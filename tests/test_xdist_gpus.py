@@ -113,7 +113,8 @@ def record(name, need):
     gpus = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
     assert len(gpus) >= need, gpus
     worker = os.environ["PYTEST_XDIST_WORKER"]
-    line = {"test": name, "worker": worker, "gpus": gpus}
+    node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]  # "@group" at its end when grouped
+    line = {"test": name, "worker": worker, "gpus": gpus, "node": node}
     line |= {"tmp": os.environ["TMPDIR"], "ray": os.environ["RAY_TMPDIR"]}
     with open(os.environ["LAYOUT_LOG"], "a") as f:
         f.write(json.dumps(line) + "\\n")
@@ -174,7 +175,9 @@ def test_xdist_run_pins_workers_and_places_tests_by_their_gpus(tmp_path: Path) -
     assert all(r["gpus"] == layout[r["worker"]] for r in ran.values()), ran
     assert ran["two"]["worker"] == "gw0" and ran["two_or_one"]["worker"] == "gw0"
     assert len({ran[f"shared{i}"]["worker"] for i in range(4)}) == 1  # one module fixture, one worker
-    assert len({ran[f"single{i}"]["worker"] for i in range(6)}) > 1  # the rest spread over the workers
+    assert len({ran[f"shared{i}"]["node"].split("@")[1] for i in range(4)}) == 1  # as one group
+    # the rest stay ungrouped, free to spread over the workers (where they land is the scheduler's timing)
+    assert not any("@" in ran[f"single{i}"]["node"] for i in range(6)), ran
     for r in ran.values():  # a temp dir of the worker's own, not inside the controller's, and a Ray dir
         assert not Path(r["tmp"]).parent.name.startswith("pytest-agentrl-"), r
         assert Path(r["ray"]) == tmp_path / "suite_0123" / f"ray_{r['worker']}", r
