@@ -15,11 +15,13 @@ if TYPE_CHECKING:
 
 
 def engine_on_gpu(cfg: RunConfig) -> bool:
+    """Whether the run's engines take GPUs (SGLang always; the embedded engine on a cuda device)."""
     e = cfg.engine
     return e.backend == "sglang" or (e.backend == "embedded" and e.device.startswith("cuda"))
 
 
 def trainer_on_gpu(cfg: RunConfig) -> bool:
+    """Whether the trainer ranks run on GPUs."""
     return cfg.trainer.device.startswith("cuda")
 
 

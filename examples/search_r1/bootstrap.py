@@ -378,9 +378,10 @@ def calibrate_first_action(
     return {"sft/search_prob": sum(tail) / len(tail)}
 
 
-def _kept_loss(model: Any, rows: list[dict[str, list[int]]], pad: int, dev: Any) -> Any:
-    """The SFT loss of ``rows`` (mean over their loss-masked tokens) without each row's first trained token,
-    the first action: what :func:`calibrate_first_action` keeps while it moves that token."""
+def _kept_loss(model: Any, rows: list[dict[str, list[Any]]], pad: int, dev: Any) -> Any:
+    """The SFT loss of ``rows`` without each row's first trained token, the first action: what
+    :func:`calibrate_first_action` keeps while it moves that token. Normalised as the SFT normalises it
+    (:func:`agentrl.sft.train_rows`): weighted by the loss mask, over the trained tokens' count."""
     from agentrl.sft import token_nll
 
     kept = []
@@ -389,7 +390,7 @@ def _kept_loss(model: Any, rows: list[dict[str, list[int]]], pad: int, dev: Any)
         mask[mask.index(1)] = 0
         kept.append({"input_ids": r["input_ids"], "loss_mask": mask})
     nll, mask, _ = token_nll(model, kept, pad, dev)
-    return (nll * mask).sum() / mask.sum().clamp(min=1)
+    return (nll * mask).sum() / (mask > 0).sum().clamp(min=1)
 
 
 def world_dir_of(cfg: BootstrapConfig) -> Path:
