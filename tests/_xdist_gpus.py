@@ -1,10 +1,10 @@
 """pytest-xdist scheduling of the GPU suite over a machine's GPUs (scripts/gpu_test.sh).
 
-Each worker owns GPUs of its own (:func:`agentrl.testing.gpus.worker_gpus`: the first worker as many as
-the most a test needs, every other one a single GPU). A work unit is an ``xdist_group`` (``--dist
-loadgroup``), or one test; a unit whose tests need N > 1 GPUs carries ``~gpusN`` at the end of its group
-name (tests/conftest.py names it) and is only handed to a worker with that many. The first worker takes
-those first, then helps with the rest."""
+Each worker owns GPUs of its own (:func:`agentrl.testing.gpus.suite_phases`: one GPU each for the
+one-GPU tests, then as many as the multi-GPU tests need; on one GPU, one worker). A work unit is an
+``xdist_group`` (``--dist loadgroup``), or one test; a unit whose tests need N > 1 GPUs carries ``~gpusN``
+at the end of its group name (tests/conftest.py names it) and is only handed to a worker with that many.
+A worker holding more GPUs than others takes those first, then helps with the rest."""
 
 from __future__ import annotations
 

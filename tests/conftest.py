@@ -14,7 +14,8 @@ visible (``gpus(2, at_least=1)``: it wants two and runs its one-GPU variant on o
 scripts/gpu_test.sh (pytest-xdist, ``AGENTRL_TEST_GPUS``) each worker is pinned to GPUs of its own through
 ``CUDA_VISIBLE_DEVICES`` before anything touches CUDA, a module's tests that share a module-scoped fixture
 (a server, a converted model) stay on one worker, and the units that need N > 1 GPUs go to a worker that
-holds N (tests/_xdist_gpus.py). Every test process runs with SGLang's NCCL setting
+holds N (tests/_xdist_gpus.py); ``AGENTRL_TEST_PHASE`` (``one``/``many``) keeps the tests needing one GPU or
+those wanting more, for the script's two runs. Every test process runs with SGLang's NCCL setting
 (:data:`agentrl.weight_sync.SGLANG_PEER_ENV`): NCCL reads it once per process, at its first communicator, so
 a test that meets an SGLang server in a weight-update group cannot set it itself once an earlier test in
 the process has used NCCL.
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.testing.gpus import TEST_GPUS_ENV, gpus_of_worker, parse_layout
+from agentrl.testing.gpus import TEST_GPUS_ENV, TEST_PHASE_ENV, gpus_of_worker, parse_layout
 
 _LAYOUT = parse_layout(os.environ.get(TEST_GPUS_ENV, ""))  # each worker's GPUs (scripts/gpu_test.sh)
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
@@ -121,11 +122,26 @@ def _split_group(nodeid: str) -> tuple[str, str]:
     return (nodeid[:at], nodeid[at + 1 :]) if at > nodeid.rfind("]") else (nodeid, "")
 
 
+def _keep_phase(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``AGENTRL_TEST_PHASE`` (scripts/gpu_test.sh runs the suite in two phases): ``one`` keeps the
+    tests needing one GPU, ``many`` those wanting more; the others are deselected (the other run has them)."""
+    phase = os.environ.get(TEST_PHASE_ENV, "")
+    if phase not in ("one", "many"):
+        if phase:
+            raise pytest.UsageError(f"{TEST_PHASE_ENV}={phase!r}: expected one, many or nothing")
+        return
+    keep = [(_gpus_needed(i)[0] > 1) == (phase == "many") for i in items]
+    if not all(keep):
+        config.hook.pytest_deselected(items=[i for i, k in zip(items, keep, strict=True) if not k])
+        items[:] = [i for i, k in zip(items, keep, strict=True) if k]
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has put each test's xdist_group into its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup``: a module's tests that share a module-scoped fixture form one group (an
-    explicit ``xdist_group`` wins), and a group whose tests need N > 1 GPUs is named ``...~gpusN`` for the
-    scheduler (tests/_xdist_gpus.py)."""
+    """The tests of this run's phase (:func:`_keep_phase`); under ``--dist loadgroup``: a module's tests that
+    share a module-scoped fixture form one group (an explicit ``xdist_group`` wins), and a group whose tests
+    need N > 1 GPUs is named ``...~gpusN`` for the scheduler (tests/_xdist_gpus.py)."""
+    _keep_phase(config, items)
     if not _WORKER or not getattr(config.option, "loadgroup", False):  # a worker of --dist loadgroup
         return
     groups: dict[pytest.Item, str] = {}

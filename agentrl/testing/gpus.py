@@ -1,6 +1,6 @@
-"""The GPUs of the test processes: how scripts/gpu_test.sh lays its workers over a machine's GPUs
-(:func:`worker_gpus`), and a GPU of the test process named the way a child process it starts must name it
-(:func:`child_gpu_env`)."""
+"""The GPUs of the test processes: how scripts/gpu_test.sh lays its pytest runs and their workers over a
+machine's GPUs (:func:`suite_phases`, :func:`worker_gpus`), and a GPU of the test process named the way a
+child process it starts must name it (:func:`child_gpu_env`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,27 @@ def worker_gpus(gpus: list[str], largest: int = 2) -> list[list[str]]:
     return [list(gpus[:first]), *([g] for g in gpus[first:])]
 
 
+# the variable scripts/gpu_test.sh hands each of its pytest runs: which tests that run takes (``one``: those
+# needing one GPU; ``many``: those needing more; unset: all)
+TEST_PHASE_ENV = "AGENTRL_TEST_PHASE"
+
+
+def suite_phases(gpus: list[str], largest: int = 2) -> list[tuple[str, list[list[str]]]]:
+    """The pytest runs of the GPU suite on ``gpus`` and each run's worker GPUs, for tests needing up to
+    ``largest`` GPUs: ``(phase, layout)`` pairs, the phase being what :data:`TEST_PHASE_ENV` says.
+
+    With two or more GPUs and a test needing more than one: first the one-GPU tests with every GPU a
+    worker of its own, then the multi-GPU tests with workers of ``largest`` GPUs each (as many as fit; all
+    the GPUs if fewer), so that no GPU waits while a pair finishes the one-GPU work: ``["0", "1", "2", "3"]``
+    -> ``[("one", [["0"], ["1"], ["2"], ["3"]]), ("many", [["0", "1"], ["2", "3"]])]``.
+    Otherwise one run of everything: ``[("", worker_gpus(gpus, largest))]``."""
+    if len(gpus) < 2 or largest < 2:
+        return [("", worker_gpus(gpus, largest))] if gpus else []
+    width = min(largest, len(gpus))
+    pairs = [list(gpus[i : i + width]) for i in range(0, len(gpus) - width + 1, width)]
+    return [("one", [[g] for g in gpus]), ("many", pairs)]
+
+
 def format_layout(layout: list[list[str]]) -> str:
     """``[["0", "1"], ["2"]]`` -> ``"0,1;2"`` (the value of :data:`TEST_GPUS_ENV`)."""
     return ";".join(",".join(w) for w in layout)
@@ -64,8 +85,10 @@ def parse_gpu_list(value: str) -> list[str]:
     return [g.strip() for g in value.split(",") if g.strip()]
 
 
-# scripts/gpu_test.sh: python -m agentrl.testing.gpus GPU_LIST LARGEST -> the layout
+# scripts/gpu_test.sh: python -m agentrl.testing.gpus GPU_LIST LARGEST -> one line a pytest run,
+# "PHASE LAYOUT" (PHASE "-" for a run of every test)
 if __name__ == "__main__":
     import sys
 
-    print(format_layout(worker_gpus(parse_gpu_list(sys.argv[1]), int(sys.argv[2]))))
+    for phase, layout in suite_phases(parse_gpu_list(sys.argv[1]), int(sys.argv[2])):
+        print(phase or "-", format_layout(layout))
