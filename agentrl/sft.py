@@ -39,14 +39,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from agentrl.chat import ChatTemplateError, ChatTokenizer
 from agentrl.config import ConfigModel
 
 Message = dict[str, Any]
 # {"input_ids": [...], "loss_mask": [...]}: one tokenized demonstration; loss_mask 1 trains a token, 0 not,
-# and a weight above 0 trains it with that weight
+# and a weight above 0 trains it with that weight; an optional "probe_mask" (1/0) marks the tokens whose
+# next-token accuracy SFTConfig.hold_until_accuracy watches
 Row = dict[str, list[Any]]
 
 _MARK = "\u2063AGENTRL_SFT_MARK\u2063"
@@ -65,6 +66,21 @@ class SFTConfig(ConfigModel):
         "decay to 0 over the last decay_fraction of the steps)",
     )
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
+    hold_until_accuracy: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="wsd: where the decay would start, hold the peak rate on until the probe tokens' "
+        "next-token accuracy (the rows' probe_mask; greedy, on the training batches, over the last "
+        "probe_window steps) reaches this, then decay as usual: a skill that forms late gets the steps it "
+        "needs, at most max_steps_factor × steps in all; null: the fixed schedule",
+    )
+    max_steps_factor: float = Field(
+        1.5,
+        ge=1,
+        description="with hold_until_accuracy: the most steps, the decay included, as a multiple of steps",
+    )
+    probe_window: int = Field(50, ge=1, description="steps the probe accuracy is measured over")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     lm_weight: float = Field(
         0.0, ge=0, description="weight of a language-model loss on every token (0: assistant tokens only)"
@@ -74,6 +90,20 @@ class SFTConfig(ConfigModel):
     )
     device: str = Field("cpu", description="where the SFT runs: cpu or cuda")
     seed: int = Field(0, description="data order seed (and torch's)")
+
+    @model_validator(mode="after")
+    def _check_hold(self) -> SFTConfig:
+        check_hold(self)
+        return self
+
+
+def check_hold(cfg: Any) -> None:
+    """A ValueError naming the field when ``hold_until_accuracy`` cannot apply (shared with configs that
+    carry the same fields)."""
+    if cfg.hold_until_accuracy is None:
+        return
+    if cfg.schedule != "wsd":
+        raise ValueError("hold_until_accuracy holds wsd's peak rate: it needs schedule: wsd")
 
 
 # ---- demonstrations: conversations in, token rows out ---------------------------------------------------
@@ -232,14 +262,21 @@ def right_pad(seqs: list[list[int]], value: int) -> Any:
     return torch.tensor([list(x) + [value] * (n - len(x)) for x in seqs])
 
 
-def lr_at(step: int, cfg: SFTConfig) -> float:
-    """The learning rate of ``step``: a linear warm-up over 5% of the steps, then the schedule."""
+def decay_steps(cfg: SFTConfig) -> int:
+    """wsd: the steps of the decay (``decay_fraction`` of ``steps``)."""
+    return max(1, round(cfg.decay_fraction * cfg.steps))
+
+
+def lr_at(step: int, cfg: SFTConfig, decay_start: int | None = None) -> float:
+    """The learning rate of ``step``: a linear warm-up over 5% of the steps, then the schedule. wsd's
+    decay starts at ``decay_start`` (default: where it ends at ``steps``)."""
     warm = max(1, cfg.steps // 20)
     if step < warm:
         return cfg.lr * (step + 1) / warm
     if cfg.schedule == "wsd":
-        decay = max(1, round(cfg.decay_fraction * cfg.steps))
-        return cfg.lr * min(1.0, (cfg.steps - step) / decay)
+        decay = decay_steps(cfg)
+        start = cfg.steps - decay if decay_start is None else decay_start
+        return cfg.lr * min(1.0, (start + decay - step) / decay)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
 
 
@@ -247,6 +284,15 @@ def token_nll(model: Any, rows: list[Row], pad_id: int, device: Any) -> tuple[An
     """One forward of ``rows`` (right-padded): each token's negative log-likelihood given the ones before
     it, ``[len(rows), longest - 1]``, with the rows' loss masks and attention masks over the same
     positions (float, 0 at padding)."""
+    nll, mask, attn, _ = _token_scores(model, rows, pad_id, device, probe=False)
+    return nll, mask, attn
+
+
+def _token_scores(
+    model: Any, rows: list[Row], pad_id: int, device: Any, probe: bool
+) -> tuple[Any, Any, Any, tuple[float, float]]:
+    """:func:`token_nll`'s three, and with ``probe`` (probe tokens predicted right, probe tokens): the
+    greedy next-token hits on the tokens the rows' ``probe_mask`` marks ((0, 0) without)."""
     import torch
 
     ids = right_pad([r["input_ids"] for r in rows], pad_id).to(device)
@@ -256,7 +302,14 @@ def token_nll(model: Any, rows: list[Row], pad_id: int, device: Any) -> tuple[An
     nll = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
     ).view(len(rows), -1)
-    return nll, mask[:, 1:], attn[:, 1:]
+    hits = (0.0, 0.0)
+    if probe:
+        with torch.no_grad():
+            marked = right_pad([r.get("probe_mask") or [0] for r in rows], 0).float().to(device)
+            marked = torch.nn.functional.pad(marked, (0, ids.shape[1] - marked.shape[1]))[:, 1:]
+            right = (logits.argmax(-1) == ids[:, 1:]).float()
+            hits = ((right * marked).sum().item(), marked.sum().item())
+    return nll, mask[:, 1:], attn[:, 1:], hits
 
 
 def train_rows(
@@ -266,7 +319,9 @@ def train_rows(
     (loss_mask above 0, each weighted by its loss_mask value; 1 in every row a renderer makes), normalised by
     their count in the batch, plus ``lm_weight`` times the mean loss on every token.
     Batches are drawn from reshuffled passes over the rows (seeded), sorted by length and run in
-    ``micro_batches`` chunks (gradient accumulation of one normalised loss). Returns ``sft/...`` figures."""
+    ``micro_batches`` chunks (gradient accumulation of one normalised loss). With ``hold_until_accuracy``
+    the wsd decay starts once the probe tokens' accuracy reaches it (:class:`_HeldDecay`), so the step
+    count is the schedule's. Returns ``sft/...`` figures."""
     import torch
 
     rng = random.Random(cfg.seed)
@@ -274,7 +329,9 @@ def train_rows(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     losses: list[float] = []
     order: list[int] = []
-    for step in range(cfg.steps):
+    held = _HeldDecay(cfg, rows) if cfg.hold_until_accuracy is not None else None
+    step = 0
+    while step < (held.end if held else cfg.steps):
         if len(order) < cfg.batch_size:
             perm = list(range(len(rows)))
             rng.shuffle(perm)
@@ -285,28 +342,70 @@ def train_rows(
         opt.zero_grad(set_to_none=True)
         loss_value = 0.0
         size = -(-len(batch) // cfg.micro_batches)
+        hits = [0.0, 0.0]
         for chunk in (batch[i : i + size] for i in range(0, len(batch), size)):
-            nll, mask, attn = token_nll(model, chunk, pad_id, cfg.device)
+            nll, mask, attn, (right, marked) = _token_scores(model, chunk, pad_id, cfg.device, bool(held))
+            hits = [hits[0] + right, hits[1] + marked]
             loss = (nll * mask).sum() / max(1, n_model)
             if cfg.lm_weight:
                 loss = loss + cfg.lm_weight * (nll * attn).sum() / n_all
             loss.backward()
             loss_value += loss.item()
             del mask, attn, nll, loss  # the GPU memory of a long chunk, before the next one
+        if held:
+            held.observe(step, *hits)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg, held.start if held else None)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss_value)
-        if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
+        step += 1
+        total = held.end if held else cfg.steps
+        if step % 100 == 0 or step == total:
             recent = losses[-100:]
-            log(f"sft: step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.3f}")
+            probe = f" probe accuracy {held.accuracy():.3f}" if held else ""
+            log(f"sft: step {step}/{total} loss {sum(recent) / len(recent):.3f}{probe}")
     tail = losses[-20:] or [float("nan")]
-    return {
-        "sft/final_loss": sum(tail) / len(tail),
-        "sft/steps": float(cfg.steps),
-        "sft/demos": float(len(rows)),
-    }
+    stats = {"sft/final_loss": sum(tail) / len(tail), "sft/steps": float(step), "sft/demos": float(len(rows))}
+    if held:
+        stats |= {"sft/decay_start": float(held.start), "sft/probe_accuracy": held.accuracy()}
+    return stats
+
+
+class _HeldDecay:
+    """wsd with ``hold_until_accuracy``: the decay's start, moved on one step at a time from where the fixed
+    schedule puts it while the probe tokens' accuracy over the last ``probe_window`` steps is below the
+    threshold, and no later than ``max_steps_factor × steps`` minus the decay. ``end`` is the last step
+    plus one."""
+
+    def __init__(self, cfg: SFTConfig, rows: list[Row]) -> None:
+        if not any(any(r.get("probe_mask") or ()) for r in rows):
+            raise ValueError("hold_until_accuracy needs rows with probe tokens (a probe_mask marking some)")
+        self.cfg = cfg
+        self.decay = decay_steps(cfg)
+        self.start = cfg.steps - self.decay
+        self.latest = max(self.start, round(cfg.steps * cfg.max_steps_factor) - self.decay)
+        self.window: list[tuple[float, float]] = []
+        self.decided = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.decay
+
+    def accuracy(self) -> float:
+        right, marked = (sum(x) for x in zip(*self.window, strict=True)) if self.window else (0.0, 0.0)
+        return right / marked if marked else 0.0
+
+    def observe(self, step: int, right: float, marked: float) -> None:
+        """Step ``step``'s probe hits, before its learning rate is read."""
+        self.window = [*self.window[-(self.cfg.probe_window - 1) :], (right, marked)]
+        if self.decided or step < self.start:
+            return
+        ready = len(self.window) >= self.cfg.probe_window and self.accuracy() >= self.cfg.hold_until_accuracy
+        if ready or step >= self.latest:
+            self.decided = True
+        else:
+            self.start = step + 1
 
 
 def load_model(model_dir: str | Path, cfg: SFTConfig) -> tuple[Any, Any]:

@@ -209,3 +209,49 @@ def test_training_loop_reproduces_the_demo_bootstrap(tiny_model_dir: Path, tok: 
     sft(tiny_model_dir, tmp_path / "b", rows, ours, log=lambda _: None)
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_lr_schedule_with_a_moved_decay_start() -> None:
+    from agentrl.sft import lr_at
+
+    cfg = SFTConfig(steps=100, lr=1.0, schedule="wsd", decay_fraction=0.2)
+    assert [lr_at(s, cfg) for s in (0, 4, 50, 80, 90, 99)] == pytest.approx([0.2, 1.0, 1.0, 1.0, 0.5, 0.05])
+    # the decay moved 30 steps later: the peak held, then the same 20 steps of decay
+    assert [lr_at(s, cfg, 110) for s in (80, 109, 110, 120, 129)] == pytest.approx([1, 1, 1, 0.5, 0.05])
+
+
+def test_held_decay_waits_for_the_probe_accuracy_within_its_limit(tiny_model_dir: Path, tok: Any) -> None:
+    """hold_until_accuracy: a probe token the model learns at once starts the decay where the fixed schedule
+    does; one it cannot predict (a different token after the same context) holds the peak until
+    max_steps_factor × steps leaves room for the decay only."""
+    from agentrl.sft import load_model, train_rows
+
+    def rows(learnable: bool) -> list[dict[str, list[int]]]:
+        out = []
+        for i in range(8):
+            ids = [*tok.encode("the answer is"), 100 if learnable else 100 + i]
+            probe = [0] * (len(ids) - 1) + [1]
+            out.append({"input_ids": ids, "loss_mask": [1] * len(ids), "probe_mask": probe})
+        return out
+
+    held = {"hold_until_accuracy": 0.9, "max_steps_factor": 2, "probe_window": 3}
+    cfg = SFTConfig(steps=20, batch_size=4, lr=5e-3, schedule="wsd", **held)
+    model, _ = load_model(tiny_model_dir, cfg)
+    learned = train_rows(model, rows(True), cfg, 0, log=lambda _: None)
+    assert learned["sft/steps"] == 20 and learned["sft/decay_start"] == 16
+    assert learned["sft/probe_accuracy"] == 1.0
+    model, _ = load_model(tiny_model_dir, cfg)
+    unlearnable = train_rows(model, rows(False), cfg, 0, log=lambda _: None)
+    assert unlearnable["sft/steps"] == 40 and unlearnable["sft/decay_start"] == 36
+    assert unlearnable["sft/probe_accuracy"] < 0.9
+    with pytest.raises(ValueError, match="probe tokens"):
+        train_rows(model, [{k: r[k] for k in ("input_ids", "loss_mask")} for r in rows(True)], cfg, 0)
+
+
+def test_held_decay_config_errors_name_the_field() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="needs schedule: wsd"):
+        SFTConfig(hold_until_accuracy=0.5)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        SFTConfig(steps=20, schedule="wsd", hold_until_accuracy=0.5, max_steps_factor=0.5)

@@ -50,6 +50,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
+from agentrl.sft import check_hold
 
 from .data import make_prompt
 from .retrieval_server import RetrievalIndex
@@ -93,6 +94,21 @@ class SFTConfig(ConfigModel):
         "held, then a linear decay to 0 over the last decay_fraction of the steps)",
     )
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
+    hold_until_accuracy: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="wsd: where the decay would start, hold the peak rate on until the first token of the "
+        "demonstrations' answers is predicted right this often (greedy, teacher-forced, on the training "
+        "batches, over the last probe_window steps: the copy skill), then decay as usual, at most "
+        "max_steps_factor × steps in all; null: the fixed schedule",
+    )
+    max_steps_factor: float = Field(
+        1.5,
+        ge=1,
+        description="with hold_until_accuracy: the most steps, the decay included, as a multiple of steps",
+    )
+    probe_window: int = Field(50, ge=1, description="steps the answer accuracy is measured over")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_demos: int = Field(30000, ge=1, description="demonstrations kept at most (a random subset)")
     practice_worlds: int = Field(20, ge=1, description="practice worlds the demonstrations come from")
@@ -147,6 +163,7 @@ class SFTConfig(ConfigModel):
             raise ValueError("search_prob calibrates the first response token, so it needs think: false")
         if not self.answer_loss and self.lm_weight:
             raise ValueError("answer_loss: false needs lm_weight: 0 (the LM term trains on every token)")
+        check_hold(self)
         return self
 
 
@@ -221,8 +238,9 @@ def demo_token_rows(
     answer_loss: bool = True,
     answer_weight: float = 0.0,
 ) -> list[dict[str, list[Any]]]:
-    """Gold demonstrations as (input_ids, loss_mask) rows, tokenized the way a rollout is built; with
-    ``answer_weight`` the loss mask weighs the answer's tokens ``1 + answer_weight``."""
+    """Gold demonstrations as (input_ids, loss_mask, probe_mask) rows, tokenized the way a rollout is
+    built; with ``answer_weight`` the loss mask weighs the answer's tokens ``1 + answer_weight``. The probe
+    mask marks each answer's first token (what ``hold_until_accuracy`` watches)."""
     tags = (tokenizer.convert_tokens_to_ids("<answer>"), tokenizer.convert_tokens_to_ids("</answer>"))
     rows = []
     for task in tasks:
@@ -245,7 +263,8 @@ def demo_token_rows(
                 ids += seg
                 mask += [1 if trained else 0] * len(seg)
         weights = _weigh_answers(ids, mask, tags, answer_weight) if answer_weight else mask
-        rows.append({"input_ids": ids, "loss_mask": weights})
+        probe = [int(prev == tags[0]) for prev in [None, *ids[:-1]]]  # each answer's first token
+        rows.append({"input_ids": ids, "loss_mask": weights, "probe_mask": probe})
     return rows
 
 
