@@ -35,6 +35,7 @@ import math
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -385,7 +386,7 @@ class _HeldDecay:
         self.decay = decay_steps(cfg)
         self.start = cfg.steps - self.decay
         self.latest = max(self.start, round(cfg.steps * cfg.max_steps_factor) - self.decay)
-        self.window: list[tuple[float, float]] = []
+        self.window: deque[tuple[float, float]] = deque(maxlen=cfg.probe_window)
         self.decided = False
 
     @property
@@ -398,10 +399,10 @@ class _HeldDecay:
 
     def observe(self, step: int, right: float, marked: float) -> None:
         """Step ``step``'s probe hits, before its learning rate is read."""
-        self.window = [*self.window[-(self.cfg.probe_window - 1) :], (right, marked)]
+        self.window.append((right, marked))
         if self.decided or step < self.start:
             return
-        ready = len(self.window) >= self.cfg.probe_window and self.accuracy() >= self.cfg.hold_until_accuracy
+        ready = len(self.window) == self.window.maxlen and self.accuracy() >= self.cfg.hold_until_accuracy
         if ready or step >= self.latest:
             self.decided = True
         else:

@@ -1,7 +1,7 @@
 """Every third-party module the product imports is declared in pyproject.toml: a base dependency, an
-extra's, or an import guarded by ``except ImportError``. A module that a development machine happens to
-have (a test tool's dependency) but a fresh ``pip install -e .`` does not would otherwise fail only on a
-user's machine, at the moment the code path that imports it runs."""
+extra's, or an import guarded by ``except ImportError``. A module that the test tools bring in but a
+fresh ``pip install -e .`` does not would otherwise fail only after such an install, at the moment the code
+path that imports it runs."""
 
 from __future__ import annotations
 
