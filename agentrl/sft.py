@@ -299,17 +299,21 @@ def _token_scores(
     ids = right_pad([r["input_ids"] for r in rows], pad_id).to(device)
     mask = right_pad([r["loss_mask"] for r in rows], 0).float().to(device)
     attn = right_pad([[1] * len(r["input_ids"]) for r in rows], 0).to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    # each position scored against the next token, the last against nothing (ignored): the whole logits
+    # tensor goes in as it is, no copy of a shifted slice
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
     nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    ).view(len(rows), -1)
+        logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    ).view(len(rows), -1)[:, :-1]
     hits = (0.0, 0.0)
     if probe:
         with torch.no_grad():
-            marked = right_pad([r.get("probe_mask") or [0] for r in rows], 0).float().to(device)
+            marked = right_pad([r.get("probe_mask") or [0] for r in rows], 0).bool().to(device)
             marked = torch.nn.functional.pad(marked, (0, ids.shape[1] - marked.shape[1]))[:, 1:]
-            right = (logits.argmax(-1) == ids[:, 1:]).float()
-            hits = ((right * marked).sum().item(), marked.sum().item())
+            # the greedy guess at the marked positions only: an argmax over the vocabulary is not cheap
+            right = logits[:, :-1][marked].argmax(-1) == ids[:, 1:][marked]
+            hits = (float(right.sum().item()), float(marked.sum().item()))
     return nll, mask[:, 1:], attn[:, 1:], hits
 
 

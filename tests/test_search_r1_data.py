@@ -451,6 +451,40 @@ def test_sft_micro_batches_give_the_same_update(practice_setup, tmp_path):
     assert torch.allclose(weights[0], weights[1], atol=1e-5)
 
 
+def test_demo_rows_are_the_pieces_tokenized_one_by_one(practice_setup):
+    """The demonstrations' rows tokenize each piece (the prompt, each model segment's trained and untrained
+    parts, each observation) on its own, as a rollout appends them: the batched tokenization the bootstrap
+    uses gives the ids, loss mask and probe mask a call per piece gives."""
+    from agentrl.examples.search_r1.bootstrap import _model_pieces, demo_token_rows
+
+    cfg, _, tok, _ = practice_setup
+    world = generate_world(**cfg.world.model_dump())
+    index = RetrievalIndex(world.corpus)
+    try:
+        search_fn = index.search_fn(topk=cfg.topk)
+        tasks = world.test[:20]
+        rows = demo_token_rows(tok, tasks, search_fn, think=False, answer_loss=False)
+        want = []
+        for task in tasks:
+            demo = gold_demo(task, search_fn, think=False)
+            if not demo.grounded:
+                continue
+            prompt = [{"role": "user", "content": make_prompt(task["prompt"])}]
+            ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False))
+            mask = [0] * len(ids)
+            for turn, (text, is_model) in enumerate(demo.segments):
+                pieces = _model_pieces(text, turn == 0, False) if is_model else [(text, False)]
+                for piece, trained in pieces:
+                    seg = tok(piece, add_special_tokens=False)["input_ids"]
+                    ids, mask = ids + seg, mask + [int(trained)] * len(seg)
+            probe = [int(prev == tok.convert_tokens_to_ids("<answer>")) for prev in [None, *ids[:-1]]]
+            want.append({"input_ids": ids, "loss_mask": mask, "probe_mask": probe})
+    finally:
+        index.close()
+    assert len(want) >= 15 and rows == want
+    assert all(0 in r["loss_mask"] and 1 in r["loss_mask"] and 1 in r["probe_mask"] for r in rows)
+
+
 def test_answer_weight_weighs_the_answer_tokens_only(practice_setup):
     """``sft.answer_weight``: the loss mask weighs the tokens between ``<answer>`` and ``</answer>`` 1 + w and
     leaves every other token as it was; an SFT step's loss is normalised by the trained tokens' count, so the

@@ -255,3 +255,32 @@ def test_held_decay_config_errors_name_the_field() -> None:
         SFTConfig(hold_until_accuracy=0.5)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         SFTConfig(steps=20, schedule="wsd", hold_until_accuracy=0.5, max_steps_factor=0.5)
+
+
+def test_token_scores_are_the_shifted_cross_entropy_and_greedy_hits(tiny_model_dir: Path, tok: Any) -> None:
+    """The SFT's per-token scores: each position's negative log-likelihood of the next token, as a
+    cross-entropy over the shifted logits gives it, and the probe hits as a full greedy argmax counts them
+    (rows of different lengths: padding neither scores nor counts)."""
+    import torch
+
+    from agentrl.sft import _token_scores, load_model, right_pad
+
+    model, _ = load_model(tiny_model_dir, SFTConfig())
+    texts = ["the answer is blue", "a longer row, the answer is green and more", "x"]
+    rows = []
+    for text in texts:
+        ids = tok.encode(text)
+        rows.append({"input_ids": ids, "loss_mask": [1] * len(ids), "probe_mask": [0, *[1] * (len(ids) - 1)]})
+    with torch.no_grad():
+        nll, mask, attn, (right, marked) = _token_scores(model, rows, 0, "cpu", probe=True)
+        ids = right_pad([r["input_ids"] for r in rows], 0)
+        pad_mask = right_pad([[1] * len(r["input_ids"]) for r in rows], 0)
+        logits = model(input_ids=ids, attention_mask=pad_mask).logits[:, :-1]
+        want = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        ).view(len(rows), -1)
+    real = attn.bool()
+    assert nll.shape == want.shape and torch.equal(nll[real], want[real])
+    assert torch.equal(mask, attn) and marked == sum(len(r["input_ids"]) - 1 for r in rows)
+    hits = (logits.argmax(-1) == ids[:, 1:])[real].sum().item()
+    assert right == hits

@@ -242,26 +242,31 @@ def demo_token_rows(
     built; with ``answer_weight`` the loss mask weighs the answer's tokens ``1 + answer_weight``. The probe
     mask marks each answer's first token (what ``hold_until_accuracy`` watches)."""
     tags = (tokenizer.convert_tokens_to_ids("<answer>"), tokenizer.convert_tokens_to_ids("</answer>"))
-    rows = []
+    demos: list[list[tuple[str, bool]]] = []  # each row's (text, trained) pieces, its prompt first
     for task in tasks:
         demo = gold_demo(task, search_fn, think=think)
         if not demo.grounded:
             continue  # retrieval missed the needed passage: the demo would teach guessing
         prompt = [{"role": "user", "content": make_prompt(task["prompt"])}]
-        ids = list(
-            tokenizer.apply_chat_template(
-                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-        mask = [0] * len(ids)
+        pieces = [(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), False)]
         turn = 0
         for text, is_model in demo.segments:
-            pieces = _model_pieces(text, turn == 0, answer_loss) if is_model else [(text, False)]
+            pieces += _model_pieces(text, turn == 0, answer_loss) if is_model else [(text, False)]
             turn += int(is_model)
-            for piece, trained in pieces:
-                seg = tokenizer(piece, add_special_tokens=False)["input_ids"]
-                ids += seg
-                mask += [1 if trained else 0] * len(seg)
+        demos.append(pieces)
+    # one tokenizer call for the distinct pieces (passages repeat across tasks): the same ids as a call a
+    # piece, without a call's overhead each
+    unique = list(dict.fromkeys(text for pieces in demos for text, _ in pieces))
+    encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+    ids_of = dict(zip(unique, encoded, strict=True))
+    rows = []
+    for pieces in demos:
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, trained in pieces:
+            seg = ids_of[text]
+            ids += seg
+            mask += [1 if trained else 0] * len(seg)
         weights = _weigh_answers(ids, mask, tags, answer_weight) if answer_weight else mask
         probe = [int(prev == tags[0]) for prev in [None, *ids[:-1]]]  # each answer's first token
         rows.append({"input_ids": ids, "loss_mask": weights, "probe_mask": probe})
