@@ -73,67 +73,18 @@ from agentrl.embedded.server import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.metrics import SPEC_COUNTERS, engine_metrics
-from agentrl.models.tiny import FULL_SHAPES, build_tiny_model, shape_config
+from agentrl.models.random_weights import build_shape_model, parameter_counts
+from agentrl.models.tiny import FULL_SHAPES
 
 SHAPES = ("tiny", *FULL_SHAPES)
 
 
 def build_model(shape: str, dtype: str, out: Path, device: str = "cpu") -> Path:
-    """A model directory: the tiny test model, or a random model of Qwen2.5-0.5B's shape, of a 1B
-    Qwen3-MoE shape (16 experts, top-2) or of Qwen2.5-7B's shape (made on ``device``)."""
-    if shape == "tiny":
-        return build_tiny_model(out, arch="qwen2", dtype=dtype)
+    """A model directory: the tiny test model, or a random model of a full-size shape (made on
+    ``device``): :func:`agentrl.models.random_weights.build_shape_model`."""
     if shape not in SHAPES:
         raise SystemExit(f"unknown --shape {shape!r}")
-    import transformers
-
-    build_tiny_model(out / "tok", arch="qwen2")  # only for its tokenizer files
-    cfg = shape_config(shape)
-    if shape == "qwen2.5-7b":
-        save_random_model(cfg, getattr(torch, dtype), device, out)
-    else:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-        model.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(out / "tok" / f, out / f)
-    return out
-
-
-def save_random_model(cfg: Any, dtype: torch.dtype, device: str, out: Path) -> None:
-    """Save a model of ``cfg`` with random weights to ``out`` (safetensors shards of at most 2 GB): its
-    matrices drawn from N(0, initializer_range), norms 1, biases 0, made in ``dtype`` on ``device``. The
-    model is laid out on the meta device and only then given storage, so a 7B model never exists in
-    float32 nor goes through transformers' per-module init on the host."""
-    import transformers
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gave a tied LM head storage of its own
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, cfg.initializer_range, generator=g)
-            else:
-                p.fill_(0.0 if name.endswith(".bias") else 1.0)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
-    del model, p
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # the servers plan their KV caches from the memory left free
-
-
-def checkpoint_params(model_dir: Path) -> int:
-    """Parameters in the checkpoint's safetensors files, read from their headers (nothing loaded)."""
-    from safetensors import safe_open
-
-    total = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                total += torch.Size(st.get_slice(name).get_shape()).numel()
-    return total
+    return build_shape_model(shape, out, dtype, device)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -577,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
                 "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None,
                 "dtype": a.dtype,
                 "shape": a.shape if not a.model else str(a.model),
-                "params_m": round(checkpoint_params(model_dir) / 1e6, 1),
+                "params_m": round(parameter_counts(model_dir)[0] / 1e6, 1),
                 "prompt_len": a.prompt_len,
                 "max_new_tokens": a.max_new_tokens,
                 "results": results,

@@ -45,27 +45,14 @@ from typing import Any
 import torch
 from trainer_gpu_modes import long_tail, make_batch, sync, true_on_policy
 
-from agentrl.models.tiny import shape_config
-
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 
 
 def build_model(shape: str, dtype: str, out: Path) -> Path:
-    from agentrl.models.tiny import build_tiny_model
+    """A random model of ``shape`` (drawn on the GPU when there is one)."""
+    from agentrl.models.random_weights import build_shape_model
 
-    if shape == "tiny":
-        return build_tiny_model(out, arch="qwen2", dtype=dtype)
-    if shape == "tiny-moe":
-        return build_tiny_model(out, arch="qwen3_moe", dtype=dtype, num_experts=8, num_experts_per_tok=2)
-    import transformers
-
-    build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
-    cfg = shape_config(shape)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(out / "tok" / f, out / f)
-    return out
+    return build_shape_model(shape, out, dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def flops_per_token(arch, seq: int) -> float:

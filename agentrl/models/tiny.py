@@ -132,11 +132,32 @@ QWEN3_MOE_1B = dict(
     tie_word_embeddings=True,
 )
 
+# Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 query / 4 key-value heads of 128; 128 experts of 768, 8
+# a token: 30.5B parameters, 3.3B active a token; an untied LM head)
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
 # The named full-size shapes the GPU benchmarks build with random weights: name -> (family, shape)
 FULL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
     "qwen2.5-7b": ("qwen2", QWEN25_7B),
     "qwen3-moe-1b": ("qwen3_moe", QWEN3_MOE_1B),
+    "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
 }
 
 
