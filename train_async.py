@@ -150,7 +150,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 if cfg.checkpoint.due(step + 1):
                     await save_checkpoint(fleet, handover, ckpt_dir, step + 1)
             progress.close()
-            if cfg.steps > start_step and not cfg.checkpoint.due(cfg.steps):
+            if cfg.checkpoint.at_end and cfg.steps > start_step and not cfg.checkpoint.due(cfg.steps):
                 # the last step, unless just saved
                 await save_checkpoint(fleet, handover, ckpt_dir, cfg.steps)
             after = await evaluate(cfg.steps) if cfg.eval.after else {}

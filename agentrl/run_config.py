@@ -195,6 +195,9 @@ class CheckpointConfig(ConfigModel):
     """Trainer + rollout checkpoints under ``<output_dir>/checkpoints``."""
 
     interval: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    at_end: bool = Field(
+        True, description="also after the last step (off: a run that only measures writes none at the end)"
+    )
 
     def due(self, step: int) -> bool:
         """Whether training step ``step`` (1-based) ends with an interval checkpoint."""
