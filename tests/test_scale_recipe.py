@@ -1,0 +1,102 @@
+"""The scale recipe (examples/scale): random models of a named shape, random-prompt tasks whose reward is a
+property of the sampled tokens, and a run whose summary gives what each part of a step costs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from agentrl.examples.scale.recipe import ScaleSection, letter_share, make_tasks
+from agentrl.models.random_weights import build_shape_model, parameter_counts
+from agentrl.recipe import load_run_config
+from agentrl.types import Trajectory, Turn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trajectory(text: str) -> Trajectory:
+    return Trajectory(task_id="t", group_id="g", prompt_ids=[1], turns=[Turn("assistant", 0, 0, text)])
+
+
+def test_letter_share_scores_the_visible_characters() -> None:
+    assert asyncio.run(letter_share(_trajectory("ab c1"), "")).reward == pytest.approx(0.75)
+    assert asyncio.run(letter_share(_trajectory("12 !"), "")).reward == 0.0
+    empty = asyncio.run(letter_share(_trajectory("  "), ""))
+    assert empty.reward == 0.0 and empty.parts == {"visible": 0.0}
+
+
+def test_random_models_count_their_active_parameters(tmp_path: Path) -> None:
+    """A dense model's token uses every parameter; an MoE model's only its k of each layer's experts."""
+    dense = build_shape_model("tiny", tmp_path / "dense", "float32")
+    total, active = parameter_counts(dense)
+    assert total > 0 and active == total
+    moe = build_shape_model("tiny-moe", tmp_path / "moe", "float32")
+    total, active = parameter_counts(moe)
+    cfg = json.loads((moe / "config.json").read_text())
+    assert (cfg.get("num_experts") or cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (8, 2)
+    assert 0 < active < total
+    with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
+        build_shape_model("qwen9", tmp_path / "nope")
+
+
+def test_tasks_have_prompts_of_about_the_asked_length(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_shape_model("tiny", tmp_path / "m", "float32"))
+    tasks = make_tasks(tok, 8, 128, seed=0)
+    assert len({t["prompt"] for t in tasks}) == 8 and len({t["id"] for t in tasks}) == 8
+    lengths = [len(tok(t["prompt"], add_special_tokens=False)["input_ids"]) for t in tasks]
+    assert all(120 <= n <= 136 for n in lengths), lengths
+    assert make_tasks(tok, 8, 128, seed=0) == tasks
+
+
+def test_scale_section_names_a_bad_field() -> None:
+    with pytest.raises(ValidationError, match=r"unknown shape 'qwen2\.5-8b'"):
+        ScaleSection(shape="qwen2.5-8b")
+    with pytest.raises(ValidationError, match="dtype 'int8'"):
+        ScaleSection(dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "name", ["config.yaml", "config_7b.yaml", "config_7b_disaggregated.yaml", "config_30b_a3b.yaml"]
+)
+def test_scale_configs_load(name: str) -> None:
+    """Every scale config validates (the GPU ones as far as a config can be checked without GPUs)."""
+    cfg = load_run_config(ROOT / "examples" / "scale" / name)
+    assert cfg.env.name == "agentrl.examples.scale.recipe:ScaleEnv"
+    assert not cfg.checkpoint.at_end
+
+
+def test_scale_run_reports_the_step_costs(tmp_path: Path) -> None:
+    """Three steps of the tiny shape on the CPU: rewards vary within groups, the summary carries the step's
+    parts, token rates and weight-sync bandwidth, and no checkpoint is written at the end."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    cmd = [
+        sys.executable,
+        "train_async.py",
+        "--config",
+        "examples/scale/config.yaml",
+        f"output_dir={out}",
+        f"scale.cache_dir={cache}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    costs = summary["scale"]
+    total, _ = parameter_counts(cache / "tiny-float32")
+    assert costs["params_b"] == pytest.approx(total / 1e9) and costs["active_params_b"] == costs["params_b"]
+    for key in ("step_s", "train_s", "weight_sync_s", "weight_sync_gb_per_s", "generated_tokens_per_s"):
+        assert costs[key] > 0, key
+    assert costs["trainer_tokens_per_s"] > 0
+    assert 0 < costs["response_tokens_mean"] <= 32
+    assert "weight sync (GB/s)" in proc.stdout and "generated tokens/s" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["batch/reward"] for r in rows if "batch/reward" in r]
+    assert len(rewards) == 3 and all(0 < r < 1 for r in rewards)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
