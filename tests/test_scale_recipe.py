@@ -73,6 +73,38 @@ def test_scale_configs_load(name: str) -> None:
     assert not cfg.checkpoint.at_end
 
 
+@pytest.mark.parametrize(
+    ("name", "engine_gpus", "trainer_gpus"),
+    [("config_7b.yaml", 4, 4), ("config_7b_disaggregated.yaml", 2, 2), ("config_30b_a3b.yaml", 4, 4)],
+)
+def test_step_costs_count_gpus_not_ray_shares(
+    tmp_path: Path, name: str, engine_gpus: int, trainer_gpus: int
+) -> None:
+    """Per-GPU figures divide by the GPUs the engines and trainer ranks run on (colocated, each reserves
+    half a GPU from Ray: the shares would count half); the first step is left out, the peak memory is the
+    largest, the synced bytes are the weights in the trainer's dtype."""
+    from agentrl.examples.scale.recipe import step_costs
+
+    cfg = load_run_config(ROOT / "examples" / "scale" / name)
+    model = build_shape_model("tiny", tmp_path / "m", "float32")
+    total, active = parameter_counts(model)
+    first = {"time/step_s": 99.0, "rollout/model_tokens_per_s": 1.0, "trainer/tokens_per_s": 1.0}
+    step = {
+        "time/step_s": 10.0,
+        "time/weight_sync_s": 0.5,
+        "rollout/model_tokens_per_s": 8000.0,
+        "trainer/tokens_per_s": 4000.0,
+    }
+    later = [{**step, "trainer/peak_gpu_mem_gb": peak} for peak in (30.0, 40.0)]
+    costs = step_costs(cfg, [first, *later], model)
+    assert costs["step_s"] == 10.0
+    assert costs["generated_tokens_per_s_per_gpu"] == pytest.approx(8000.0 / engine_gpus)
+    assert costs["trainer_tokens_per_s_per_gpu"] == pytest.approx(4000.0 / trainer_gpus)
+    assert costs["mfu"] == pytest.approx(6 * active * 4000.0 / (trainer_gpus * 989e12))
+    assert costs["weight_sync_gb_per_s"] == pytest.approx(total * 2 / 1e9 / 0.5)  # bfloat16
+    assert costs["peak_trainer_gpu_mem_gb"] == 40.0
+
+
 def test_scale_run_reports_the_step_costs(tmp_path: Path) -> None:
     """Three steps of the tiny shape on the CPU: rewards vary within groups, the summary carries the step's
     parts, token rates and weight-sync bandwidth, and no checkpoint is written at the end."""

@@ -77,6 +77,7 @@ def parameter_counts(model_dir: str | Path) -> tuple[int, int]:
     headers and config (nothing loaded): an MoE model's token uses ``num_experts_per_tok`` of each
     layer's ``num_experts`` experts."""
     import json
+    import math
 
     from safetensors import safe_open
 
@@ -88,9 +89,7 @@ def parameter_counts(model_dir: str | Path) -> tuple[int, int]:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                n = 1
-                for d in st.get_slice(name).get_shape():
-                    n *= d
+                n = math.prod(st.get_slice(name).get_shape())
                 total += n
                 expert += n if ".experts." in name else 0
     active = total - expert + (expert * used // experts if experts else 0)

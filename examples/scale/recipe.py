@@ -14,7 +14,7 @@ The summary adds, over the steps after the first (warm-up): the step's parts (wa
 training, weight sync), generated tokens/s per engine GPU, trainer tokens/s per trainer GPU and the
 update's MFU (6 × active parameters × tokens / (GPUs × ``scale.peak_tflops``); attention's FLOPs left
 out, so it is a floor), weight-sync seconds and GB/s (the model's bytes in its dtype over the sync's
-seconds), and the trainer's peak GPU memory.
+seconds, the weights in the trainer's dtype), and the trainer's peak GPU memory.
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ def _show(value: float) -> str:
 def step_costs(cfg: ScaleConfig, history: History, model_dir: Path) -> dict[str, float]:
     """The figures the module docstring lists, means over the logged steps after the first."""
     from agentrl.models.random_weights import parameter_counts
+    from agentrl.run_checks import engine_on_gpu, engine_tp, trainer_on_gpu
 
     steps = [r for r in history if "time/step_s" in r]
     steps = steps[1:] or steps  # the first step compiles, allocates and warms the caches
@@ -188,11 +189,13 @@ def step_costs(cfg: ScaleConfig, history: History, model_dir: Path) -> dict[str,
         return sum(values) / len(values) if values else float("nan")
 
     total, active = parameter_counts(model_dir) if model_dir.is_dir() else (0, 0)
-    engine_gpus = cfg.engine.num_engines * (cfg.engine.gpus_per_engine or 0)
-    trainer_gpus = cfg.trainer_world_size * (cfg.trainer_gpus_per_rank or 0)
+    # GPUs, not Ray's GPU shares: colocated, an engine and a trainer rank each reserve half of one GPU
+    engine_gpus = cfg.engine.num_engines * engine_tp(cfg) if engine_on_gpu(cfg) else 0
+    trainer_gpus = cfg.trainer_world_size if trainer_on_gpu(cfg) else 0
     trainer_tps = mean("trainer/tokens_per_s")
     sync_s = mean("time/weight_sync_s")
-    model_gb = total * BYTES_PER_PARAM.get(cfg.scale.dtype, 2) / 1e9
+    model_gb = total * BYTES_PER_PARAM[cfg.trainer.dtype] / 1e9  # the weights as the trainer sends them
+    peaks = [r["trainer/peak_gpu_mem_gb"] for r in steps if "trainer/peak_gpu_mem_gb" in r]
     peak = cfg.scale.peak_tflops * 1e12
     return {
         "params_b": total / 1e9,
@@ -211,5 +214,5 @@ def step_costs(cfg: ScaleConfig, history: History, model_dir: Path) -> dict[str,
         "trainer_tokens_per_s": trainer_tps,
         "trainer_tokens_per_s_per_gpu": trainer_tps / trainer_gpus if trainer_gpus else float("nan"),
         "mfu": 6 * active * trainer_tps / (trainer_gpus * peak) if trainer_gpus else float("nan"),
-        "peak_trainer_gpu_mem_gb": mean("trainer/peak_gpu_mem_gb"),
+        "peak_trainer_gpu_mem_gb": max(peaks, default=float("nan")),
     }
