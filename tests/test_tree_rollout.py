@@ -406,7 +406,10 @@ async def test_trees_through_weight_updates_stay_within_the_bound(tok, interrupt
     trained token stays within η, and every env is closed at the end."""
     FragileEnv.made = []
     config = cfg(max_staleness=0, interrupt_mode=interrupt_mode, over_sampling=2.0)
-    async with stub_engine_in_process(min_tokens=2, max_tokens=8, per_token_time=0.002) as (_, url):
+    # every request takes at least 0.3 s, so the one in flight is still there when the abort arrives,
+    # however loaded the machine
+    engine = {"min_tokens": 2, "max_tokens": 8, "base_latency": 0.3, "per_token_time": 0.002}
+    async with stub_engine_in_process(**engine) as (_, url):
         client = EngineClient(url, timeout=10)
         orch = Orchestrator(config, client, tok, FragileEnv, tasks(40))
         await orch.start()
