@@ -9,7 +9,9 @@ spec where nothing was measured), and composed per placement:
   share of HBM bandwidth and its matmul FLOPs at a share of peak. Prompts prefill at a share of peak.
 - **training**: 6 x active parameters x tokens (plus causal attention) / (GPUs x MFU x peak), then
   the data-parallel gradient reduce-scatter and parameter all-gather and, for experts spread over a
-  host, the all-to-all of each token's hidden state to its experts and back.
+  host, the all-to-all of each token's hidden state to its experts and back. For the measured 7B steps,
+  tensor parallelism adds the activations' all-reduces, and CPU Adam the gradients out, the weights
+  back and the host's Adam step.
 - **weight sync**: bytes / bandwidth, plus a fixed cost per push and a cost per HF tensor:
   colocated in memory (CUDA IPC, HBM copies), broadcast over NVLink in a host, or over the network
   between hosts (NCCL from trainer rank 0: one NIC's bandwidth, however many engines listen).
@@ -94,6 +96,12 @@ class ScaleInputs:
     grad_bytes: float = _fig(4, "assumption", "agentrl.trainer.optim: grads reduced in fp32")
     optimizer_bytes: float = _fig(12, "assumption", "fp32 main weights + two Adam moments, sharded over DP")
     activation_reserve: float = _fig(25 * GB, "assumption", "a trainer rank's activations and workspace")
+    cpu_adam_params_per_s: float = _fig(
+        1.0e9,
+        "assumption",
+        "CPU Adam (trainer.optimizer_cpu_offload), not measured apart: torch's AdamW on a host's cores, "
+        "some 80 bytes of fp32 passes a parameter at about 80 GB/s of host memory bandwidth",
+    )
     # Weight sync
     push_fixed_s: float = _fig(
         0.0173, "fit", "NCCL push of the 0.5B shape, 0.020 s for 0.99 GB, 2x H200, e3f220d"
@@ -263,13 +271,26 @@ def _nic(inp: ScaleInputs) -> float:
     return inp.nic_bytes_per_s * inp.nic_efficiency
 
 
-def train_s(shape: Shape, tokens: float, gpus: int, seq: float, inp: ScaleInputs) -> dict[str, float]:
-    """A trainer step on ``gpus`` GPUs: compute, data-parallel collectives, expert all-to-all."""
+def train_s(
+    shape: Shape,
+    tokens: float,
+    gpus: int,
+    seq: float,
+    inp: ScaleInputs,
+    tp: int = 1,
+    cpu_adam: bool = False,
+) -> dict[str, float]:
+    """A trainer step on ``gpus`` GPUs: compute, data-parallel collectives, expert all-to-all. ``tp``: a
+    model copy split over ``tp`` GPUs by tensor parallelism instead of the layout :func:`model_parallel`
+    picks (the same MFU, plus two all-reduces of the activations a layer forward and two backward).
+    ``cpu_adam``: Adam's state and step on the host (``trainer.optimizer_cpu_offload``): each rank's fp32
+    gradient shard out and bf16 weights back at the host-copy rate, and the step at a host's CPU Adam rate."""
     mfu = inp.mfu_moe if shape.experts else inp.mfu_dense
     compute = (
         tokens * train_flops_per_token(shape, seq) / (gpus * mfu * inp.peak_flops * inp.rl_step_over_update)
     )
-    m = model_parallel(shape, gpus, inp) or gpus
+    on_gpu = dataclasses.replace(inp, optimizer_bytes=0) if cpu_adam else inp
+    m = tp if tp > 1 else model_parallel(shape, gpus, on_gpu) or gpus
     dp = gpus // m
     # reduce-scatter of fp32 gradients and all-gather of bf16 weights over the data-parallel group
     dp_bytes = (inp.grad_bytes + 2) * shape.params / m * (dp - 1) / max(dp, 1)
@@ -280,7 +301,22 @@ def train_s(shape: Shape, tokens: float, gpus: int, seq: float, inp: ScaleInputs
         # dispatch and combine, forward and backward: 4 x top-k copies of a token's hidden state a layer
         per_token = 4 * shape.top_k * shape.hidden * 2 * shape.layers * (ep - 1) / ep
         all_to_all = tokens / gpus * per_token / inp.nvlink_allreduce_bus
-    return {"compute": compute, "collectives": collectives, "all_to_all": all_to_all}
+    # an all-reduce of a [tokens x hidden] bf16 activation: 2 (tp - 1) / tp of it over the bus
+    activations = 4 * shape.layers * tokens / dp * shape.hidden * 2
+    tensor_parallel = activations * 2 * (tp - 1) / tp / inp.nvlink_allreduce_bus
+    host_adam = 0.0
+    if cpu_adam:
+        shard = shape.params / gpus  # the distributed optimizer's shard a rank
+        host = shape.params * min(gpus, inp.gpus_per_host) / gpus  # a host's ranks share its cores
+        copies = (inp.grad_bytes + 2) * shard / inp.host_copy_bytes_per_s
+        host_adam = copies + host / inp.cpu_adam_params_per_s
+    return {
+        "compute": compute,
+        "collectives": collectives,
+        "all_to_all": all_to_all,
+        "tensor_parallel": tensor_parallel,
+        "host_adam": host_adam,
+    }
 
 
 def sync_s(
@@ -311,10 +347,13 @@ def sync_s(
     return inp.push_fixed_s + per_tensor + nbytes / link
 
 
-def handover_s(shape: Shape, gpus: int, engine_gpus: int, kv_gb: float, inp: ScaleInputs) -> float:
+def handover_s(
+    shape: Shape, gpus: int, engine_gpus: int, kv_gb: float, inp: ScaleInputs, tp: int = 1
+) -> float:
     """Colocated turns a step: the trainer's state out and back, the engine's weights saved and
-    restored, the KV pool released and mapped again."""
-    m = model_parallel(shape, gpus, inp) or gpus
+    restored, the KV pool released and mapped again. ``tp``: the trainer's model copy split by tensor
+    parallelism, as in :func:`train_s`."""
+    m = tp if tp > 1 else model_parallel(shape, gpus, inp) or gpus
     trainer_state = (2 + inp.grad_bytes) * shape.params / m + inp.optimizer_bytes * shape.params / gpus
     engine_weights = 2.0 * shape.params / engine_gpus if inp.engine_weights_backup else 0.0
     host = 2 * (trainer_state + engine_weights) / inp.host_copy_bytes_per_s
@@ -394,13 +433,20 @@ def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInp
 
 def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
     """What a prediction rests on beyond measured ground."""
-    notes = ["no whole RL step measured at this size (7B and 30B-A3B on 4 GPUs: not yet)"]
+    if shape.name == "qwen2.5-7b":
+        notes = [
+            "whole 7B steps measured on 2 GPUs only: colocated with a TP2 trainer, 1+1 async with CPU Adam"
+        ]
+    else:
+        notes = ["no whole RL step measured at this size"]
     if shape.experts:
         notes.append("trainer MoE MFU assumed: grouped expert GEMMs not measured on a GPU")
         notes.append("engine's expert reads checked on a 1B MoE only")
         notes.append(f"per-tensor sync cost fit on 272-290 tensors, applied to {shape.hf_tensors:,}")
     else:
-        notes.append("trainer MFU measured on the 0.5B shape, applied to 7B")
+        notes.append(
+            "trainer MFU measured on the 0.5B shape, applied to 7B (the colocated 2-GPU 7B step ran at 0.486)"
+        )
     if engine_gpus > 1:
         notes.append("an engine spread over several GPUs: not measured")
     if hosts > 1:
@@ -464,6 +510,53 @@ def _disaggregated_1_1(inp: ScaleInputs) -> float:
     return max(0.427, 0.482 + sync) + inp.pause_s
 
 
+# The measured 7B steps: 32 groups of 8 a step, prompts of 512 tokens, responses of 1,022 on average
+W_7B = Workload(trajectories=256, prompt_tokens=512, response_tokens=1022)
+# SGLang engines release their weights with no host copy (engine.sglang.weights_cpu_backup off): the
+# sync after the step rewrites them
+SGLANG = {"engine_weights_backup": False}
+
+
+def _train_7b(inp: ScaleInputs, gpus: int, tp: int = 1, cpu_adam: bool = False) -> dict[str, float]:
+    """The measured 7B steps' training on ``gpus`` GPUs, as :func:`train_s` splits it."""
+    seq = W_7B.prompt_tokens + W_7B.response_tokens
+    return train_s(SHAPES["qwen2.5-7b"], W_7B.batch(gpus) * seq, gpus, seq, inp, tp, cpu_adam)
+
+
+def _update_tokens_per_s(parts: dict[str, float], gpus: int, inp: ScaleInputs) -> float:
+    """A GPU's trained tokens/s over the update alone (as the trainer reports it): its compute at the
+    update's MFU, with the collectives and the host's Adam inside it."""
+    tokens = W_7B.batch(gpus) * (W_7B.prompt_tokens + W_7B.response_tokens)
+    update = parts["compute"] * inp.rl_step_over_update
+    update += sum(v for k, v in parts.items() if k != "compute")
+    return tokens / update / gpus
+
+
+def _colocated_7b(inp: ScaleInputs) -> dict[str, float]:
+    """The colocated 7B step's parts on 2 GPUs: 2 SGLang engines (one a GPU, 128 rows each, a 0.25
+    memory fraction) in turns with a TP2 x DP1 trainer, weights handed over in memory. They sum."""
+    shape = SHAPES["qwen2.5-7b"]
+    inp = dataclasses.replace(inp, **SGLANG)
+    kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * shape.params / GB
+    return {
+        "rollout": rollout_s(shape, W_7B.batch(2), 2, 1, W_7B, inp),
+        "train": sum(_train_7b(inp, 2, tp=2).values()),
+        "sync": sync_s(shape, "ipc", inp, trainer_split=2),
+        "handover": handover_s(shape, 2, 1, kv_gb, inp, tp=2),
+    }
+
+
+def _async_7b_1_1(inp: ScaleInputs) -> dict[str, float]:
+    """The 7B step disaggregated 1+1, one step off-policy: one SGLang engine (256 rows) beside a
+    one-GPU trainer with CPU Adam, new weights broadcast over NVLink. The step is the longer of the
+    two, then the sync and the pause around it."""
+    shape = SHAPES["qwen2.5-7b"]
+    rollout = rollout_s(shape, W_7B.batch(1), 1, 1, W_7B, inp)
+    train = sum(_train_7b(inp, 1, cpu_adam=True).values())
+    sync = sync_s(shape, "nvlink", inp)
+    return {"step": max(rollout, train) + sync + inp.pause_s, "sync": sync}
+
+
 @dataclass(frozen=True)
 class Point:
     """A figure the project measured on 1, 2 or 4 GPUs, and how the model predicts it."""
@@ -513,6 +606,11 @@ _OTHER_ENGINE = [
     ("embedded engine", "qwen2.5-0.5b", 256, 24_239, "6e95082, 1x H100, engine-throughput.md", ""),
 ]
 _MULTI = "multi-gpu.md"
+_SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
+_7B_MFU = (
+    "the 7B trainer ran at MFU 0.486 (6 x parameters, H200); the model applies the 0.5B shape's 0.385 "
+    "(an H100): the 7B shape's wider matmuls run nearer peak"
+)
 
 
 def _sync(
@@ -709,6 +807,79 @@ POINTS: list[Point] = [
         "s",
         f"e3f220d, 2x H200, {_MULTI}",
         _disaggregated_1_1,
+    ),
+    Point(
+        "7B step, colocated on 2 GPUs: 2 SGLang engines in turns with a TP2 trainer",
+        2,
+        32.27,
+        "s",
+        _SCALE,
+        lambda inp: sum(_colocated_7b(inp).values()),
+        why="training 25.8 s against the run's 19.19 (the trainer point below), the rollout 13.8 s against "
+        "10.35 (the SGLang point below), and the hand-overs summed (4.2 s) where the run moves the trainer's "
+        "state out during generation and starts bringing it back before the batch is in: the run's step "
+        "has 2.0 s beyond its wait, training and sync",
+    ),
+    Point(
+        "7B in-memory sync, colocated on 2 GPUs: TP2 trainer to 2 SGLang engines (15.2 GB)",
+        2,
+        0.398,
+        "s",
+        _SCALE,
+        lambda inp: _colocated_7b(inp)["sync"],
+        why="38 GB/s where the model has 0.093 s: its in-memory constants are fit on 0.05 s syncs of "
+        "135M- and 494M-parameter models into the embedded engine, and its cost a byte (6 passes over "
+        "HBM) is an assumption; each TP rank gathering the full 15.2 GB and SGLang's mapping and load of "
+        "it are not measured apart",
+    ),
+    Point(
+        "SGLang tok/s a GPU in the colocated 7B step, 128 in flight an engine (256 x 1,022 over the "
+        "10.35 s wait)",
+        2,
+        round(256 * 1022 / 10.35 / 2),
+        "tok/s",
+        _SCALE,
+        lambda inp: W_7B.batch(2) * W_7B.response_tokens / _colocated_7b(inp)["rollout"] / 2,
+        why="the batch took 10.35 s where the model, fit on the embedded engine's 64-token benches, has "
+        "13.8 s: 12.0 s of decode at 11.7 ms a step (3.6 ms of it the row cost) and 1.9 s of prefill at "
+        "an assumed half of peak; SGLang's decode step and prefill were not timed apart",
+    ),
+    Point(
+        "trainer tok/s a GPU, 7B shape, TP2, in the colocated step",
+        2,
+        10_515,
+        "tok/s",
+        _SCALE,
+        lambda inp: _update_tokens_per_s(_train_7b(inp, 2, tp=2), 2, inp),
+        why=_7B_MFU + "; TP2 adds 1.0 s of activation all-reduces to its 23.3 s update",
+    ),
+    Point(
+        "7B step, disaggregated 1+1, async: 1 SGLang engine, 1 trainer GPU with CPU Adam",
+        2,
+        51.42,
+        "s",
+        _SCALE,
+        lambda inp: _async_7b_1_1(inp)["step"],
+    ),
+    Point(
+        "7B NCCL sync, disaggregated 1+1: 1 trainer GPU to 1 SGLang engine (15.2 GB)",
+        2,
+        0.142,
+        "s",
+        _SCALE,
+        lambda inp: _async_7b_1_1(inp)["sync"],
+        why="the NCCL push alone of the same 15.2 GB took 0.059 s, which the model has within 0.5%; the "
+        "trainer's gather of HF-named tensors and SGLang's receiving side (a request a bucket, its own "
+        "load of each tensor) add 0.08 s, where the model has 0.03 s of per-tensor cost fit on the "
+        "embedded engine",
+    ),
+    Point(
+        "trainer tok/s, 7B shape, 1 GPU with CPU Adam, in the 1+1 step",
+        2,
+        7_829,
+        "tok/s",
+        _SCALE,
+        lambda inp: _update_tokens_per_s(_train_7b(inp, 1, cpu_adam=True), 1, inp),
     ),
 ]
 

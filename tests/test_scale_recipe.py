@@ -64,7 +64,15 @@ def test_scale_section_names_a_bad_field() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["config.yaml", "config_7b.yaml", "config_7b_disaggregated.yaml", "config_30b_a3b.yaml"]
+    "name",
+    [
+        "config.yaml",
+        "config_7b.yaml",
+        "config_7b_disaggregated.yaml",
+        "config_7b_2gpu.yaml",
+        "config_7b_2gpu_disaggregated.yaml",
+        "config_30b_a3b.yaml",
+    ],
 )
 def test_scale_configs_load(name: str) -> None:
     """Every scale config validates (the GPU ones as far as a config can be checked without GPUs)."""
@@ -75,7 +83,13 @@ def test_scale_configs_load(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "engine_gpus", "trainer_gpus"),
-    [("config_7b.yaml", 4, 4), ("config_7b_disaggregated.yaml", 2, 2), ("config_30b_a3b.yaml", 4, 4)],
+    [
+        ("config_7b.yaml", 4, 4),
+        ("config_7b_disaggregated.yaml", 2, 2),
+        ("config_7b_2gpu.yaml", 2, 2),
+        ("config_7b_2gpu_disaggregated.yaml", 1, 1),
+        ("config_30b_a3b.yaml", 4, 4),
+    ],
 )
 def test_step_costs_count_gpus_not_ray_shares(
     tmp_path: Path, name: str, engine_gpus: int, trainer_gpus: int
