@@ -43,59 +43,10 @@ from typing import Any
 import torch
 from trainer_gpu_modes import make_batch, sync
 
-from agentrl.models.tiny import QWEN25_05B, SMOLLM2_135M
+from agentrl.models.random_weights import build_shape_model
 
-QWEN25_7B = dict(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-)
-SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "smollm2-135m": ("llama", SMOLLM2_135M),
-    "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
-    "qwen2.5-7b": ("qwen2", QWEN25_7B),
-}
-
-
-def build_model(shape: str, dtype: str, out: Path) -> Path:
-    """An HF dir of ``shape`` with random weights (N(0, 0.02), norms 1), drawn tensor by tensor on the GPU
-    when there is one: a 7B model initialised by transformers on the CPU takes many minutes."""
-    from agentrl.models.tiny import build_tiny_model
-
-    if shape == "tiny":
-        return build_tiny_model(out, arch="qwen2", dtype=dtype)
-    import transformers
-    from safetensors.torch import save_file
-
-    arch, dims = SHAPES[shape]
-    build_tiny_model(out / "tok", arch="qwen2")  # tokenizer files only (ids stay below its vocab)
-    config_cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
-    cfg = config_cls(**dims, eos_token_id=2, pad_token_id=0)
-    with torch.device("meta"):
-        names = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(dev).manual_seed(0)
-    shard: dict[str, torch.Tensor] = {}
-    for name, meta in names.items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # the embedding's
-        if name.endswith("norm.weight"):
-            t = torch.ones(meta.shape, dtype=getattr(torch, dtype))
-        else:
-            t = (torch.randn(meta.shape, generator=g, device=dev) * 0.02).to(getattr(torch, dtype)).cpu()
-        shard[name] = t
-    save_file(shard, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(out / "tok" / f, out / f)
-    return out
+# the dense shapes LoRA is measured on (agentrl.models.tiny.FULL_SHAPES; "tiny": the CPU default)
+SHAPES = ("tiny", "smollm2-135m", "qwen2.5-0.5b", "qwen2.5-7b")
 
 
 def run_mode(a: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -247,9 +198,7 @@ async def _generation_speed(a: argparse.Namespace, client: Any, vocab: int) -> f
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument(
-        "--shape", default=None, choices=["tiny", *SHAPES], help="default: tiny on cpu, qwen2.5-7b on cuda"
-    )
+    p.add_argument("--shape", default=None, choices=SHAPES, help="default: tiny on cpu, qwen2.5-7b on cuda")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     p.add_argument("--batch", type=int, default=None, help="trajectories a step (default 8 cpu, 16 cuda)")
     p.add_argument("--prompt-len", type=int, default=None)
@@ -287,7 +236,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-lora-"))
     try:
-        model_dir = build_model(a.shape, "bfloat16" if cuda else "float32", work / "model")
+        # random weights (N(0, 0.02), norms 1), drawn on the GPU when there is one: a 7B model in seconds
+        model_dir = build_shape_model(a.shape, work / "model", "bfloat16" if cuda else "float32", a.device)
         modes = {}
         for mode in ("full", "lora"):
             argv = [arg for arg in sys.argv[1:]] + ["--mode", mode, "--model-dir", str(model_dir)]

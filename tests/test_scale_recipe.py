@@ -45,6 +45,14 @@ def test_random_models_count_their_active_parameters(tmp_path: Path) -> None:
         build_shape_model("qwen9", tmp_path / "nope")
 
 
+def test_a_llama_shape_has_its_models_parameter_count(tmp_path: Path) -> None:
+    """SmolLM2-135M's shape (a Llama, the LM head tied to the embedding): its model card's 134.5M."""
+    model = build_shape_model("smollm2-135m", tmp_path / "smol", "bfloat16")
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"]
+    assert parameter_counts(model) == (134_515_008, 134_515_008)
+
+
 def test_tasks_have_prompts_of_about_the_asked_length(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

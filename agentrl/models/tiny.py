@@ -154,6 +154,7 @@ QWEN3_30B_A3B = dict(
 
 # The named full-size shapes the GPU benchmarks build with random weights: name -> (family, shape)
 FULL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m": ("llama", SMOLLM2_135M),
     "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
     "qwen2.5-7b": ("qwen2", QWEN25_7B),
     "qwen3-moe-1b": ("qwen3_moe", QWEN3_MOE_1B),
@@ -169,7 +170,8 @@ def shape_config(name: str) -> Any:
     if name not in FULL_SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose {', '.join(FULL_SHAPES)}")
     arch, dims = FULL_SHAPES[name]
-    cls = transformers.Qwen3MoeConfig if arch == "qwen3_moe" else transformers.Qwen2Config
+    families = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+    cls = families.get(arch, transformers.Qwen3MoeConfig)
     return cls(**dims, eos_token_id=2, pad_token_id=0)
 
 
