@@ -341,6 +341,61 @@ async def test_steps_without_observation_are_counted(tok: Any, caplog: pytest.Lo
     assert len(warned) == 1 and "SilentEnv" in warned[0].getMessage()
 
 
+MEMORY_BOMB = "x = []\nwhile True:\n    x.append(bytearray(16 * 2**20))"
+
+
+async def test_tool_errors_and_episodes_without_a_parsed_call_are_counted(
+    tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ToolEnv over the python tool in a real process sandbox, the model's turns scripted: a call whose
+    run the sandbox kills for memory, a malformed call, no call. The killed run and the malformed call are
+    error results the model is shown and the metrics count; the two episodes without a call the env parsed
+    are counted and warned about once."""
+    import json
+
+    from agentrl.sandboxes import ProcessSandbox
+    from agentrl.tools.python import python_tool
+    from envs.tool_env import ToolEnv
+
+    call = {"name": "python", "arguments": {"code": MEMORY_BOMB}}
+    turns = [
+        f"<tool_call>\n{json.dumps(call)}\n</tool_call>",  # episode 1: a call the sandbox kills ...
+        "done",  # ... then an answer
+        '<tool_call>\n{"name": "python", "arguments": \n</tool_call>',  # episode 2: malformed ...
+        "done",  # ... then an answer
+        "no tools needed",  # episode 3: no call at all
+    ]
+    # the stand-in answers its n-th request (from 1) with script[n % len]: the last turn goes first
+    script = [tok.encode(t, add_special_tokens=False) for t in [turns[-1], *turns[:-1]]]
+    config = cfg(
+        group_size=1,
+        batch_size=3,
+        max_concurrency=1,  # one episode at a time: the script's turns go to them in order
+        verifier="rollout_len",
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=256),
+    )
+    async with ProcessSandbox(memory_mb=256) as box, stub_engine_in_process(script=script) as (_, url):
+        client = EngineClient(url, timeout=10)
+        env = lambda: ToolEnv(tools=[python_tool(box, timeout=20)])  # noqa: E731
+        orch = Orchestrator(config, client, tok, env, tasks(3))
+        await orch.start()
+        batch = await orch.buffer.get_batch(timeout=60)
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    records = [c for t in batch for turn in t.turns for c in turn.tool_calls]
+    killed = [c for c in records if c.name == "python"]
+    assert killed and "SandboxRunKilled" in (killed[0].error or "") and "memory" in killed[0].error
+    assert any(c.name is None and c.error for c in records)  # the malformed call, with why
+    # the model saw the error text of both (observation tokens after the call)
+    seen = [tok.decode(t.response_ids) for t in batch]
+    assert any("SandboxRunKilled" in text for text in seen)
+    assert stats["rollout/tool_calls"] >= 2 and stats["rollout/tool_call_errors"] >= 2
+    assert stats["rollout/episodes_without_tool_calls"] >= 2
+    warned = [r for r in caplog.records if "without one tool call the env parsed" in r.getMessage()]
+    assert len(warned) == 1 and "ToolEnv" in warned[0].getMessage()
+
+
 # ---------------------------------------------------------------- limits
 async def test_limits_truncate(tok: Any) -> None:
     async with stub_engine_in_process(min_tokens=8, max_tokens=8) as (_, url):

@@ -49,6 +49,9 @@ T = TypeVar("T")
 WARNINGS = {
     "steps_without_observation": "%s.step returned neither observation nor messages and did not end the "
     "episode: the model's next turn sees nothing new (counted in rollout/steps_without_observation)",
+    "episodes_without_tool_calls": "%s: an episode ended without one tool call the env parsed (none made, or "
+    "each malformed; counted in rollout/episodes_without_tool_calls): a model that never calls its tools in "
+    "the env's format learns nothing about them; a warm start teaches the format (docs/guide/warm-start.md)",
 }
 
 
@@ -296,10 +299,17 @@ class EpisodeRunner:
         ep.ended = True
 
     async def _finish(self, ep: LiveEpisode, m: RolloutMetrics) -> None:
-        """Status, tool time and, when the env gave none, the verifier's reward."""
+        """Status, tool time, the tool calls' count (failed ones apart), and, when the env gave none, the
+        verifier's reward. A tool env's episode with no call it parsed is counted and warned about."""
         traj, env = ep.traj, ep.env
-        if getattr(env, "tools", None) and not any(t.tool_calls for t in traj.turns):
+        calls = [c for t in traj.turns for c in t.tool_calls]
+        if calls:
+            m.count("tool_calls", len(calls))
+            # malformed, raised, timed out, a sandbox run killed: each an error result the model was shown
+            m.count("tool_call_errors", sum(1 for c in calls if c.error is not None))
+        if getattr(env, "tools", None) and not any(c.name is not None for c in calls):
             m.count("episodes_without_tool_calls")
+            self._warn_once("episodes_without_tool_calls", env)
         traj.status = ep.status
         traj.timings["tool_s"] = ep.tool_time
         if traj.reward is None:
