@@ -94,7 +94,8 @@ def _check_step(res: Any, i: int) -> list[str]:
                 p.append(f"{w}: tool_calls[{j}].arguments must be a dict, got {type(c.arguments).__name__}")
             if c.result is not None and not isinstance(c.result, str):
                 p.append(f"{w}: tool_calls[{j}].result must be str or None, got {type(c.result).__name__}")
-    if not (res.terminated or res.truncated) and res.observation is None and not res.messages:
+    # the rollout's test: an empty observation shows the model nothing, as a missing one does
+    if not (res.terminated or res.truncated) and not res.observation and not res.messages:
         p.append(
             f"{w}: the episode goes on but there is no observation; return terminated=True or an observation"
         )

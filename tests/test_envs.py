@@ -124,6 +124,16 @@ class Silent(Env):
         return StepResult()
 
 
+class EmptyObservation(Env):
+    """An empty string shows the model nothing, as the rollout sees it: the same problem as none."""
+
+    async def reset(self, task):
+        return [{"role": "user", "content": "q"}]
+
+    async def step(self, action_text):
+        return StepResult(observation="", messages=[])
+
+
 class RawMessages(Env):
     async def reset(self, task):
         return [{"role": "user", "content": "q"}]
@@ -157,6 +167,7 @@ class RawMessages(Env):
         (Raises, ["reset()/step() raised KeyError", "close() raised RuntimeError: close failed"]),
         (NeedsArgs, ["NeedsArgs() raised TypeError", "make every constructor argument optional"]),
         (Silent, ["there is no observation"]),
+        (EmptyObservation, ["there is no observation"]),
         (RawMessages, ["observation_format must be 'message', not 'raw'"]),
         (BadCalls, ["tool_calls must be a list of agentrl.types.ToolCallRecord"]),
         (object(), ["does not subclass agentrl.envs.Env", "reset() is missing"]),
