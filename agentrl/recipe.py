@@ -374,7 +374,8 @@ def describe_for_help(
     ]
     configs = []
     if examples_dir is not None:
-        configs = sorted(examples_dir.glob("*.yaml")) + sorted((examples_dir / "search_r1").glob("*.yaml"))
+        # the top level's, then each example's folder (search_r1, custom_tool_env, scale, ...)
+        configs = sorted(examples_dir.glob("*.yaml")) + sorted(examples_dir.glob("*/*.yaml"))
     if configs:
         lines.append("example configs (--config PATH):")
     default = Path(default_config).resolve() if default_config else None

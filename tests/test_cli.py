@@ -141,6 +141,9 @@ def test_help_of_both_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str
     # the same job: after the usage lines (aligned under the program's name), the same text
     assert via_cli.stdout.split("\n\n", 1)[1] == via_script.stdout.split("\n\n", 1)[1]
     assert "--resume" in via_cli.stdout and "example configs" in via_cli.stdout  # the job's own help
+    # every example's config, in its folder: the custom tool env's and the scale recipe's among them
+    for config in ("examples/custom_tool_env/config.yaml", "examples/scale/config_7b.yaml"):
+        assert f"  {config}\n" in via_cli.stdout
     assert "first on sys.path" in via_cli.stdout and "agentrl list" in via_cli.stdout  # and the command's
     with pytest.raises(SystemExit):
         main([])  # the command's own help
