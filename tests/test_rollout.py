@@ -6,6 +6,7 @@ group filtering; weight updates, checkpoint/resume, evaluation and metrics are i
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -394,6 +395,34 @@ async def test_tool_errors_and_episodes_without_a_parsed_call_are_counted(
     assert stats["rollout/episodes_without_tool_calls"] >= 2
     warned = [r for r in caplog.records if "without one tool call the env parsed" in r.getMessage()]
     assert len(warned) == 1 and "ToolEnv" in warned[0].getMessage()
+
+
+class SlowStepEnv(Env):
+    """A step that spends 0.2 s of its own around one 5 ms tool call it reports with that latency."""
+
+    scores_itself = True
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        await asyncio.sleep(0.2)  # the env's own work: parsing, bookkeeping, a slow verifier call
+        call = ToolCallRecord("lookup", {"q": "x"}, result="y", latency_s=0.005)
+        return StepResult(reward=1.0, terminated=True, tool_calls=[call])
+
+
+async def test_tool_latency_is_the_calls_own_time(tok: Any) -> None:
+    """rollout/tool_latency_* time the calls an env reports, not its whole step."""
+    async with stub_engine_in_process(min_tokens=2, max_tokens=4) as (_, url):
+        client = EngineClient(url, timeout=10)
+        orch = Orchestrator(cfg(group_size=2, batch_size=1), client, tok, SlowStepEnv, tasks(1))
+        await orch.start()
+        await orch.buffer.get_batch(timeout=30)
+        stats = orch.stats()
+        await orch.stop()
+        await client.close()
+    assert stats["rollout/tool_latency_mean_s"] == pytest.approx(0.005)
+    assert stats["rollout/tool_calls"] >= 2 and stats.get("rollout/tool_call_errors", 0) == 0
 
 
 # ---------------------------------------------------------------- limits
