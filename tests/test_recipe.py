@@ -302,8 +302,9 @@ def test_the_help_text_names_the_reference_the_recipes_and_every_example_config(
     text = proc.stdout
     assert "description: docs/reference/config.md\n" in text and (ROOT / "docs/reference/config.md").is_file()
     assert "recipes (the config's recipe key): registered default;" in text
-    configs = sorted(ROOT.glob("examples/*.yaml")) + sorted(ROOT.glob("examples/search_r1/*.yaml"))
-    assert len(configs) >= 4
+    # the top level's, then each example folder's (search_r1, custom_tool_env, scale, ...)
+    configs = sorted(ROOT.glob("examples/*.yaml")) + sorted(ROOT.glob("examples/*/*.yaml"))
+    assert len(configs) >= 10
     shown = re.findall(r"^  (examples/\S+\.yaml)$", text, re.MULTILINE)
     assert shown == [str(p.relative_to(ROOT)) for p in configs]
     demo = text.split("  examples/search_r1/config.yaml\n")[1].split("\n  examples/")[0]

@@ -154,11 +154,11 @@ QWEN3_30B_A3B = dict(
 
 # The named full-size shapes the GPU benchmarks build with random weights: name -> (family, shape)
 FULL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "smollm2-135m": ("llama", SMOLLM2_135M),
     "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
     "qwen2.5-7b": ("qwen2", QWEN25_7B),
     "qwen3-moe-1b": ("qwen3_moe", QWEN3_MOE_1B),
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
+    "smollm2-135m": ("llama", SMOLLM2_135M),
 }
 
 
