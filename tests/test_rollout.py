@@ -326,15 +326,24 @@ class SilentEnv(Env):
         return StepResult(reward=1.0, terminated=True) if self.n >= 3 else StepResult()
 
 
-async def test_steps_without_observation_are_counted(tok: Any, caplog: pytest.LogCaptureFixture) -> None:
-    async with stub_engine_in_process(min_tokens=2, max_tokens=6) as (_, url):
+async def one_batch(
+    config: RolloutConfig, tok: Any, env: Any, n_tasks: int, timeout: float = 30, **engine: Any
+) -> tuple[list[Trajectory], dict[str, Any]]:
+    """One batch of ``env``'s episodes against the stand-in engine (``engine``: its settings), and the
+    rollout's metrics once it is in."""
+    async with stub_engine_in_process(**engine) as (_, url):
         client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=2, batch_size=1), client, tok, SilentEnv, tasks(1))
+        orch = Orchestrator(config, client, tok, env, tasks(n_tasks))
         await orch.start()
-        await orch.buffer.get_batch(timeout=30)
+        batch = await orch.buffer.get_batch(timeout=timeout)
         stats = orch.stats()
         await orch.stop()
         await client.close()
+    return batch, stats
+
+
+async def test_steps_without_observation_are_counted(tok: Any, caplog: pytest.LogCaptureFixture) -> None:
+    _, stats = await one_batch(cfg(group_size=2, batch_size=1), tok, SilentEnv, 1, min_tokens=2, max_tokens=6)
     # two silent steps an episode, for the batch's two episodes and any others admission let start
     n = stats["rollout/steps_without_observation"]
     assert n >= 4 and n % 2 == 0
@@ -375,15 +384,9 @@ async def test_tool_errors_and_episodes_without_a_parsed_call_are_counted(
         verifier="rollout_len",
         sampling=SamplingParams(temperature=1.0, max_new_tokens=256),
     )
-    async with ProcessSandbox(memory_mb=256) as box, stub_engine_in_process(script=script) as (_, url):
-        client = EngineClient(url, timeout=10)
+    async with ProcessSandbox(memory_mb=256) as box:
         env = lambda: ToolEnv(tools=[python_tool(box, timeout=20)])  # noqa: E731
-        orch = Orchestrator(config, client, tok, env, tasks(3))
-        await orch.start()
-        batch = await orch.buffer.get_batch(timeout=60)
-        stats = orch.stats()
-        await orch.stop()
-        await client.close()
+        batch, stats = await one_batch(config, tok, env, 3, timeout=60, script=script)
     records = [c for t in batch for turn in t.turns for c in turn.tool_calls]
     killed = [c for c in records if c.name == "python"]
     assert killed and "SandboxRunKilled" in (killed[0].error or "") and "memory" in killed[0].error
@@ -413,14 +416,9 @@ class SlowStepEnv(Env):
 
 async def test_tool_latency_is_the_calls_own_time(tok: Any) -> None:
     """rollout/tool_latency_* time the calls an env reports, not its whole step."""
-    async with stub_engine_in_process(min_tokens=2, max_tokens=4) as (_, url):
-        client = EngineClient(url, timeout=10)
-        orch = Orchestrator(cfg(group_size=2, batch_size=1), client, tok, SlowStepEnv, tasks(1))
-        await orch.start()
-        await orch.buffer.get_batch(timeout=30)
-        stats = orch.stats()
-        await orch.stop()
-        await client.close()
+    _, stats = await one_batch(
+        cfg(group_size=2, batch_size=1), tok, SlowStepEnv, 1, min_tokens=2, max_tokens=4
+    )
     assert stats["rollout/tool_latency_mean_s"] == pytest.approx(0.005)
     assert stats["rollout/tool_calls"] >= 2 and stats.get("rollout/tool_call_errors", 0) == 0
 

@@ -170,8 +170,12 @@ def shape_config(name: str) -> Any:
     if name not in FULL_SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose {', '.join(FULL_SHAPES)}")
     arch, dims = FULL_SHAPES[name]
-    families = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
-    cls = families.get(arch, transformers.Qwen3MoeConfig)
+    families = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }
+    cls = families[arch]
     return cls(**dims, eos_token_id=2, pad_token_id=0)
 
 
