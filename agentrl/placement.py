@@ -220,6 +220,7 @@ def engine_starter(
             "memory_saver": releases,  # SGLang serves the release / resume endpoints only with it
             "deterministic": exactness.deterministic_sglang,
             "quantization": e.quantization,  # and engine.quantization's
+            "return_routed_experts": cfg.rollout.return_routed_experts,  # what routing replay trains with
             "lora": None if lora is None else SGLangLoRAConfig.for_adapters(lora.rank, lora.target_modules),
         }
     )

@@ -22,6 +22,8 @@ tests/test_gpu_sglang.py``; SGLang from ``scripts/gpu_setup.sh --sglang`` or the
   requests that name no adapter still get the base model, unchanged: no full weight update happened. Once
   with every target module, once with targets that are parts of SGLang's fused layers (completed by the
   sync).
+* Mixture of experts (``return_routed_experts``): the routing a server reports for routing replay is its
+  model's, for every position of a request, a cached prefix included.
 
 The model is a small random Qwen2 (4 layers, hidden 256, head dim 64, bf16) with a large initializer
 range, so that its next-token distributions are peaked and a temperature, or a stale weight, shows. SGLang
@@ -422,6 +424,77 @@ async def test_ngram_speculation_keeps_target_logprobs_across_an_update(
     assert scaled > 2 * raw["sampled"]  # not the temperature-scaled logprobs
     assert after.weight_version == "1"
     assert under_new < 0.15 and under_old > 4 * under_new  # B's, not A's (nor a mix)
+
+
+MOE_SHAPE = {**SHAPE, "num_experts": 8, "num_experts_per_tok": 2}
+
+
+@torch.no_grad()
+def reference_routing(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), layers, k]``: the experts a float32 forward of the (bf16) weights routes each position
+    to."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    logits = model(torch.tensor([ids], device="cuda"), output_router_logits=True).router_logits
+    k = MOE_SHAPE["num_experts_per_tok"]
+    return torch.stack([layer.float().topk(k, dim=-1).indices for layer in logits], dim=1).cpu()
+
+
+def routing_agreement(record: str, want: torch.Tensor) -> float:
+    """The share of (position, layer) pairs whose recorded expert set equals ``want``'s."""
+    from agentrl.models.moe import decode_routed_experts
+
+    got = torch.from_numpy(decode_routed_experts(record, want.shape[1], want.shape[2]).copy())
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
+
+
+@pytest.mark.xdist_group("sglang_moe")  # its own server: a worker of its own may run it meanwhile
+async def test_moe_server_reports_the_routing_replay_trains_with(tmp_path: Path) -> None:
+    """Routing replay's input from SGLang (``return_routed_experts``, which a run with
+    ``trainer.moe.routing_replay`` sets): a Qwen3-MoE server returns, for a request that asks, the experts
+    of every position but the last (base64 int32 ``[positions, layers, k]``, agentrl's decoder), those a
+    float32 forward of its weights routes to (bf16 serving flips a few near ties), not another model's; a
+    second turn whose prefix came from the cache still reports every position; a request that does not
+    ask gets none."""
+    from agentrl.models.tiny import build_tiny_model
+
+    served, other = (
+        build_tiny_model(tmp_path / f"moe_{s}", arch="qwen3_moe", seed=s, dtype="bfloat16", **MOE_SHAPE)
+        for s in (0, 1)
+    )
+    log = tmp_path / "sglang_moe.log"
+    cfg = SGLangConfig(
+        model_path=str(served),
+        port=0,
+        mem_fraction_static=0.2,
+        return_routed_experts=True,
+        extra_args={"cuda-graph-max-bs": 8},
+        startup_timeout=900,
+        log_file=str(log),
+    )
+    prompt = ids(40, seed=13)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=5)
+    with SGLangLauncher(cfg) as launcher:
+        async with EngineClient(launcher.url, timeout=300) as client:
+            first = await client.generate(prompt, sp, return_routed_experts=True)
+            turn2 = prompt + first.output_ids + ids(6, seed=14)
+            second = await client.generate(turn2, sp, return_routed_experts=True)
+            unasked = await client.generate(prompt, sp)
+    seq1, seq2 = prompt + first.output_ids, turn2 + second.output_ids
+    agree = routing_agreement(first.meta["routed_experts"], reference_routing(served, seq1)[:-1])
+    agree2 = routing_agreement(second.meta["routed_experts"], reference_routing(served, seq2)[:-1])
+    other_model = routing_agreement(first.meta["routed_experts"], reference_routing(other, seq1)[:-1])
+    print(
+        f"SGLang routed experts: agreement with a float32 forward {agree:.3f} (second turn, cached "
+        f"prefix {second.meta.get('cached_tokens')} tokens: {agree2:.3f}); with another model's routing "
+        f"{other_model:.3f}"
+    )
+    assert second.meta.get("cached_tokens", 0) >= len(prompt)
+    assert agree >= 0.9 and agree2 >= 0.9
+    assert other_model < 0.5
+    assert unasked.meta.get("routed_experts") is None
 
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

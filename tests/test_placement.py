@@ -70,6 +70,22 @@ def test_engine_quantization_reaches_the_engines_it_starts() -> None:
     assert sglang.args[0].quantization == "fp8"
 
 
+def test_routing_replay_asks_sglang_servers_for_their_routing() -> None:
+    """``trainer.moe.routing_replay`` needs the experts the engine routed each token to: the SGLang servers a
+    run starts get ``--enable-return-routed-experts`` (without it they answer without the record)."""
+    from agentrl.engine.launcher import SGLangLauncher
+    from agentrl.placement import engine_starter
+    from agentrl.recipe import load_run_config
+
+    run = ["model_path=/m", "data.path=/d", "env.name=math", "engine.backend=sglang"]
+    replay = load_run_config(None, [*run, "trainer.moe.routing_replay=true"])
+    assert replay.rollout.return_routed_experts
+    served = engine_starter(replay, "/m", 0).args[0]
+    assert "--enable-return-routed-experts" in SGLangLauncher(served).command()
+    plain = engine_starter(load_run_config(None, run), "/m", 0).args[0]
+    assert "--enable-return-routed-experts" not in SGLangLauncher(plain).command()
+
+
 def test_trainer_ranks_start_with_the_nccl_setting_of_sglang_servers() -> None:
     """A weight-update group between trainer ranks and SGLang servers opens only when both ends run NCCL
     with the same NCCL_CUMEM_ENABLE, which SGLang's schedulers set to 0: with SGLang engines the ranks start

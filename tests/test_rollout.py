@@ -351,6 +351,22 @@ async def test_steps_without_observation_are_counted(tok: Any, caplog: pytest.Lo
     assert len(warned) == 1 and "SilentEnv" in warned[0].getMessage()
 
 
+async def test_requests_without_the_routing_replay_asked_for_are_counted(
+    tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # routing replay on, an engine that answers without routed_experts (a dense model, or an SGLang server
+    # started without --enable-return-routed-experts): every such turn counted, one warning naming the flag
+    config = cfg(group_size=2, batch_size=1, return_routed_experts=True)
+    batch, stats = await one_batch(config, tok, lambda: SyntheticEnv(turns=2), 1, max_tokens=6)
+    turns = sum(t.num_turns for t in batch)
+    assert stats["rollout/requests_without_routing"] >= turns >= 2
+    assert all(t.routed_experts is None for t in batch)
+    warned = [r for r in caplog.records if "no routed_experts" in r.getMessage()]
+    assert len(warned) == 1 and "--enable-return-routed-experts" in warned[0].getMessage()
+    _, plain = await one_batch(cfg(group_size=2, batch_size=1), tok, lambda: SyntheticEnv(turns=2), 1)
+    assert "rollout/requests_without_routing" not in plain
+
+
 MEMORY_BOMB = "x = []\nwhile True:\n    x.append(bytearray(16 * 2**20))"
 
 

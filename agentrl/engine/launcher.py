@@ -287,6 +287,12 @@ class SGLangConfig(ConfigModel):
         "(online quantization; an fp8 checkpoint needs no flag), with --load-format flash_rl so that weights "
         "pushed later are quantized again; set by a run from engine.quantization",
     )
+    return_routed_experts: bool = Field(
+        False,
+        description="--enable-return-routed-experts: a mixture-of-experts server reports the experts it "
+        "routed every input position to (meta_info routed_experts), which routing replay trains with; set "
+        "by a run from rollout.return_routed_experts",
+    )
     lora: SGLangLoRAConfig | None = Field(
         None,
         description="--enable-lora and the adapters' room (max rank, target modules, two adapters loaded at "
@@ -487,6 +493,7 @@ class SGLangLauncher(_Launcher):
             "enable-weights-cpu-backup": c.weights_cpu_backup,
             "enable-deterministic-inference": c.deterministic,
             "quantization": c.quantization,
+            "enable-return-routed-experts": c.return_routed_experts,
             # plain online fp8 does not quantize pushed weights again; flash_rl's loader does (module
             # docstring)
             "load-format": "flash_rl" if c.quantization == "fp8" else None,

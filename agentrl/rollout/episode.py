@@ -425,6 +425,16 @@ class EpisodeRunner:
             vers += [v] * len(res.output_ids)
             if routed and res.meta.get("routed_experts") is not None:
                 traj.routed_experts = res.meta["routed_experts"]  # the latest covers every earlier position
+            elif routed and res.output_ids:
+                # replay asked for the routing and the engine gave none: the trainer routes those rows itself
+                m.count("requests_without_routing")
+                if m.counters["requests_without_routing"] == 1:
+                    log.warning(
+                        "routing replay is on but the engine returned no routed_experts (counted in "
+                        "rollout/requests_without_routing); the trainer routes those tokens itself. An "
+                        "SGLang server needs --enable-return-routed-experts, and the model must be a "
+                        "mixture of experts"
+                    )
             if not res.aborted:
                 return ids, lps, vers
             aborts += 1
