@@ -53,6 +53,20 @@ def test_a_llama_shape_has_its_models_parameter_count(tmp_path: Path) -> None:
     assert parameter_counts(model) == (134_515_008, 134_515_008)
 
 
+def test_a_shape_cut_to_fewer_layers_keeps_its_layers(tmp_path: Path) -> None:
+    """``num_layers``: the Qwen3-MoE shape's own layers, two of them: each layer's attention (q/k norms
+    included), router and 16 experts of width 768, the tied embedding and the final norm."""
+    model = build_shape_model("qwen3-moe-1b", tmp_path / "moe2", "bfloat16", num_layers=2)
+    cfg = json.loads((model / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["moe_intermediate_size"]) == (2, 1024, 768)
+    h, q, kv, d = 1024, 16 * 64, 4 * 64, 64
+    attention = h * q + 2 * h * kv + q * h + 2 * d + 2 * h
+    experts, active = 16 * 3 * h * 768, 2 * 3 * h * 768
+    embedding = 151_936 * h
+    total = embedding + 2 * (attention + 16 * h + experts) + h
+    assert parameter_counts(model) == (total, total - 2 * (experts - active))
+
+
 def test_tasks_have_prompts_of_about_the_asked_length(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -80,6 +94,7 @@ def test_scale_section_names_a_bad_field() -> None:
         "config_7b_2gpu.yaml",
         "config_7b_2gpu_disaggregated.yaml",
         "config_30b_a3b.yaml",
+        "config_moe_2gpu.yaml",
     ],
 )
 def test_scale_configs_load(name: str) -> None:
@@ -97,6 +112,7 @@ def test_scale_configs_load(name: str) -> None:
         ("config_7b_2gpu.yaml", 2, 2),
         ("config_7b_2gpu_disaggregated.yaml", 1, 1),
         ("config_30b_a3b.yaml", 4, 4),
+        ("config_moe_2gpu.yaml", 2, 2),
     ],
 )
 def test_step_costs_count_gpus_not_ray_shares(

@@ -27,9 +27,12 @@ def shape_names() -> tuple[str, ...]:
     return (*SMALL_SHAPES, *FULL_SHAPES)
 
 
-def build_shape_model(shape: str, out: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> Path:
+def build_shape_model(
+    shape: str, out: str | Path, dtype: str = "bfloat16", device: str = "cpu", num_layers: int | None = None
+) -> Path:
     """An HF model directory of ``shape`` (:func:`shape_names`) with random weights at ``out``; a
-    full-size shape is drawn on ``device`` (a GPU makes a 7B model in seconds)."""
+    full-size shape is drawn on ``device`` (a GPU makes a 7B model in seconds), with ``num_layers`` of its
+    decoder layers when given (the small shapes keep theirs)."""
     import torch
 
     from agentrl.models.tiny import build_tiny_model, shape_config
@@ -42,7 +45,7 @@ def build_shape_model(shape: str, out: str | Path, dtype: str = "bfloat16", devi
     if shape not in shape_names():
         raise ValueError(f"unknown shape {shape!r}; choose {', '.join(shape_names())}")
     build_tiny_model(out / "tok", arch="qwen2")  # only for its tokenizer files
-    save_random_model(shape_config(shape), getattr(torch, dtype), device, out)
+    save_random_model(shape_config(shape, num_layers), getattr(torch, dtype), device, out)
     for f in TOKENIZER_FILES:
         shutil.copy(out / "tok" / f, out / f)
     shutil.rmtree(out / "tok")

@@ -162,9 +162,10 @@ FULL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def shape_config(name: str) -> Any:
+def shape_config(name: str, num_layers: int | None = None) -> Any:
     """The transformers config of the full-size shape ``name`` (:data:`FULL_SHAPES`), with the tiny
-    tokenizer's end-of-sequence (2) and padding (0) ids."""
+    tokenizer's end-of-sequence (2) and padding (0) ids; ``num_layers``: that many of its decoder layers
+    (None: all), the same model cut to what a machine holds."""
     import transformers
 
     if name not in FULL_SHAPES:
@@ -176,6 +177,8 @@ def shape_config(name: str) -> Any:
         "qwen3_moe": transformers.Qwen3MoeConfig,
     }
     cls = families[arch]
+    if num_layers is not None:
+        dims = {**dims, "num_hidden_layers": num_layers}
     return cls(**dims, eos_token_id=2, pad_token_id=0)
 
 

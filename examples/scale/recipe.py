@@ -46,6 +46,12 @@ class ScaleSection(BaseModel):
     shape: str = Field(
         "tiny", description="the random model's shape: tiny, tiny-moe, or a full-size one (qwen2.5-7b, ...)"
     )
+    num_layers: int | None = Field(
+        None,
+        ge=1,
+        description="the full-size shape with this many of its decoder layers (None: all of them): the "
+        "same layers, fewer of them, where the whole model does not fit the machine",
+    )
     dtype: str = Field("bfloat16", description="the random model's dtype on disk: bfloat16, float16, float32")
     device: str = Field("cpu", description="where its weights are drawn (cuda: a 7B model in seconds)")
     cache_dir: str = Field(".cache/scale", description="where the random models are kept, by shape and dtype")
@@ -134,12 +140,13 @@ class ScaleRecipe(DefaultRecipe):
         from agentrl.models.random_weights import build_shape_model
 
         s = self.cfg.scale
-        out = Path(s.cache_dir) / f"{s.shape}-{s.dtype}"
+        layers = "" if s.num_layers is None else f"-{s.num_layers}layers"
+        out = Path(s.cache_dir) / f"{s.shape}{layers}-{s.dtype}"
         if not (out / "DONE").is_file():
             print(f"scale: building a random {s.shape} model ({s.dtype}, on {s.device}) in {out}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-            build_shape_model(s.shape, out, s.dtype, s.device)
-            (out / "DONE").write_text(json.dumps(s.model_dump(include={"shape", "dtype"})))
+            build_shape_model(s.shape, out, s.dtype, s.device, s.num_layers)
+            (out / "DONE").write_text(json.dumps(s.model_dump(include={"shape", "num_layers", "dtype"})))
         return out
 
     def finish(self, result: dict[str, Any], history: History, evals: Evals) -> dict[str, Any]:
