@@ -74,6 +74,29 @@ def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:
         want = flat.clone()
 
 
+def test_offload_finds_the_state_of_every_optimizer_in_megatrons_chain() -> None:
+    """With expert parallelism megatron chains two optimizers (dense and expert parameters), and a chain
+    of more than one refuses ``.optimizer``: the offload walks the chain and finds both's parameters and
+    Adam moments."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    from agentrl.trainer.offload import trainer_state_tensors
+
+    dense, experts = torch.nn.Linear(4, 4), torch.nn.Linear(3, 3)
+    adams = [torch.optim.AdamW(m.parameters()) for m in (dense, experts)]
+    for m, adam in zip((dense, experts), adams, strict=True):
+        m(torch.randn(2, m.in_features)).sum().backward()
+        adam.step()
+    chain = ChainedOptimizer(adams)
+    with pytest.raises(AssertionError):
+        chain.optimizer  # noqa: B018 - the property the walk must not touch
+    kept, _ = trainer_state_tensors(torch.nn.Module(), chain, [])
+    held = {id(t) for t in kept}
+    for adam in adams:
+        for p, state in adam.state.items():
+            assert id(p) in held and id(state["exp_avg"]) in held and id(state["exp_avg_sq"]) in held
+
+
 def test_named_tensors_in_shared_memory_round_trip_and_bad_payloads_are_refused() -> None:
     named = [
         ("a", torch.randn(3, 5).to(torch.bfloat16)),

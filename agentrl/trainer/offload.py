@@ -34,7 +34,12 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
                 yield from group["params"]
             for state in o.state.values():
                 yield from (v for v in state.values() if torch.is_tensor(v))
-        stack.extend(getattr(o, "chained_optimizers", []))
+        chained = getattr(o, "chained_optimizers", None)
+        if chained is not None:
+            # megatron's chain (dense and expert-parallel parameters each have an optimizer): its own
+            # .optimizer is only defined for a chain of one
+            stack.extend(chained)
+            continue
         stack.extend(getattr(o, "sub_optimizers", []))  # megatron's hybrid CPU/GPU optimizer
         stack.append(getattr(o, "optimizer", None))
 
