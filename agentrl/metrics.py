@@ -171,8 +171,9 @@ def _start_wandb(cfg: WandbConfig, out_dir: Path, run_config: dict[str, Any] | N
 
 
 # A speculating embedded engine's counters (agentrl.embedded.speculative), in its stats and summed over
-# engines into engine/...: verify steps, the rows they ran, drafted / accepted / emitted tokens, and the
-# decode steps the speculation gate chose not to verify drafts at.
+# engines into engine/...: verify steps, the rows they ran, drafted / accepted / emitted tokens, the
+# decode steps the speculation gate chose not to verify drafts at, and the drafts taken from what other
+# requests generated (engine.speculative.shared_tokens).
 SPEC_COUNTERS = (
     "spec_verify_steps",
     "spec_verify_rows",
@@ -180,6 +181,7 @@ SPEC_COUNTERS = (
     "spec_accepted_tokens",
     "spec_emitted_tokens",
     "spec_skipped_steps",
+    "spec_shared_drafts",
 )
 
 

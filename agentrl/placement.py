@@ -191,6 +191,7 @@ def engine_starter(
         if (spec := e.speculative) is not None:  # drafts from the context (agentrl.embedded.speculative)
             extra += ["--speculative", spec.method, "--spec-k", str(spec.num_draft_tokens)]
             extra += ["--spec-ngram", str(spec.max_ngram), "--spec-min-ngram", str(spec.min_ngram)]
+            extra += ["--spec-shared-tokens", str(spec.shared_tokens)]
             extra += ["--spec-acceptance", spec.acceptance]
             extra += [] if spec.adaptive else ["--spec-always"]
         return functools.partial(

@@ -21,6 +21,7 @@ from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.sampling import RequestSampling
 from agentrl.embedded.speculative import (
     NgramDrafter,
+    SharedNgrams,
     SpeculationGate,
     SpeculativeConfig,
     accepted_exact,
@@ -74,6 +75,44 @@ def test_ngram_drafter_proposes_what_followed_the_latest_longest_match() -> None
     assert accepted_exact([7], []) == 1
     with pytest.raises(ValueError, match="min_ngram"):
         SpeculativeConfig(max_ngram=2, min_ngram=3)
+
+
+def test_shared_ngrams_draft_from_what_other_requests_generated() -> None:
+    """``shared_tokens``: a request drafts what another request generated after the same suffix (a
+    running one's or a finished one's); the longest suffix with a match wins, its own match first at one
+    length; a prompt is not indexed, only its last n-grams that lead into what it generates; the oldest
+    requests go first when the remembered tokens pass the capacity; a reset forgets them."""
+    d = NgramDrafter(max_ngram=3, min_ngram=2, shared_tokens=1000)
+    first = [50, 51, 52, 60]  # a prompt, seen first here: only its last n-grams are indexed
+    d.propose([first], [4])
+    first += [61, 62, 70, 71, 72, 73]  # what it generated meanwhile
+    other = [90, 91, 70, 71]  # another request with the same two tokens at its end
+    assert d.propose([first, other], [4, 3]) == [[], [72, 73]]
+    assert d.shared_drafts == 1
+    assert NgramDrafter(3, 2).propose([list(other)], [3]) == [[]]  # on its own context alone: nothing
+    sibling = [50, 51, 52, 60]  # the same prompt: drafts what the first generated after it
+    assert d.propose([sibling], [3]) == [[61, 62, 70]]
+    own = [70, 71, 5, 6, 70, 71]  # its own earlier [70, 71] comes first
+    assert d.propose([own], [2]) == [[5, 6]]
+    assert d.propose([[3, 51, 52]], [4]) == [[]]  # the prompt's inside is not indexed
+    d.reset()
+    assert d.propose([[90, 91, 70, 71]], [3]) == [[]]
+
+    longer = NgramDrafter(max_ngram=3, min_ngram=2, shared_tokens=1000)
+    gen = [40, 41]
+    longer.propose([gen], [2])
+    gen += [1, 2, 3, 8, 9]
+    mine = [2, 3, 5, 6, 1, 2, 3]  # its own [2, 3] is shorter than the shared [1, 2, 3]
+    assert longer.propose([gen, mine], [2, 2]) == [[], [8, 9]]
+
+    shared = SharedNgrams(max_ngram=2, min_ngram=2, capacity=6)
+    a, b = [1, 2, 3, 4], [7, 8, 9]
+    shared.add(a, 0)  # n-gram ends 2..4 of a
+    assert shared.lookup([9, 2, 3], (2, 3), 2) == [4]
+    a.append(5)
+    shared.add(a, 0)  # known: indexed on from where it was, not again from 0
+    shared.add(b, 0)  # past the capacity: a, the oldest, is forgotten
+    assert shared.lookup([9, 2, 3], (2, 3), 2) == [] and shared.lookup([0, 7, 8], (7, 8), 2) == [9]
 
 
 def test_rejection_acceptance_keeps_the_target_distribution() -> None:
@@ -146,7 +185,11 @@ def test_the_switch_reaches_the_embedded_server() -> None:
     from agentrl.recipe import load_run_config
 
     run = ["model_path=/m", "data.path=/d", "env.name=math"]
-    spec = ["engine.speculative.num_draft_tokens=6", "engine.speculative.max_ngram=4"]
+    spec = [
+        "engine.speculative.num_draft_tokens=6",
+        "engine.speculative.max_ngram=4",
+        "engine.speculative.shared_tokens=5000",
+    ]
     cfg = load_run_config(None, [*run, *spec])
     extra = engine_starter(cfg, "/m", 0).keywords["extra_args"]
     assert _speculative(_parse_args(["--model", "/m", *extra])) == cfg.engine.speculative
@@ -307,6 +350,38 @@ async def test_abort_retraction_and_weight_update_with_speculation(
         plain.shutdown()
         spec.shutdown()
         other.shutdown()
+
+
+async def test_drafts_from_other_requests_change_no_token(peaked_model_dir: Path) -> None:
+    """``shared_tokens``: a group's samples of one prompt, arriving one after another as a rollout's turns
+    do, draft from what the earlier ones generated (greedy ones agree, as a converged policy's do; sampled
+    ones mostly do not); the tokens and logprobs are those of the engine without speculation, bit for
+    bit, and the shared drafts are counted and accepted."""
+    prompt = _prompts()[0]
+    group = [
+        RequestSampling(temperature=t, max_new_tokens=48, sampling_seed=300 + i, ignore_eos=True)
+        for i, t in enumerate([0.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    ]
+    shared = SpeculativeConfig(
+        num_draft_tokens=4, max_ngram=3, min_ngram=2, adaptive=False, shared_tokens=10_000
+    )
+    plain = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True)
+    spec = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True, speculative=shared)
+    try:
+        for engine in (plain, spec):
+            first = await asyncio.gather(
+                *(engine.generate(prompt, sp, f"a{i}") for i, sp in enumerate(group[:2]))
+            )
+            rest = await asyncio.gather(
+                *(engine.generate(prompt, sp, f"b{i}") for i, sp in enumerate(group[2:]))
+            )
+            if engine is plain:
+                base = [*first, *rest]
+        _same([*first, *rest], base)
+        assert spec.stats["spec_shared_drafts"] > 0 and spec.stats["spec_accepted_tokens"] > 0, spec.stats
+    finally:
+        plain.shutdown()
+        spec.shutdown()
 
 
 async def test_a_request_alone_or_in_a_crowd_gets_the_same_bits_with_speculation(

@@ -315,6 +315,7 @@ class Scheduler:
             for r in rows
         ]
         drafts = self.drafter.propose([r.seq for r in rows], budgets)
+        self.stats["spec_shared_drafts"] = getattr(self.drafter, "shared_drafts", 0)
         return drafts if any(drafts) else None
 
     def _admit_every(self) -> int:

@@ -152,6 +152,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--spec-min-ngram", type=int, default=2, help="--speculative: the shortest suffix looked up"
     )
     p.add_argument(
+        "--spec-shared-tokens",
+        type=int,
+        default=0,
+        help="--speculative: also look a request's suffix up in what the other requests generated, this "
+        "many tokens remembered (0: its own context only)",
+    )
+    p.add_argument(
         "--spec-acceptance",
         default="exact",
         choices=["exact", "rejection"],
@@ -215,6 +222,7 @@ def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
         num_draft_tokens=args.spec_k,
         max_ngram=args.spec_ngram,
         min_ngram=args.spec_min_ngram,
+        shared_tokens=args.spec_shared_tokens,
         acceptance=args.spec_acceptance,
         adaptive=not args.spec_always,
     )

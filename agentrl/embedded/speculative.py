@@ -52,6 +52,13 @@ class SpeculativeConfig(ConfigModel):
     min_ngram: int = Field(
         2, ge=1, description="the shortest suffix looked up (1 drafts more, and misses more)"
     )
+    shared_tokens: int = Field(
+        0,
+        ge=0,
+        description="where a request's own context has no match, also look its suffix up in what the "
+        "engine's other requests generated (a group's samples, a policy's habitual phrasing), up to this "
+        "many generated tokens remembered; 0: the request's own context only",
+    )
     adaptive: bool = Field(
         True,
         description="speculate only while a verify step emits more tokens per second than a decode step "
@@ -87,17 +94,25 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup: the continuation of the latest earlier occurrence of the context's last ``n`` tokens,
-    for ``n`` from ``max_ngram`` down to ``min_ngram`` (a longer match is the better guess). A proposal is
-    a function of the context alone; the drafter keeps only each running context's search buffer (its
-    tokens as bytes, extended as the context grows), dropped when the context is not proposed for."""
+    for ``n`` from ``max_ngram`` down to ``min_ngram`` (a longer match is the better guess). The drafter
+    keeps each running context's search buffer (its tokens as bytes, extended as the context grows),
+    dropped when the context is not proposed for.
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    With ``shared_tokens`` > 0, each suffix length is also looked up in the tokens the engine's requests
+    generated (:class:`SharedNgrams`): those of the other running requests and of finished ones, up to
+    that many remembered. The longest suffix with a match drafts, its match in the context itself first.
+    A proposal then depends on what else the engine served; the emitted tokens do not (a draft only
+    decides how many of them one step emits)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, shared_tokens: int = 0) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._bufs: dict[int, tuple[list[int], int, bytearray]] = {}  # id -> (context, its length, bytes)
+        self.shared = SharedNgrams(max_ngram, min_ngram, shared_tokens) if shared_tokens > 0 else None
+        self.shared_drafts = 0  # drafts taken from the shared n-grams, ever
 
     def propose(self, contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         bufs, out = {}, []
-        for context, k in zip(contexts, budgets, strict=True):
+        for context in contexts:
             # contexts only grow (the scheduler appends to a request's tokens), so a context's buffer is
             # extended by its new tokens; the identity check keeps a reused id from reading another's
             had = self._bufs.get(id(context))
@@ -106,27 +121,38 @@ class NgramDrafter:
                 buf += array("i", context[had[1] :]).tobytes()
             else:
                 buf = bytearray(array("i", context).tobytes())
+            if self.shared is not None:  # its tokens since the last step; one seen first, from its end
+                self.shared.add(context, had[1] if had is not None and had[0] is context else len(context))
             bufs[id(context)] = (context, len(context), buf)
-            out.append(self._one(context, buf, k))
+        for context, k in zip(contexts, budgets, strict=True):
+            out.append(self._one(context, bufs[id(context)][2], k))
         self._bufs = bufs
         return out
 
     def reset(self) -> None:
         self._bufs = {}
+        if self.shared is not None:
+            self.shared.clear()
 
     def _one(self, context: list[int], buf: bytearray, k: int) -> list[int]:
+        """The draft of the longest suffix with a match: in the context itself, else (at that length) in
+        the shared n-grams."""
         size = len(context)
-        if k <= 0 or size < self.min_ngram + 1:
+        if k <= 0 or size < self.min_ngram:
             return []
         # The tokens as machine words, searched with rfind (a C scan, no copy per window): a hit at an
         # offset that is not a multiple of the word straddles two tokens and is skipped.
-        w = _WORD
-        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+        w, top = _WORD, min(self.max_ngram, size)
+        tail = tuple(context[-top:]) if self.shared is not None else ()  # the shared index's keys
+        for n in range(top, self.min_ngram - 1, -1):
             suffix, end = bytes(buf[-w * n :]), len(buf) - w  # a match ends before the last token
-            while (at := buf.rfind(suffix, 0, end)) >= 0:
+            while n < size and (at := buf.rfind(suffix, 0, end)) >= 0:
                 if at % w == 0:
                     return self._continuation(context, at // w + n, k)
                 end = at + w * n - 1
+            if self.shared is not None and (draft := self.shared.lookup(context, tail[top - n :], k)):
+                self.shared_drafts += 1
+                return draft
         return []
 
     @staticmethod
@@ -137,6 +163,59 @@ class NgramDrafter:
         for i in range(start, start + k):
             draft.append(context[i] if i < size else draft[i - size])
         return draft
+
+
+class SharedNgrams:
+    """The tokens the engine's requests generated, indexed by n-gram for :class:`NgramDrafter`: each
+    n-gram (``min_ngram`` to ``max_ngram`` tokens) maps to the latest place some request's tokens went on
+    after it, and a lookup proposes what followed there. A request is indexed from where the drafter
+    first saw it (the end of its prompt: what it generates, and the prompt's last n-grams, which lead
+    into it), each n-gram once a token follows it; requests are remembered, the oldest dropped first, up
+    to ``capacity`` indexed tokens."""
+
+    def __init__(self, max_ngram: int, min_ngram: int, capacity: int) -> None:
+        self.max_ngram, self.min_ngram, self.capacity = max_ngram, min_ngram, capacity
+        self._index: dict[tuple[int, ...], tuple[list[int], int]] = {}  # n-gram -> (tokens, its end)
+        # id -> (tokens, n-gram ends indexed up to, tokens counted, n-grams it set), the least recently
+        # grown first
+        self._held: dict[int, tuple[list[int], int, int, list[tuple[int, ...]]]] = {}
+        self._size = 0
+
+    def add(self, tokens: list[int], start: int) -> None:
+        """Index ``tokens`` (a context that only grows): the n-grams ending at ``start`` and after, or
+        after those indexed when it is known, that a token follows."""
+        had = self._held.pop(id(tokens), None)
+        if had is not None and had[0] is tokens:
+            start, counted, keys = had[1], had[2], had[3]
+        else:
+            counted, keys = 0, []
+        index, low = self._index, self.min_ngram
+        for end in range(max(start, low), len(tokens)):
+            top = tuple(tokens[max(end - self.max_ngram, 0) : end])
+            for n in range(low, len(top) + 1):
+                key = top[len(top) - n :]
+                index[key] = (tokens, end)
+                keys.append(key)
+        grown = max(len(tokens) - start, 0)
+        self._size += grown
+        self._held[id(tokens)] = (tokens, max(start, len(tokens)), counted + grown, keys)
+        while self._size > self.capacity and len(self._held) > 1:
+            dropped, _, count, its = self._held.pop(next(iter(self._held)))
+            self._size -= count
+            for key in its:
+                if self._index.get(key, (None,))[0] is dropped:
+                    del self._index[key]
+
+    def lookup(self, context: list[int], suffix: tuple[int, ...], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed ``suffix`` (the context's last tokens) where another request
+        generated them; [] without such a place."""
+        hit = self._index.get(suffix)
+        if hit is None or hit[0] is context:
+            return []
+        return hit[0][hit[1] : hit[1] + k]
+
+    def clear(self) -> None:
+        self._index, self._held, self._size = {}, {}, 0
 
 
 class SpeculationGate:
@@ -178,7 +257,7 @@ class SpeculationGate:
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter ``config`` names."""
-    return NgramDrafter(config.max_ngram, config.min_ngram)
+    return NgramDrafter(config.max_ngram, config.min_ngram, config.shared_tokens)
 
 
 def accepted_exact(sampled: list[int], draft: list[int]) -> int:
@@ -237,6 +316,7 @@ __all__ = [
     "Acceptance",
     "Drafter",
     "NgramDrafter",
+    "SharedNgrams",
     "SpeculationGate",
     "SpeculativeConfig",
     "accepted_exact",
