@@ -384,6 +384,34 @@ async def test_drafts_from_other_requests_change_no_token(peaked_model_dir: Path
         spec.shutdown()
 
 
+async def test_a_search_that_finds_no_draft_backs_off(peaked_model_dir: Path) -> None:
+    """Where drafts never come, the adaptive engine stops paying for the search at every step: after
+    proposals that gave no row a draft it skips the drafter 1, 3, 7, then 15 times; with ``adaptive:
+    false`` it asks at every step. The tokens are the plain engine's either way."""
+    found: dict[bool, tuple[int, int, list]] = {}
+    for adaptive in (True, False):
+        config = SpeculativeConfig(num_draft_tokens=4, max_ngram=3, min_ngram=2, adaptive=adaptive)
+        engine = EmbeddedEngine(peaked_model_dir, max_batch_size=4, batch_invariant=True, speculative=config)
+        calls: list[int] = []
+
+        def nothing(
+            contexts: list[list[int]], budgets: list[int], calls: list[int] = calls
+        ) -> list[list[int]]:
+            calls.append(len(contexts))
+            return [[] for _ in contexts]
+
+        engine.scheduler.drafter.propose = nothing
+        try:
+            out = await _run(engine, _params(1.0, lengths=(60, 60, 60, 60, 60)), "n")
+            found[adaptive] = (len(calls), engine.stats["decode_steps"], out)
+        finally:
+            engine.shutdown()
+    (asked, steps, out), (asked_always, steps_always, out_always) = found[True], found[False]
+    assert steps >= 60 and steps_always >= 60
+    assert asked <= steps / 4 and asked_always >= steps_always / 2, (asked, steps, asked_always, steps_always)
+    _same(out, out_always)
+
+
 async def test_a_request_alone_or_in_a_crowd_gets_the_same_bits_with_speculation(
     peaked_model_dir: Path,
 ) -> None:

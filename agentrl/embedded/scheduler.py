@@ -72,6 +72,7 @@ class Scheduler:
     # the event loop between steps costs two thread hand-offs and the loop's own turn (about as long as a
     # small model's decode step on a GPU). The rows' tokens are the same for any value.
     DECODE_RUN = 8
+    DRAFT_BACKOFF = 16  # plans between two proposals, at most, while proposals give no draft
 
     def __init__(
         self,
@@ -102,6 +103,8 @@ class Scheduler:
         self.step_lock = asyncio.Lock()  # held by a step; taken by weight updates and cache flushes
         self._retract = False
         self._since_prefill = 0
+        self._draft_misses = 0  # proposals in a row that gave no row a draft
+        self._draft_wait = 0  # decode steps left before the next proposal
         self._step_s = {
             "prefill": 0.0,
             "decode": 0.0,
@@ -302,7 +305,12 @@ class Scheduler:
     def _drafts(self, rows: list[EngineRequest]) -> list[list[int]] | None:
         """Each row's draft, or None when no row has one (a plain decode step, with its graphs, then).
         A draft never reaches past the request's max_new_tokens or the KV slot: the step emits at most
-        one token more than it holds."""
+        one token more than it holds. With the adaptive gate, proposals that give no row a draft back
+        off: the drafter is skipped the next 1, 3, 7, then 15 times a decode step is planned (its search
+        costs host time at every step, drafts or not), until a proposal gives a draft."""
+        if self._draft_wait > 0:
+            self._draft_wait -= 1
+            return None
         k = self.speculative.num_draft_tokens
         if self.runner.verify_buckets:
             # within the largest verify graph: an eager verify step costs as much as several graphed ones
@@ -316,7 +324,13 @@ class Scheduler:
         ]
         drafts = self.drafter.propose([r.seq for r in rows], budgets)
         self.stats["spec_shared_drafts"] = getattr(self.drafter, "shared_drafts", 0)
-        return drafts if any(drafts) else None
+        if any(drafts):
+            self._draft_misses = 0
+            return drafts
+        if self.speculative.adaptive:  # where drafts never come (random text), stop paying for the search
+            self._draft_misses += 1
+            self._draft_wait = min(2**self._draft_misses, self.DRAFT_BACKOFF) - 1
+        return None
 
     def _admit_every(self) -> int:
         """Decode steps to gather arriving requests for before a prefill step stalls the decoding rows:
