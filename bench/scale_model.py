@@ -532,10 +532,10 @@ def _train_7b(inp: ScaleInputs, gpus: int, tp: int = 1, cpu_adam: bool = False) 
     return train_s(SHAPES["qwen2.5-7b"], W_7B.batch(gpus) * seq, gpus, seq, inp, tp, cpu_adam)
 
 
-def _update_tokens_per_s(parts: dict[str, float], gpus: int, inp: ScaleInputs) -> float:
-    """A GPU's trained tokens/s over the update alone (as the trainer reports it): its compute at the
-    update's MFU, with the collectives and the host's Adam inside it."""
-    tokens = W_7B.batch(gpus) * (W_7B.prompt_tokens + W_7B.response_tokens)
+def _update_tokens_per_s(parts: dict[str, float], gpus: int, inp: ScaleInputs, w: Workload = W_7B) -> float:
+    """A GPU's trained tokens/s over the update alone (as the trainer reports it) for the workload
+    ``w``: its compute at the update's MFU, with the collectives and the host's Adam inside it."""
+    tokens = w.batch(gpus) * (w.prompt_tokens + w.response_tokens)
     update = parts["compute"] * inp.rl_step_over_update
     update += sum(v for k, v in parts.items() if k != "compute")
     return tokens / update / gpus
@@ -572,27 +572,23 @@ MOE_12 = dataclasses.replace(SHAPES["qwen3-30b-a3b"], name="qwen3-30b-a3b, 12 la
 W_MOE = Workload(trajectories=256, prompt_tokens=525, response_tokens=1024)
 
 
+def _train_moe(inp: ScaleInputs) -> dict[str, float]:
+    """The measured MoE step's training on its 2 GPUs with CPU Adam, as :func:`train_s` splits it."""
+    seq = W_MOE.prompt_tokens + W_MOE.response_tokens
+    return train_s(MOE_12, W_MOE.batch(2) * seq, 2, seq, inp, cpu_adam=True)
+
+
 def _colocated_moe(inp: ScaleInputs) -> dict[str, float]:
     """The colocated MoE step's parts on 2 GPUs: 2 SGLang engines (one a GPU, 128 rows each, a 0.3
     memory fraction) in turns with a trainer over both GPUs with CPU Adam, weights handed over in memory."""
     inp = dataclasses.replace(inp, **SGLANG)
-    seq = W_MOE.prompt_tokens + W_MOE.response_tokens
     kv_gb = 0.3 * inp.gpu_memory / GB - 2.0 * MOE_12.params / GB
     return {
         "rollout": rollout_s(MOE_12, W_MOE.batch(2), 2, 1, W_MOE, inp),
-        "train": sum(train_s(MOE_12, W_MOE.batch(2) * seq, 2, seq, inp, cpu_adam=True).values()),
+        "train": sum(_train_moe(inp).values()),
         "sync": sync_s(MOE_12, "ipc", inp, trainer_split=2),
         "handover": handover_s(MOE_12, 2, 1, kv_gb, inp, cpu_adam=True),
     }
-
-
-def _moe_update_tokens_per_s(inp: ScaleInputs) -> float:
-    """A trainer GPU's tokens/s over the MoE step's update (compute at the update's MFU, the host's Adam)."""
-    seq = W_MOE.prompt_tokens + W_MOE.response_tokens
-    tokens = W_MOE.batch(2) * seq
-    parts = train_s(MOE_12, tokens, 2, seq, inp, cpu_adam=True)
-    update = parts["compute"] * inp.rl_step_over_update + sum(v for k, v in parts.items() if k != "compute")
-    return tokens / update / 2
 
 
 @dataclass(frozen=True)
@@ -960,7 +956,7 @@ POINTS: list[Point] = [
         13_143,
         "tok/s",
         _SCALE_MOE,
-        _moe_update_tokens_per_s,
+        lambda inp: _update_tokens_per_s(_train_moe(inp), 2, inp, W_MOE),
     ),
 ]
 

@@ -116,13 +116,14 @@ class NgramDrafter:
             # contexts only grow (the scheduler appends to a request's tokens), so a context's buffer is
             # extended by its new tokens; the identity check keeps a reused id from reading another's
             had = self._bufs.get(id(context))
-            if had is not None and had[0] is context and had[1] <= len(context):
+            seen = had is not None and had[0] is context and had[1] <= len(context)
+            if seen:
                 buf = had[2]
                 buf += array("i", context[had[1] :]).tobytes()
             else:
                 buf = bytearray(array("i", context).tobytes())
             if self.shared is not None:  # its tokens since the last step; one seen first, from its end
-                self.shared.add(context, had[1] if had is not None and had[0] is context else len(context))
+                self.shared.add(context, had[1] if seen else len(context))
             bufs[id(context)] = (context, len(context), buf)
         for context, k in zip(contexts, budgets, strict=True):
             out.append(self._one(context, bufs[id(context)][2], k))
