@@ -114,6 +114,22 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]  # within the tiny tokenizer's vocabulary
 
 
+def server_config(
+    model: Path, log: Path | None, mem_fraction: float, extra_args: dict | None = None, **fields
+) -> SGLangConfig:
+    """A test server's config: ``model`` at ``mem_fraction`` of the GPU, any free port, CUDA graphs for up
+    to 8 rows, 15 minutes to start, its output in ``log``; ``fields``: the test's own settings."""
+    return SGLangConfig(
+        model_path=str(model),
+        port=0,
+        mem_fraction_static=mem_fraction,
+        extra_args={"cuda-graph-max-bs": 8, **(extra_args or {})},
+        startup_timeout=900,
+        log_file=None if log is None else str(log),
+        **fields,
+    )
+
+
 def _served(cfg: SGLangConfig, log: Path):
     """A started server; what it said before it went away, printed if it died."""
     with SGLangLauncher(cfg) as launcher:
@@ -127,15 +143,7 @@ def _served(cfg: SGLangConfig, log: Path):
 @pytest.fixture(scope="module")
 def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("sglang_log") / "sglang.log"
-    cfg = SGLangConfig(
-        model_path=str(models[0]),
-        port=0,
-        mem_fraction_static=0.3,
-        memory_saver=True,
-        extra_args={"cuda-graph-max-bs": 8},
-        startup_timeout=900,
-        log_file=str(log),
-    )
+    cfg = server_config(models[0], log, 0.3, memory_saver=True)
     yield from _served(cfg, log)
 
 
@@ -260,14 +268,7 @@ async def test_distributed_weight_update(models: tuple[Path, Path]) -> None:
     for key, value in SGLANG_PEER_ENV.items():
         assert os.environ.get(key) == value, f"{key}={os.environ.get(key)}: NCCL here must run as SGLang's"
     torch.cuda.set_device(0)
-    cfg = SGLangConfig(
-        model_path=str(models[0]),
-        port=0,
-        mem_fraction_static=0.3,
-        env=child_gpu_env(1) if two else {},
-        extra_args={"cuda-graph-max-bs": 8},
-        startup_timeout=900,
-    )
+    cfg = server_config(models[0], None, 0.3, env=child_gpu_env(1) if two else {})
     weights = hf_weights(models[1])
     names = list(weights)
     prompt = ids(40, seed=5)
@@ -332,15 +333,7 @@ async def test_fp8_update_is_quantized_again(models: tuple[Path, Path], tmp_path
     serves B: its logprobs are as close to a float32 forward of B as they were to A's before the push
     (fp8's own error), and far from A's."""
     log = tmp_path / "sglang_fp8.log"
-    cfg = SGLangConfig(
-        model_path=str(models[0]),
-        port=0,
-        mem_fraction_static=0.2,
-        quantization="fp8",
-        extra_args={"cuda-graph-max-bs": 8},
-        startup_timeout=900,
-        log_file=str(log),
-    )
+    cfg = server_config(models[0], log, 0.2, quantization="fp8")
     prompt = ids(40, seed=7)
     sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, sampling_seed=11)
     with SGLangLauncher(cfg) as launcher:
@@ -376,18 +369,8 @@ async def test_ngram_speculation_keeps_target_logprobs_across_an_update(
     B's weights with agentrl's tensor sync (the colocated path, ``/update_weights_from_tensor``) succeeds
     with speculation on, after which the server answers as B."""
     log = tmp_path / "sglang_ngram.log"
-    cfg = SGLangConfig(
-        model_path=str(models[0]),
-        port=0,
-        mem_fraction_static=0.2,
-        extra_args={
-            "cuda-graph-max-bs": 8,
-            "speculative-algorithm": "NGRAM",
-            "speculative-num-draft-tokens": 4,
-        },
-        startup_timeout=900,
-        log_file=str(log),
-    )
+    ngram = {"speculative-algorithm": "NGRAM", "speculative-num-draft-tokens": 4}
+    cfg = server_config(models[0], log, 0.2, ngram)
     prompt = ids(16, seed=9) * 4
     greedy = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
     hot = SamplingParams(temperature=0.7, max_new_tokens=48, ignore_eos=True, sampling_seed=3)
@@ -465,15 +448,7 @@ async def test_moe_server_reports_the_routing_replay_trains_with(tmp_path: Path)
         for s in (0, 1)
     )
     log = tmp_path / "sglang_moe.log"
-    cfg = SGLangConfig(
-        model_path=str(served),
-        port=0,
-        mem_fraction_static=0.2,
-        return_routed_experts=True,
-        extra_args={"cuda-graph-max-bs": 8},
-        startup_timeout=900,
-        log_file=str(log),
-    )
+    cfg = server_config(served, log, 0.2, return_routed_experts=True)
     prompt = ids(40, seed=13)
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=5)
     with SGLangLauncher(cfg) as launcher:
@@ -505,15 +480,7 @@ LORA_RANK, LORA_ALPHA = 8, 16.0
 def lora_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     """SGLang with LoRA serving on, room for rank-8 adapters on every module the trainer adapts."""
     log = tmp_path_factory.mktemp("sglang_lora_log") / "sglang.log"
-    cfg = SGLangConfig(
-        model_path=str(models[0]),
-        port=0,
-        mem_fraction_static=0.2,
-        lora=SGLangLoRAConfig.for_adapters(LORA_RANK, ALL_TARGETS),
-        extra_args={"cuda-graph-max-bs": 8},
-        startup_timeout=900,
-        log_file=str(log),
-    )
+    cfg = server_config(models[0], log, 0.2, lora=SGLangLoRAConfig.for_adapters(LORA_RANK, ALL_TARGETS))
     yield from _served(cfg, log)
 
 
