@@ -205,7 +205,7 @@ def engine_starter(
             extra_args=extra,
             log_file=str(Path(cfg.output_dir) / f"engine_{index}.log"),
         )
-    from agentrl.engine.launcher import SGLangConfig, SGLangLoRAConfig
+    from agentrl.engine.sglang_config import SGLangConfig, SGLangLoRAConfig
 
     releases = cfg.placement == "colocated" and cfg.colocation.engine_release != "none"
     lora = cfg.trainer.lora  # served by name beside the resident base (agentrl.weight_sync.named_adapters)
