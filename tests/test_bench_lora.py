@@ -4,6 +4,7 @@ its own; LoRA trains and syncs a fraction of the parameters, and the engine serv
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_lora_bench_reports_both_modes_and_the_engine_serves_the_push() -> None:
+    # one torch thread in every process (the bench, its two trainers, its engines): the tiny model's ops
+    # are too small to share, and with another core busy a team of two waits for its descheduled member at
+    # every op, which slows generation tenfold
     proc = subprocess.run(
         [sys.executable, "bench/lora.py", "--engine", "--steps", "1", "--rank", "4"],
         cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
