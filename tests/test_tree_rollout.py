@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -392,24 +391,13 @@ async def test_failed_forks_and_children_are_failed_leaves_and_every_env_is_clos
     assert FragileEnv.made and all(env.closed for env in FragileEnv.made)
 
 
-async def _request_in_flight(orch: Orchestrator, timeout: float = 30.0) -> None:
-    """Wait until the rollout has a request at the engine."""
-    deadline = time.monotonic() + timeout
-    while not orch.stats().get("rollout/inflight_requests"):
-        assert time.monotonic() < deadline, "no request reached the engine"
-        await asyncio.sleep(0.002)
-
-
 @pytest.mark.parametrize("interrupt_mode", ["continue", "restart"])
 async def test_trees_through_weight_updates_stay_within_the_bound(tok, interrupt_mode):
     """Updates interrupt trees in flight: interrupted children resume (or their trees restart), every
     trained token stays within η, and every env is closed at the end."""
     FragileEnv.made = []
     config = cfg(max_staleness=0, interrupt_mode=interrupt_mode, over_sampling=2.0)
-    # every request takes at least 0.3 s, so the one in flight is still there when the abort arrives,
-    # however loaded the machine
-    engine = {"min_tokens": 2, "max_tokens": 8, "base_latency": 0.3, "per_token_time": 0.002}
-    async with stub_engine_in_process(**engine) as (_, url):
+    async with stub_engine_in_process(min_tokens=2, max_tokens=8, per_token_time=0.002) as (engine, url):
         client = EngineClient(url, timeout=10)
         orch = Orchestrator(config, client, tok, FragileEnv, tasks(40))
         await orch.start()
@@ -417,14 +405,24 @@ async def test_trees_through_weight_updates_stay_within_the_bound(tok, interrupt
             batch = await orch.buffer.get_batch(timeout=60)
             for t in batch:
                 assert orch.version - t.min_policy_version <= 0 and t.status == Status.COMPLETED
-            await _request_in_flight(orch)  # so that the update has a request to interrupt, however loaded
+            # the over-sampled groups go on generating; a request that reaches the engine from now on stays
+            # there until an abort ends it, so the update has one to interrupt however slow the machine
+            engine.cfg.base_latency = 3600.0
+            engine.arrived.clear()
+            await asyncio.wait_for(engine.arrived.wait(), timeout=30)
+            interrupted = orch.stats(reset_window=False).get("rollout/interrupted_requests", 0)
             await orch.pause_for_update()
+            assert orch.stats(reset_window=False).get("rollout/interrupted_requests", 0) > interrupted
+            engine.cfg.base_latency = 0.0
             await client.update_weight_version(str(orch.version + 1))
             await orch.resume_after_update(orch.version + 1)
         stats = orch.stats()
         await orch.stop()
         await client.close()
-    assert stats.get("rollout/interrupted_requests", 0) + stats.get("rollout/stale_episode_restarts", 0) > 0
+    if interrupt_mode == "restart":
+        assert stats["rollout/interrupt_restarts"] == stats["rollout/interrupted_requests"]
+    else:
+        assert stats.get("rollout/interrupt_restarts", 0) == 0
     assert all(env.closed for env in FragileEnv.made)
 
 

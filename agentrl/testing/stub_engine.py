@@ -94,6 +94,8 @@ class StubEngine:
         self._resume.set()
         # rid -> event that, when set, makes the request return early with finish_reason abort
         self._inflight: dict[str, asyncio.Event] = {}
+        # set as each /generate request arrives: an in-process caller clears it and waits for the next one
+        self.arrived = asyncio.Event()
         self.counters: dict[str, int] = {
             "generate": 0,
             "generated_tokens": 0,
@@ -224,6 +226,7 @@ class StubEngine:
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.counters["generate"] += 1
+        self.arrived.set()
         rng = self.rng
         if self.cfg.fail_rate and rng.random() < self.cfg.fail_rate:
             self.counters["failed"] += 1
