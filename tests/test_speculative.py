@@ -277,13 +277,13 @@ async def test_speculation_changes_no_token_or_logprob(peaked_model_dir: Path, t
         base = await _run(plain, _params(temperature), "a")
         # a stop string out of request 2's own output, met where a verify step emits several tokens
         emitted: list[tuple[str, int, list[int]]] = []
-        inner = spec.scheduler._commit_verify
+        inner = spec.scheduler._take_verified  # every verify step's tokens, within a run or after it
 
         def spy(rows, drafts, ids, lps):
             emitted.extend((r.rid, len(r.output_ids), list(t)) for r, t in zip(rows, ids, strict=True))
-            inner(rows, drafts, ids, lps)
+            return inner(rows, drafts, ids, lps)
 
-        spec.scheduler._commit_verify = spy
+        spec.scheduler._take_verified = spy
         await _run(spec, _params(temperature), "probe")
         stop, at = _stop_inside_a_step(plain.tokenizer, base[2].output_ids, emitted, "probe2")
 
@@ -379,6 +379,40 @@ async def test_drafts_from_other_requests_change_no_token(peaked_model_dir: Path
                 base = [*first, *rest]
         _same([*first, *rest], base)
         assert spec.stats["spec_shared_drafts"] > 0 and spec.stats["spec_accepted_tokens"] > 0, spec.stats
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+async def test_verify_steps_run_back_to_back_on_the_device_thread(peaked_model_dir: Path) -> None:
+    """Like decode steps, verify steps run several to a return to the event loop (each return costs two
+    thread hand-offs and the loop's turn): the device thread takes a step's tokens and proposes the next
+    drafts itself while no row can finish and nothing else is due (all five requests fit the batch, so
+    none waits to be admitted). The tokens are the plain engine's."""
+    config = SpeculativeConfig(num_draft_tokens=3, max_ngram=2, min_ngram=1, adaptive=False)
+    plain = EmbeddedEngine(peaked_model_dir, max_batch_size=8, batch_invariant=True)
+    spec = EmbeddedEngine(peaked_model_dir, max_batch_size=8, batch_invariant=True, speculative=config)
+    runs: list[int] = []
+    sched = spec.scheduler
+    inner = sched._execute
+
+    def counting(kind, rows, batch, done):
+        if kind == "verify":
+            runs.append(1)
+        return inner(kind, rows, batch, done)
+
+    sched._execute = counting
+    try:
+        lengths = (60, 60, 60, 60, 60)
+        base = await _run(plain, _params(1.0, lengths=lengths), "p")
+        ours = await _run(spec, _params(1.0, lengths=lengths), "v")
+        _same(ours, base)
+        steps = spec.stats["spec_verify_steps"]
+        assert steps >= 2 * len(runs) > 0, (steps, len(runs))  # several verify steps a run, on average
+        # every token taken once: a request's first from its prefill, the rest from decode or verify steps
+        made = sum(len(o.output_ids) for o in ours)
+        assert made == len(ours) + spec.stats.get("decode_rows", 0) + spec.stats["spec_emitted_tokens"]
+        assert not sched.active and not sched.in_flight
     finally:
         plain.shutdown()
         spec.shutdown()

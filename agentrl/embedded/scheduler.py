@@ -4,7 +4,7 @@ One asyncio task (:meth:`Scheduler.loop`) owns it. Between steps it applies abor
 waiting requests into free slots (copying the longest cached prefix of their tokens,
 :mod:`.prefix_cache`), and picks the next step: a **prefill** of the requests that still have tokens to
 run (chunked by a token budget), or else a **decode** of every running request (:mod:`.runner`); with
-speculation on, a decode step is a **verify** step wherever a request has a draft (:mod:`.speculative`). The
+speculation on, a decode step is a **verify** step wherever a request has a draft (:mod:`.verify_steps`). The
 step itself runs on the engine's device thread, so HTTP keeps being served; it samples on the device
 (:mod:`.sampling`) and hands back ids and logprobs with one host sync. A request leaves the schedule when
 it finishes (stop id, stop string, length), is aborted, or is retracted (its KV goes to the prefix cache);
@@ -26,13 +26,8 @@ from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest
 from agentrl.embedded.runner import ExtendBatch, ModelRunner
 from agentrl.embedded.sampling import sample_tokens
-from agentrl.embedded.speculative import (
-    SpeculationGate,
-    SpeculativeConfig,
-    accepted_exact,
-    make_drafter,
-    rejection_verify,
-)
+from agentrl.embedded.speculative import SpeculationGate, SpeculativeConfig, make_drafter
+from agentrl.embedded.verify_steps import VerifySteps
 
 log = logging.getLogger("agentrl.engine")
 
@@ -59,7 +54,7 @@ def prefill_takes(todo: list[int], budget: int, padded: bool) -> list[int]:
     return takes
 
 
-class Scheduler:
+class Scheduler(VerifySteps):
     """Waiting and running requests, the slot copies between steps, and the loop that runs the steps."""
 
     ADMIT_EVERY = 4  # decode steps between admissions while sequences are decoding, at least
@@ -105,6 +100,7 @@ class Scheduler:
         self._since_prefill = 0
         self._draft_misses = 0  # proposals in a row that gave no row a draft
         self._draft_wait = 0  # decode steps left before the next proposal
+        self._verified = 0  # tokens the last run of verify steps emitted (read by the gate)
         self._step_s = {
             "prefill": 0.0,
             "decode": 0.0,
@@ -200,7 +196,7 @@ class Scheduler:
                         self.stats[f"{step[0]}_busy_s"] = self.stats.get(f"{step[0]}_busy_s", 0.0) + took
                         self._since_prefill += steps - 1 if step[0] == "decode" else 0
                         if step[0] in ("decode", "verify"):  # tokens emitted: every row's, every step
-                            emitted = sum(map(len, ids)) if step[0] == "verify" else len(ids) * steps
+                            emitted = self._verified if step[0] == "verify" else len(ids) * steps
                             self.gate.ran(step[0], emitted, steps, took)
                 except Exception as err:  # one bad step fails its requests, not the engine
                     log.exception("engine step failed")
@@ -293,45 +289,6 @@ class Scheduler:
             return "decode", list(self.active), None, list(range(len(self.active)))
         return None
 
-    def _speculates(self) -> bool:
-        """Whether the next decode step verifies drafts (:class:`.speculative.SpeculationGate`)."""
-        if self.drafter is None:
-            return False
-        if self.gate.speculate():
-            return True
-        self.stats["spec_skipped_steps"] = self.stats.get("spec_skipped_steps", 0) + 1
-        return False
-
-    def _drafts(self, rows: list[EngineRequest]) -> list[list[int]] | None:
-        """Each row's draft, or None when no row has one (a plain decode step, with its graphs, then).
-        A draft never reaches past the request's max_new_tokens or the KV slot: the step emits at most
-        one token more than it holds. With the adaptive gate, proposals that give no row a draft back
-        off: the drafter is skipped the next 1, 3, 7, then 15 times a decode step is planned (its search
-        costs host time at every step, drafts or not), until a proposal gives a draft."""
-        if self._draft_wait > 0:
-            self._draft_wait -= 1
-            return None
-        k = self.speculative.num_draft_tokens
-        if self.runner.verify_buckets:
-            # within the largest verify graph: an eager verify step costs as much as several graphed ones
-            k = min(k, self.runner.verify_buckets[-1] // len(rows) - 1)
-        budgets = [
-            max(
-                0,
-                min(k, r.sampling.max_new_tokens - len(r.output_ids) - 1, self.max_context - len(r.seq) - 1),
-            )
-            for r in rows
-        ]
-        drafts = self.drafter.propose([r.seq for r in rows], budgets)
-        self.stats["spec_shared_drafts"] = getattr(self.drafter, "shared_drafts", 0)
-        if any(drafts):
-            self._draft_misses = 0
-            return drafts
-        if self.speculative.adaptive:  # where drafts never come (random text), stop paying for the search
-            self._draft_misses += 1
-            self._draft_wait = min(2**self._draft_misses, self.DRAFT_BACKOFF) - 1
-        return None
-
     def _admit_every(self) -> int:
         """Decode steps to gather arriving requests for before a prefill step stalls the decoding rows:
         ``ADMIT_EVERY``, or as many decode steps as one prefill step takes (measured), if more."""
@@ -383,46 +340,6 @@ class Scheduler:
                 lps += lp
         return ids, lps
 
-    def _verify(
-        self, rows: list[EngineRequest], batch: ExtendBatch, drafts: list[list[int]]
-    ) -> tuple[list[list[int]], list[list[float]], int]:
-        """Device thread: one forward over every row's last token and draft, then each row's emitted
-        tokens and logprobs (:mod:`.speculative`): the accepted drafted tokens and one sample after them.
-        The KV written past them is never read (a query reads keys up to its own position) and is
-        overwritten as the row goes on. Returns (ids, logprobs, 1), a list of tokens per row."""
-        logits = self.runner.extend(batch, every_token=True)
-        flat = [r for r, toks in zip(rows, batch.tokens, strict=True) for _ in toks]
-        positions = [
-            len(r.seq) + i for r, toks in zip(rows, batch.tokens, strict=True) for i in range(len(toks))
-        ]
-        ids, lps = self._sample_at(logits, flat, positions)
-        out_ids: list[list[int]] = []
-        out_lps: list[list[float]] = []
-        at = 0
-        for r, d in zip(rows, drafts, strict=True):
-            m = len(d) + 1
-            if self.speculative.acceptance == "rejection" and d:
-                toks = rejection_verify(logits[at : at + m], r.sampling, r.seed, len(r.seq), d)
-                out_ids.append(toks)
-                out_lps.append(self._raw_logprobs(logits[at : at + len(toks)], toks))
-            else:
-                n = accepted_exact(ids[at : at + m], d)
-                out_ids.append(ids[at : at + n])
-                out_lps.append(lps[at : at + n])
-            at += m
-        return out_ids, out_lps, 1
-
-    def _raw_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
-        """log_softmax of the raw logits at ``tokens`` (one per row), as :func:`sample_tokens` gives them."""
-        with torch.inference_mode():
-            ids = torch.tensor(tokens, device=logits.device)
-            if self.runner.batch_invariant:
-                from agentrl.batch_invariant import token_logprobs
-
-                return token_logprobs(logits, ids).double().tolist()
-            picked = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-            return picked.double().tolist()
-
     def _decode_run(self, rows: list[EngineRequest]) -> tuple[list[int], list[float], int]:
         """Device thread: decode steps of ``rows`` back to back, up to :attr:`DECODE_RUN` of them, for as
         long as the schedule would plan the same step again: no row finishes (:meth:`_finish_of`, which
@@ -447,17 +364,23 @@ class Scheduler:
             self.stats["decode_rows"] = self.stats.get("decode_rows", 0) + len(rows)
 
     def _decode_run_ends(self, rows: list[EngineRequest], ids: list[int], steps: int) -> bool:
-        """Whether the step just sampled must go back to the event loop (read from the device thread: the
-        event loop only appends to ``waiting`` and sets flags meanwhile)."""
+        """Whether the decode step just sampled must go back to the event loop: :meth:`_run_yields`, or
+        a row finishes with its token."""
+        if self._run_yields(rows, steps):
+            return True
+        return any(self._finish_of(r, t) is not None for r, t in zip(rows, ids, strict=True))
+
+    def _run_yields(self, rows: list[EngineRequest], steps: int) -> bool:
+        """Whether a run of steps must go back to the event loop after ``steps`` of them: a retraction or
+        an abort, or an admission due (read from the device thread: the event loop only appends to
+        ``waiting`` and sets flags meanwhile)."""
         if self._retract or any(r.abort for r in rows):
             return True
         waiting = len(self.waiting)  # what _plan would admit before the next step (its token count aside)
-        if waiting and (
+        return bool(waiting) and (
             self._since_prefill + steps - 1 >= self._admit_every()
             or waiting >= self.max_batch_size - len(rows)
-        ):
-            return True
-        return any(self._finish_of(r, t) is not None for r, t in zip(rows, ids, strict=True))
+        )
 
     def _commit(self, step: Step, result: tuple[list, list]) -> None:
         kind, rows, batch, done = step
@@ -480,27 +403,6 @@ class Scheduler:
         for r in sampled:
             r.prefilling = False
         finished = [r for r, t, lp in zip(sampled, ids, lps, strict=True) if self._append(r, t, lp)]
-        for r in sorted(finished, key=lambda r: -r.slot):
-            self._leave(r, r.finish)
-
-    def _commit_verify(
-        self, rows: list[EngineRequest], drafts: list[list[int]], ids: list[list[int]], lps: list[list[float]]
-    ) -> None:
-        """Take each row's emitted tokens in order, as decode steps would, up to the one that finishes it;
-        count the drafted and accepted tokens."""
-        st = self.stats
-        st["spec_verify_steps"] = st.get("spec_verify_steps", 0) + 1
-        st["spec_verify_rows"] = st.get("spec_verify_rows", 0) + len(rows)
-        st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(len(d) for d in drafts)
-        finished = []
-        for r, toks, row_lps in zip(rows, ids, lps, strict=True):
-            st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + len(toks) - 1
-            for t, lp in zip(toks, row_lps, strict=True):
-                r.cached += 1  # the token before it has its KV now
-                st["spec_emitted_tokens"] = st.get("spec_emitted_tokens", 0) + 1
-                if self._append(r, t, lp):
-                    finished.append(r)
-                    break
         for r in sorted(finished, key=lambda r: -r.slot):
             self._leave(r, r.finish)
 
