@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -384,11 +386,14 @@ async def test_drafts_from_other_requests_change_no_token(peaked_model_dir: Path
         spec.shutdown()
 
 
-async def test_verify_steps_run_back_to_back_on_the_device_thread(peaked_model_dir: Path) -> None:
+@pytest.mark.parametrize("stop", [False, True])
+async def test_verify_steps_run_back_to_back_on_the_device_thread(peaked_model_dir: Path, stop: bool) -> None:
     """Like decode steps, verify steps run several to a return to the event loop (each return costs two
     thread hand-offs and the loop's turn): the device thread takes a step's tokens and proposes the next
     drafts itself while no row can finish and nothing else is due (all five requests fit the batch, so
-    none waits to be admitted). The tokens are the plain engine's."""
+    none waits to be admitted). With ``stop``, every request has a stop string that ends in the outputs'
+    commonest character and never completes: a token holding that character may end a stop string, and
+    the run goes on past it because none does. The tokens are the plain engine's."""
     config = SpeculativeConfig(num_draft_tokens=3, max_ngram=2, min_ngram=1, adaptive=False)
     plain = EmbeddedEngine(peaked_model_dir, max_batch_size=8, batch_invariant=True)
     spec = EmbeddedEngine(peaked_model_dir, max_batch_size=8, batch_invariant=True, speculative=config)
@@ -403,9 +408,16 @@ async def test_verify_steps_run_back_to_back_on_the_device_thread(peaked_model_d
 
     sched._execute = counting
     try:
-        lengths = (60, 60, 60, 60, 60)
-        base = await _run(plain, _params(1.0, lengths=lengths), "p")
-        ours = await _run(spec, _params(1.0, lengths=lengths), "v")
+        params = _params(1.0, lengths=(60, 60, 60, 60, 60))
+        base = await _run(plain, params, "p")
+        if stop:
+            text = plain.tokenizer.decode([t for o in base for t in o.output_ids])
+            common, count = Counter(ch for ch in text if not ch.isspace()).most_common(1)[0]
+            assert count >= 20, text  # many tokens may end the stop string
+            params = [replace(p, stop=["\x00" + common]) for p in params]
+            base = await _run(plain, params, "q")
+            assert all(o.finish_reason["type"] == "length" for o in base)
+        ours = await _run(spec, params, "v")
         _same(ours, base)
         steps = spec.stats["spec_verify_steps"]
         assert steps >= 2 * len(runs) > 0, (steps, len(runs))  # several verify steps a run, on average

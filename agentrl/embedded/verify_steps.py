@@ -136,17 +136,19 @@ class VerifySteps:
         return out_ids, out_lps
 
     def _verified_may_finish(self, rows: list[EngineRequest], ids: list[list[int]]) -> bool:
-        """Whether taking a verify step's tokens may finish a row: one of them a stop id or a token that
-        may end a stop string, or the row at its length or context limit after them."""
+        """Whether taking a verify step's tokens finishes a row, as :meth:`_finish_of` decides it for a
+        decode step's token: a stop id, a stop string completed, or the length or context limit reached."""
         for r, toks in zip(rows, ids, strict=True):
-            s = r.sampling
-            if (
-                len(r.output_ids) + len(toks) >= s.max_new_tokens
-                or len(r.seq) + len(toks) >= self.max_context
-            ):
+            if len(r.output_ids) + len(toks) >= r.sampling.max_new_tokens:
                 return True
-            if any(t in r.stop_ids or (s.stop and self._may_stop(t, s.stop)) for t in toks):
+            if len(r.seq) + len(toks) >= self.max_context:
                 return True
+            if any(t in r.stop_ids for t in toks):
+                return True
+            stops = r.sampling.stop
+            for i, t in enumerate(toks if stops else ()):
+                if self._may_stop(t, stops) and self._match_stop([*r.output_ids, *toks[: i + 1]], stops):
+                    return True
         return False
 
     def _raw_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
