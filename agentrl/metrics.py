@@ -317,6 +317,17 @@ def batch_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
     }
 
 
+# the embedded engine's counters of where its device time went (agentrl.engine.account reads a window's)
+ENGINE_COUNTERS = (
+    "busy_s",
+    "prefill_busy_s",
+    "decode_busy_s",
+    "decode_steps",
+    "decode_rows",
+    "prefill_steps",
+)
+
+
 async def engine_metrics(client: Any) -> dict[str, float]:
     """The engines' peak GPU memory (GiB, the largest over engines) as they report it in
     ``/get_server_info``, and their cumulative counters summed over engines (the embedded engine's: device
@@ -330,12 +341,7 @@ async def engine_metrics(client: Any) -> dict[str, float]:
     peaks = [float(i["peak_gpu_mem_gb"]) for i in infos if isinstance(i.get("peak_gpu_mem_gb"), int | float)]
     out = {"engine/peak_gpu_mem_gb": max(peaks)} if peaks else {}
     counters = (
-        "busy_s",
-        "prefill_busy_s",
-        "decode_busy_s",
-        "decode_steps",
-        "decode_rows",
-        "prefill_steps",
+        *ENGINE_COUNTERS,
         "prefill_rows",
         "prefill_tokens",
         "cached_tokens",

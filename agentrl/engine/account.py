@@ -1,23 +1,14 @@
 """An engine's own account of a timed window: where its device time went, and what speculation did.
 
 The embedded engine counts its busy seconds, steps and rows (and, speculating, its verify steps, drafted
-and accepted tokens) in ``/metrics``; :func:`agentrl.metrics.engine_metrics` reads them. Read before and
-after a window, these functions turn the difference into the figures the benches report. An engine
-without these counters (SGLang) gets an empty account.
+and accepted tokens) in ``/get_server_info``; :func:`agentrl.metrics.engine_metrics` reads them. Read
+before and after a window, these functions turn the difference into the figures the benches report. An
+engine without these counters (SGLang) gets an empty account.
 """
 
 from __future__ import annotations
 
-from agentrl.metrics import SPEC_COUNTERS
-
-ENGINE_COUNTERS = (
-    "busy_s",
-    "prefill_busy_s",
-    "decode_busy_s",
-    "decode_steps",
-    "decode_rows",
-    "prefill_steps",
-)
+from agentrl.metrics import ENGINE_COUNTERS, SPEC_COUNTERS
 
 
 def speculation_account(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
