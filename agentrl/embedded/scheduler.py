@@ -194,7 +194,7 @@ class Scheduler(VerifySteps):
                         self._step_s[step[0]] = each if mean == 0.0 else 0.9 * mean + 0.1 * each
                         self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + took
                         self.stats[f"{step[0]}_busy_s"] = self.stats.get(f"{step[0]}_busy_s", 0.0) + took
-                        self._since_prefill += steps - 1 if step[0] == "decode" else 0
+                        self._since_prefill += steps - 1 if step[0] != "prefill" else 0
                         if step[0] in ("decode", "verify"):  # tokens emitted: every row's, every step
                             emitted = self._verified if step[0] == "verify" else len(ids) * steps
                             self.gate.ran(step[0], emitted, steps, took)
