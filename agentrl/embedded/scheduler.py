@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -418,17 +418,19 @@ class Scheduler(VerifySteps):
             r.finish = finish
         return r.finish is not None
 
-    def _finish_of(self, r: EngineRequest, token: int) -> dict[str, Any] | None:
-        """How taking ``token`` would finish ``r`` (a stop id, a stop string, the length), or None; nothing
-        changes (the device thread asks it during decode runs, :meth:`_append` when it takes the token)."""
+    def _finish_of(self, r: EngineRequest, token: int, before: Sequence[int] = ()) -> dict[str, Any] | None:
+        """How taking ``token`` would finish ``r`` (a stop id, a stop string, the length), or None, after
+        the tokens ``before`` it were taken; nothing changes (the device thread asks it during decode and
+        verify runs, :meth:`_append` when it takes the token)."""
         s = r.sampling
         if token in r.stop_ids:
             return {"type": "stop", "matched": token}
         if s.stop and self._may_stop(token, s.stop):
-            matched = self._match_stop([*r.output_ids, token], s.stop)
+            matched = self._match_stop([*r.output_ids, *before, token], s.stop)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
-        if len(r.output_ids) + 1 >= s.max_new_tokens or len(r.seq) + 1 >= self.max_context:
+        taken = len(before) + 1
+        if len(r.output_ids) + taken >= s.max_new_tokens or len(r.seq) + taken >= self.max_context:
             return {"type": "length", "length": s.max_new_tokens}
         return None
 

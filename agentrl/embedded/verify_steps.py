@@ -136,20 +136,13 @@ class VerifySteps:
         return out_ids, out_lps
 
     def _verified_may_finish(self, rows: list[EngineRequest], ids: list[list[int]]) -> bool:
-        """Whether taking a verify step's tokens finishes a row, as :meth:`_finish_of` decides it for a
-        decode step's token: a stop id, a stop string completed, or the length or context limit reached."""
-        for r, toks in zip(rows, ids, strict=True):
-            if len(r.output_ids) + len(toks) >= r.sampling.max_new_tokens:
-                return True
-            if len(r.seq) + len(toks) >= self.max_context:
-                return True
-            if any(t in r.stop_ids for t in toks):
-                return True
-            stops = r.sampling.stop
-            for i, t in enumerate(toks if stops else ()):
-                if self._may_stop(t, stops) and self._match_stop([*r.output_ids, *toks[: i + 1]], stops):
-                    return True
-        return False
+        """Whether taking a verify step's tokens finishes a row: :meth:`_finish_of` of each token after
+        the ones before it."""
+        return any(
+            self._finish_of(r, t, toks[:i]) is not None
+            for r, toks in zip(rows, ids, strict=True)
+            for i, t in enumerate(toks)
+        )
 
     def _raw_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
         """log_softmax of the raw logits at ``tokens`` (one per row), as :func:`sample_tokens` gives them."""
