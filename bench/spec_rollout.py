@@ -60,24 +60,27 @@ class Workload:
     slices: list[list[dict]]
 
 
-def policy_and_world(a: argparse.Namespace, cfg: Any, tmp: Path) -> tuple[Path, Path]:
-    """The model dir the servers load and the world dir the episodes come from."""
-    model, world = (Path(a.model) if a.model else None), (Path(a.world) if a.world else None)
-    if model is None or world is None:
-        from agentrl.examples.search_r1.bootstrap import bootstrap, build_world
+def prepare(a: argparse.Namespace, tmp: Path) -> tuple[Any, Path, list[dict], str]:
+    """The run config, the model dir the servers load, its training tasks and the corpus, as the run's
+    recipe prepares them (``--model`` and ``--world`` as overrides of the config)."""
+    from agentrl.examples.search_r1.recipe import SearchR1Recipe
+    from agentrl.recipe import load_run_config, make_recipe
 
-        if cfg.bootstrap is None:
-            sys.exit("--config has no bootstrap section: name the policy and its world (--model, --world)")
-        if model is None:
-            boot = bootstrap(cfg.bootstrap, log=lambda *x: print(*x, file=sys.stderr))
-            model, world = boot.sft_model_dir, world or boot.world_dir
-        else:
-            world = build_world(cfg.bootstrap, log=lambda *x: print(*x, file=sys.stderr))
+    overrides = list(a.overrides)
+    if a.model:
+        overrides.append(f"model_path={a.model}")
+    if a.world:
+        overrides += [f"data.path={a.world}", f"data.corpus={Path(a.world) / 'corpus.jsonl'}"]
+    cfg = load_run_config(a.config, overrides)
+    recipe = make_recipe(cfg)
+    if not isinstance(recipe, SearchR1Recipe):
+        sys.exit(f"{a.config}: not a Search-R1 config (recipe {cfg.recipe})")
+    model, train, _ = recipe.prepare()
     if a.checkpoint:
         from agentrl.examples.search_r1.evaluate import checkpoint_to_hf
 
         model = checkpoint_to_hf(a.checkpoint, model, tmp / "trained")
-    return model, world
+    return cfg, Path(model), list(train), recipe.corpus
 
 
 async def play(
@@ -103,6 +106,7 @@ async def play(
 
 def figures(trajs: list[Any], seconds: float, account: dict[str, float]) -> dict[str, Any]:
     """What one server did in one window."""
+    from agentrl.examples.search_r1.recipe import exact_match
     from agentrl.types import Status
 
     tokens = sum(sum(t.loss_mask) for t in trajs)
@@ -117,7 +121,7 @@ def figures(trajs: list[Any], seconds: float, account: dict[str, float]) -> dict
         "decode_tok_s": round((tokens - turns) / stepping, 1) if stepping > 0 else None,
         "turns_per_episode": round(turns / max(len(trajs), 1), 2),
         "tokens_per_turn": round(tokens / max(turns, 1), 1),
-        "exact_match": round(sum((t.reward or 0.0) > 0 for t in trajs) / max(len(trajs), 1), 3),
+        "exact_match": round(exact_match(trajs), 3),
         "failed": sum(t.status == Status.FAILED for t in trajs),
         "engine_time": account,
     }
@@ -183,25 +187,21 @@ def main(argv: list[str] | None = None) -> None:
 
     from agentrl.chat import ChatTokenizer
     from agentrl.envs import make_env
-    from agentrl.examples.search_r1.data import load_tasks
     from agentrl.examples.search_r1.retrieval_workers import start_retrieval_server
-    from agentrl.recipe import load_run_config
 
-    cfg = load_run_config(a.config, a.overrides)
     if a.log_dir:
         a.log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-spec-rollout-") as tmp:
-        model, world = policy_and_world(a, cfg, Path(tmp))
+        cfg, model, tasks, corpus = prepare(a, Path(tmp))
         need = a.warmup_tasks + a.tasks * len(a.concurrency)
-        tasks = load_tasks(world, cfg.data.train_split, limit=need)
         if len(tasks) < need:
-            sys.exit(f"{world}: {len(tasks)} training tasks, the warm-up and windows need {need}")
+            sys.exit(f"{len(tasks)} training tasks; the warm-up and windows need {need}")
         w, n = a.warmup_tasks, a.tasks
         slices = [tasks[:w], *(tasks[w + i * n : w + (i + 1) * n] for i in range(len(a.concurrency)))]
         from transformers import AutoTokenizer
 
         tok = ChatTokenizer(AutoTokenizer.from_pretrained(model))
-        with start_retrieval_server(world / "corpus.jsonl", workers=2) as retrieval:
+        with start_retrieval_server(corpus, workers=2) as retrieval:
             env_kwargs = {"retrieval_url": retrieval.url, "topk": cfg.retrieval.topk, **cfg.env.kwargs}
             env_factory = functools.partial(make_env, cfg.env.name, **env_kwargs)
             work = Workload(model, tok, cfg, env_factory, slices)

@@ -79,3 +79,9 @@ def test_a_bad_concurrency_is_refused_before_anything_starts() -> None:
         [*BENCH, "--concurrency", "64,x"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "--concurrency: comma-separated integers" in proc.stderr, proc.stderr
+
+
+def test_a_config_of_another_recipe_is_refused_before_anything_starts() -> None:
+    args = [*BENCH, "--config", "examples/scale/config.yaml"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "not a Search-R1 config" in proc.stderr, proc.stderr[-2000:]
