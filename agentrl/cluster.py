@@ -51,6 +51,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def require_key_off_loopback(host: str, api_key: str | None) -> None:
+    """Nothing listens unauthenticated off loopback: a ValueError when a server bound to ``host`` would
+    have no key."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(
+            f"host {host!r} is not loopback: an api_key is needed to serve there (or bind 127.0.0.1)"
+        )
+
+
 def node_address() -> str:
     """The address other hosts reach this node by: ``$AGENTRL_NODE_ADDRESS`` when the node sets it, else
     Ray's node IP (``ray start --node-ip-address`` sets that), else the address of the route out."""

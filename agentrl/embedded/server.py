@@ -32,7 +32,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from agentrl.cluster import API_KEY_ENV, bind_address, is_loopback
+from agentrl.cluster import API_KEY_ENV, bind_address, is_loopback, require_key_off_loopback
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.lora import LORA_APPLY
 from agentrl.embedded.native_api import ENGINE_NAME, build_app
@@ -355,8 +355,7 @@ def start_embedded_server(
     Raises :class:`ServerStartError` with the server's log tail if it exits or is not healthy in time.
     """
     host = bind_address(host)
-    if not is_loopback(host) and not api_key:
-        raise ValueError(f"host {host!r} is not loopback: an api_key is needed to serve there")
+    require_key_off_loopback(host, api_key)
     workdir = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
     port_file = workdir / "port"
     log_path = Path(log_file) if log_file is not None else workdir / "server.log"

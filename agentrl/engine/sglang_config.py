@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from agentrl.cluster import is_loopback
+from agentrl.cluster import require_key_off_loopback
 from agentrl.config import ConfigModel
 
 SITE_ENV = "AGENTRL_SGLANG_SITE"  # where SGLang installed apart is, when set (see sglang_site)
@@ -173,8 +173,7 @@ class SGLangConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_exposure(self) -> SGLangConfig:
-        if not is_loopback(self.host) and not self.api_key:
-            raise ValueError(f"host {self.host!r} is not loopback: set api_key, or bind 127.0.0.1")
+        require_key_off_loopback(self.host, self.api_key)
         return self
 
 
@@ -203,6 +202,5 @@ class SGLangRouterConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_exposure(self) -> SGLangRouterConfig:
-        if not is_loopback(self.host) and not self.api_key:
-            raise ValueError(f"host {self.host!r} is not loopback: set api_key, or bind 127.0.0.1")
+        require_key_off_loopback(self.host, self.api_key)
         return self
