@@ -50,7 +50,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
-from agentrl.sft import check_hold
+from agentrl.sft import SFTConfig as LoopConfig
 
 from .data import make_prompt
 from .retrieval_server import RetrievalIndex
@@ -82,18 +82,11 @@ class TinyModelConfig(ConfigModel):
         return super().model_dump(**kwargs)
 
 
-class SFTConfig(ConfigModel):
-    """The supervised warm start on gold demonstrations."""
+class SFTConfig(LoopConfig):
+    """The supervised warm start on gold demonstrations: the SFT loop's optimisation (the fields of
+    agentrl.sft.SFTConfig, some with the demo's defaults), how its demonstrations are made, and the
+    first action's calibration."""
 
-    steps: int = Field(300, ge=0, description="optimizer steps")
-    batch_size: int = Field(16, ge=1, description="demonstrations per step")
-    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate (5% warm-up, then the schedule)")
-    schedule: Literal["cosine", "wsd"] = Field(
-        "cosine",
-        description="after the warm-up: cosine decay to 0, or wsd (the peak rate "
-        "held, then a linear decay to 0 over the last decay_fraction of the steps)",
-    )
-    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
     hold_until_accuracy: float | None = Field(
         None,
         gt=0,
@@ -103,19 +96,17 @@ class SFTConfig(ConfigModel):
         "batches, over the last probe_window steps: the copy skill), then decay as usual, at most "
         "max_steps_factor × steps in all; null: the fixed schedule",
     )
-    max_steps_factor: float = Field(
-        1.5,
-        ge=1,
-        description="with hold_until_accuracy: the most steps, the decay included, as a multiple of steps",
-    )
     probe_window: int = Field(50, ge=1, description="steps the answer accuracy is measured over")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    max_demos: int = Field(30000, ge=1, description="demonstrations kept at most (a random subset)")
-    practice_worlds: int = Field(20, ge=1, description="practice worlds the demonstrations come from")
-    practice_entities: int = Field(500, ge=10, description="entities per practice world")
     lm_weight: float = Field(
         3.0, ge=0, description="weight of the language-model loss on every token (0: model tokens only)"
     )
+    micro_batches: int = Field(
+        2, ge=1, description="each batch is sorted by length and run in this many chunks (less padding)"
+    )
+    seed: int = Field(0, description="data order and dropout seed")
+    max_demos: int = Field(30000, ge=1, description="demonstrations kept at most (a random subset)")
+    practice_worlds: int = Field(20, ge=1, description="practice worlds the demonstrations come from")
+    practice_entities: int = Field(500, ge=10, description="entities per practice world")
     think: bool = Field(True, description="include <think> reasoning in the demonstrations")
     search_prob: float | None = Field(
         None,
@@ -132,9 +123,6 @@ class SFTConfig(ConfigModel):
         description="weight of the SFT loss on a batch of demonstrations (their tokens after the first "
         "action) in every calibration step: it holds how the model searches, reads and copies where the "
         "SFT left it while the first action moves; 0: the first action's loss alone",
-    )
-    micro_batches: int = Field(
-        2, ge=1, description="each batch is sorted by length and run in this many chunks (less padding)"
     )
     practice_names: Literal["inventory", "world"] = Field(
         "inventory",
@@ -154,8 +142,6 @@ class SFTConfig(ConfigModel):
         "answer is the few tokens a demonstration copies out of the passages, and their gradient brings the "
         "copy skill sooner",
     )
-    device: str = Field("cpu", description="where the SFT runs: cpu or cuda")
-    seed: int = Field(0, description="data order and dropout seed")
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
@@ -163,7 +149,6 @@ class SFTConfig(ConfigModel):
             raise ValueError("search_prob calibrates the first response token, so it needs think: false")
         if not self.answer_loss and self.lm_weight:
             raise ValueError("answer_loss: false needs lm_weight: 0 (the LM term trains on every token)")
-        check_hold(self)
         return self
 
 
@@ -327,13 +312,11 @@ def sft(
     first-action calibration when ``search_prob`` asks for it; writes an HF directory to ``out_dir``."""
     import torch
 
-    from agentrl.sft import SFTConfig as LoopConfig
     from agentrl.sft import load_model, save_model, train_rows
 
-    loop = LoopConfig(**cfg.model_dump(include=set(LoopConfig.model_fields)))
-    model, tok = load_model(model_dir, loop)
+    model, tok = load_model(model_dir, cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    stats = train_rows(model, rows, loop, pad, lambda line: log(f"bootstrap: {line}"))
+    stats = train_rows(model, rows, cfg, pad, lambda line: log(f"bootstrap: {line}"))
     if cfg.search_prob is not None:
         stats.update(calibrate_first_action(model, tok, rows, cfg))
         log(f"bootstrap: first action calibrated: <search> with p = {stats['sft/search_prob']:.2f}")
