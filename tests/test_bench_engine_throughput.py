@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _rounding import ratio_of_rounded
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = [sys.executable, "bench/engine_throughput.py"]
 
@@ -29,8 +31,7 @@ def test_fp8_ab_reports_both_modes_their_ratio_and_the_quantization_time() -> No
         row = out["results"][c]
         assert row["requests"] == 2 * int(c)
         assert row["engine_tok_s"] > 0 and row["fp8_tok_s"] > 0
-        ratio = row["fp8_tok_s"] / row["engine_tok_s"]
-        assert abs(row["ratio_fp8_over_unquantized"] - ratio) <= 0.01 * ratio + 1e-3
+        assert ratio_of_rounded(row["ratio_fp8_over_unquantized"], row["fp8_tok_s"], row["engine_tok_s"]), row
         spent = row["engine_time"]  # the unquantized server's own account of the round
         assert spent["decode_steps"] >= 4 and 1 <= spent["rows_per_decode_step"] <= int(c)
         assert 0 < spent["decode_busy_frac"] <= spent["device_busy_frac"] <= 1.05
@@ -75,8 +76,7 @@ def test_speculative_ab_reports_both_servers_and_the_drafts_account() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     row = out["results"]["2"]
     assert row["engine_tok_s"] > 0 and row["spec_tok_s"] > 0
-    ratio = row["spec_tok_s"] / row["engine_tok_s"]
-    assert abs(row["ratio_spec_over_plain"] - ratio) <= 0.01 * ratio + 1e-3
+    assert ratio_of_rounded(row["ratio_spec_over_plain"], row["spec_tok_s"], row["engine_tok_s"]), row
     assert "verify_steps" not in row["engine_time"]  # the plain server does not speculate
     for account in (row["spec_time"], out["multi_turn_spec"]["spec"]):
         assert 0 <= account["accepted_tokens"] <= account["draft_tokens"]
