@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import secrets
 import sys
@@ -170,6 +171,12 @@ def placement_group(
     return group
 
 
+def engine_seed(seed: int, index: int) -> int:
+    """Engine ``index``'s seed of unseeded sampling in a run of ``seed``: a 63-bit hash of both."""
+    key = f"{seed}/engine/{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
 def engine_starter(
     cfg: RunConfig, model_dir: str, index: int, network: Network | None = None
 ) -> Callable[[], Any]:
@@ -181,7 +188,10 @@ def engine_starter(
     if e.backend == "embedded":
         from agentrl.embedded.server import start_embedded_server
 
-        extra = ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
+        # requests without a sampling_seed take seeds from the engine's generator: one of its own per
+        # engine, or a group's samples spread over the engines would draw alike
+        extra = ["--seed", str(engine_seed(cfg.seed, index))]
+        extra += ["--mem-fraction", str(e.mem_fraction)] if e.mem_fraction else []
         if exactness.batch_invariant_engine:  # batch-invariant kernels: a request's bits do
             extra += ["--batch-invariant"]  # not depend on what else the engine batches (nor the trainer's)
         if cfg.trainer.lora is not None:  # adapters served as engine.lora_apply says, buffers of their rank

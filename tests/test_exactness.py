@@ -4,6 +4,7 @@ decided in one record that the placement, the trainer and the orchestrator read.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from agentrl.buffer import Group, StalenessController, TrajectoryBuffer
 from agentrl.exactness import Exactness, TrainerKernels
@@ -64,6 +65,20 @@ def test_the_engines_flags_come_from_the_record() -> None:
         cfg = load_run_config(None, [*CPU_RUN, switch])
         assert cfg.exactness.batch_invariant_engine
         assert "--batch-invariant" in engine_starter(cfg, "/m", 0).keywords["extra_args"]
+
+
+def test_each_engine_draws_unseeded_samples_of_its_own() -> None:
+    """A group's samples spread over the engines by their load: engines with one seed would give the
+    group's requests the same draws, and the samples would come out alike."""
+
+    def seeds(cfg: Any) -> list[int]:
+        extra = [engine_starter(cfg, "/m", i).keywords["extra_args"] for i in range(4)]
+        return [int(args[args.index("--seed") + 1]) for args in extra]
+
+    run = load_run_config(None, [*CPU_RUN, "engine.num_engines=4"])
+    assert len(set(seeds(run))) == 4 and seeds(run) == seeds(run)  # its own, and a function of the run
+    other = load_run_config(None, [*CPU_RUN, "engine.num_engines=4", "seed=1"])
+    assert not set(seeds(run)) & set(seeds(other))
 
 
 def test_colocated_on_gpus_has_one_owner() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from agentrl.episodes import read_dump
 from agentrl.examples.scale.recipe import ScaleSection, letter_share, make_tasks
 from agentrl.models.random_weights import build_shape_model, parameter_counts
 from agentrl.recipe import load_run_config
@@ -170,3 +171,46 @@ def test_scale_run_reports_the_step_costs(tmp_path: Path) -> None:
     rewards = [r["batch/reward"] for r in rows if "batch/reward" in r]
     assert len(rewards) == 3 and all(0 < r < 1 for r in rewards)
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+# the 4-GPU configs' layouts with the CPU and the small shapes: embedded engines, float32, a few tokens
+_ON_THE_CPU = (
+    "steps=2 scale.dtype=float32 scale.device=cpu scale.prompt_tokens=64 scale.num_tasks=64 "
+    "engine.backend=embedded engine.device=cpu engine.dtype=float32 engine.gpus_per_engine=0 "
+    "trainer.device=cpu trainer.dtype=float32 rollout.batch_size=4 rollout.group_size=4 "
+    "rollout.max_concurrency=32 rollout.max_total_tokens=512 rollout.sampling.max_new_tokens=32 "
+    "ray.num_cpus=5 rollout.dump=true"
+).split()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "shape", "layout"),
+    [
+        ("config_7b.yaml", "tiny", "engines [0, 1, 2, 3], trainer ranks [0, 1, 2, 3]"),
+        ("config_7b_disaggregated.yaml", "tiny", "engines [0, 1], trainer ranks [0, 1]"),
+        ("config_30b_a3b.yaml", "tiny-moe", "engines [0], trainer ranks [0, 1, 2, 3]"),
+    ],
+)
+def test_the_four_gpu_layouts_train_on_the_cpu(tmp_path: Path, name: str, shape: str, layout: str) -> None:
+    """Each 4-GPU config's layout as it is (colocated TP2 x DP2 with four engines and the weights in
+    memory; two engines beside a TP2 trainer with a broadcast; EP4 with CPU Adam and routing replay), on
+    the CPU with the small shape of its kind: two steps that train, every rank and engine placed."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train_async.py", "--config", f"examples/scale/{name}", f"output_dir={out}"]
+    cmd += [*_ON_THE_CPU, f"scale.shape={shape}", f"scale.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert layout in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "policy_version" in r]
+    assert [r["policy_version"] for r in train] == [1, 2]
+    assert all(r["trainer/grad_norm"] > 0 for r in train)
+    assert json.loads((out / "summary.json").read_text())["scale"]["weight_sync_s"] > 0
+    # a group's samples, spread over the engines, are draws of their own (32 tokens of a random model
+    # at temperature 1: two alike would be a shared seed, never chance)
+    groups: dict[str, set[tuple[int, ...]]] = {}
+    for record in read_dump(out / "trajectories" / "step_000001.jsonl.gz"):
+        if record["kind"] == "train":
+            groups.setdefault(record["group_id"], set()).add(tuple(record["response_ids"]))
+    assert len(groups) == 4 and all(len(samples) == 4 for samples in groups.values()), groups

@@ -173,7 +173,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "decode step)",
     )
     p.add_argument("--default-max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the seeds given to requests without a sampling_seed (default: fresh entropy, so that "
+        "two servers never draw alike; the server log names it)",
+    )
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="INFO")
@@ -211,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.setswitchinterval(0.0005)
     weights = f"{args.dtype}, {args.quantization} projections" if args.quantization else args.dtype
     log.info("%s: loading %s on %s (%s)", ENGINE_NAME, args.model, args.device, weights)
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(8), "little") >> 1
+    log.info("seed of unseeded sampling: %d", args.seed)
     asyncio.run(_serve(args))
 
 
