@@ -19,6 +19,7 @@ from _trainer_helpers import make_trajectories, moe_expert_parallel_worker, spaw
 
 from agentrl.models.moe import decode_routed_experts, encode_routed_experts
 from agentrl.trainer.model import (
+    LazyHFStateDict,
     ModelArch,
     build_gpt_model,
     hf_param_shapes,
@@ -72,6 +73,33 @@ def test_moe_hf_mcore_hf_round_trip_bit_exact(moe_dir: Path, tp: int, pp: int, e
     assert set(back) == set(hf)
     for k, v in hf.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+@pytest.mark.parametrize(("tp", "pp", "ep"), [(1, 1, 2), (2, 1, 2), (1, 2, 4)])
+def test_a_rank_reads_only_its_share_of_the_checkpoint(moe_dir: Path, tp: int, pp: int, ep: int) -> None:
+    """A rank's initial shard from the checkpoint read lazily (agentrl.trainer.build): the same tensors as
+    from the whole checkpoint in memory, and no other rank's experts read."""
+    arch = ModelArch.from_hf_dir(moe_dir)
+    whole = hf_to_mcore_shards(load_hf_state_dict(moe_dir), arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=8)
+
+    class Counting(LazyHFStateDict):
+        read: list[str] = []
+
+        def __getitem__(self, name: str) -> torch.Tensor:
+            self.read.append(name)
+            return super().__getitem__(name)
+
+    rank = (pp - 1, tp - 1, ep - 1)
+    lazy = Counting(moe_dir)
+    mine = hf_to_mcore_shards(lazy, arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=8, ranks=[rank])[rank]
+    assert mine.keys() == whole[rank].keys()
+    assert all(torch.equal(v, whole[rank][k]) for k, v in mine.items())
+    experts = [name for name in lazy.read if ".experts." in name]
+    first, last = arch.layer_range(pp - 1, pp)
+    assert len(experts) == len(set(experts)) == 3 * (8 // ep) * (last - first)  # gate, up, down each
+    starts = {int(name.split(".experts.")[1].split(".")[0]) for name in experts}
+    assert starts == set(range(8 - 8 // ep, 8))  # the last expert-parallel rank's experts only
+    assert len(set(lazy.read)) < len(lazy)
 
 
 def test_convert_cli_expert_parallel_round_trip(moe_dir: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from agentrl.trainer.batch import batch_advantages, plan_mini_batches, response_
 from agentrl.trainer.checkpoint import load_local_state
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.hf_checkpoint import load_mcore_shard
-from agentrl.trainer.model import ModelArch, build_gpt_model, hf_to_mcore_shards, load_hf_state_dict
+from agentrl.trainer.model import LazyHFStateDict, ModelArch, build_gpt_model, hf_to_mcore_shards
 from agentrl.trainer.moe import expert_layout
 from agentrl.types import Trajectory
 
@@ -74,9 +74,9 @@ def initial_shard(
     if cfg.mcore_path is not None:  # a Megatron dir holds one tensor per expert
         shard = load_mcore_shard(cfg.mcore_path, pp_rank, tp_rank, cfg.tp, cfg.pp, ep_rank, cfg.ep)
         return expert_layout(shard, grouped_experts)
-    hf = load_hf_state_dict(cfg.model_path)
+    # read lazily: a rank holds its own share (its experts, its slices' tensors), not the whole checkpoint
     return hf_to_mcore_shards(
-        hf,
+        LazyHFStateDict(cfg.model_path),
         arch,
         cfg.tp,
         cfg.pp,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +271,7 @@ def _pad_vocab(w: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 def hf_to_mcore_shards(
-    hf: dict[str, torch.Tensor],
+    hf: Mapping[str, torch.Tensor],
     arch: ModelArch,
     tp: int = 1,
     pp: int = 1,
@@ -335,7 +336,8 @@ def hf_to_mcore_shards(
                 put(p, m + "self_attention.k_layernorm.weight", hf[a + "k_norm.weight"])
             put(p, m + "self_attention.linear_proj.weight", _split_cols(hf[a + "o_proj.weight"], tp))
             if arch.moe is not None:
-                experts = moe_layer_to_mcore(hf, i, arch.moe, arch.hidden_size, tp, ep)
+                mine = {(t, e) for q, t, e in wanted if q == p}  # only this stage's ranks' experts are read
+                experts = moe_layer_to_mcore(hf, i, arch.moe, arch.hidden_size, tp, ep, wanted=mine)
                 for (t, e), tensors in experts.items():
                     if (p, t, e) in wanted:
                         out[(p, t, e)].update({m + "mlp." + k: v for k, v in tensors.items()})
@@ -496,23 +498,55 @@ def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
 # ---- safetensors I/O ------------------------------------------------------------------------------
 def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF dir (single ``model.safetensors`` or an indexed, sharded checkpoint)."""
-    from safetensors.torch import load_file
+    lazy = LazyHFStateDict(hf_dir)
+    return {name: lazy[name] for name in lazy}
 
-    d = Path(hf_dir)
-    index = d / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else ["model.safetensors"]
-    )
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(d / f)))
-    if "lm_head.weight" in sd and "model.embed_tokens.weight" in sd:
-        arch_tied = json.loads((d / "config.json").read_text()).get("tie_word_embeddings", False)
-        if arch_tied:
-            sd.pop("lm_head.weight")  # some tied checkpoints store the alias too
-    return sd
+
+class LazyHFStateDict(Mapping[str, torch.Tensor]):
+    """The tensors of an HF dir (single ``model.safetensors`` or an indexed, sharded checkpoint), each read
+    from its file when asked for, and their shapes without reading them (:meth:`shape`): a rank takes its
+    share of a large checkpoint (its experts, its tensor-parallel slices' tensors) without holding the rest.
+    A tied checkpoint's stored ``lm_head.weight`` alias is left out, as :func:`load_hf_state_dict` does."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        d = Path(hf_dir)
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            where = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+                where = dict.fromkeys(f.keys(), "model.safetensors")
+        if "lm_head.weight" in where and "model.embed_tokens.weight" in where:
+            if json.loads((d / "config.json").read_text()).get("tie_word_embeddings", False):
+                del where["lm_head.weight"]  # some tied checkpoints store the alias too
+        self._dir, self._where = d, where
+        self._files: dict[str, Any] = {}  # file name -> its open safetensors handle
+
+    def _file(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        file = self._where[name]
+        if file not in self._files:
+            self._files[file] = safe_open(str(self._dir / file), framework="pt")
+        return self._files[file]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, read from its file's header."""
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
 
 
 HF_AUX_FILES = (

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -85,35 +85,47 @@ def hf_moe_shapes(layer: int, moe: MoESpec, hidden: int) -> dict[str, tuple[int,
     return shapes
 
 
-def check_moe_tensors(hf: dict[str, torch.Tensor], layer: int, moe: MoESpec, hidden: int) -> None:
+def check_moe_tensors(hf: Mapping[str, torch.Tensor], layer: int, moe: MoESpec, hidden: int) -> None:
     """Raise ``ValueError`` naming the first tensor of layer ``layer``'s MLP that is missing or has
-    another shape than ``moe`` says (an expert count or size that does not match the config)."""
+    another shape than ``moe`` says (an expert count or size that does not match the config). A mapping
+    with a ``shape(name)`` method (:class:`~agentrl.trainer.model.LazyHFStateDict`) is checked without
+    reading a tensor."""
     want = hf_moe_shapes(layer, moe, hidden)
+    shape_of = getattr(hf, "shape", None)
     for name, shape in want.items():
         if name not in hf:
             raise ValueError(
                 f"{name}: missing (config: {moe.num_experts} experts of size {moe.ffn_hidden_size})"
             )
-        if tuple(hf[name].shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(hf[name].shape)} != {shape} from the config")
+        have = shape_of(name) if shape_of is not None else tuple(hf[name].shape)
+        if have != shape:
+            raise ValueError(f"{name}: shape {have} != {shape} from the config")
     extra = f"model.layers.{layer}.mlp.experts.{moe.num_experts}.gate_proj.weight"
     if extra in hf:
         raise ValueError(f"{extra}: more experts in the checkpoint than num_experts={moe.num_experts}")
 
 
 def moe_layer_to_mcore(
-    hf: dict[str, torch.Tensor], layer: int, moe: MoESpec, hidden: int, tp: int, ep: int
+    hf: Mapping[str, torch.Tensor],
+    layer: int,
+    moe: MoESpec,
+    hidden: int,
+    tp: int,
+    ep: int,
+    wanted: set[tuple[int, int]] | None = None,
 ) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """One HF MoE layer's MLP -> ``{(tp_rank, ep_rank): {local megatron name under 'mlp.': tensor}}``."""
+    """One HF MoE layer's MLP -> ``{(tp_rank, ep_rank): {local megatron name under 'mlp.': tensor}}``, for
+    the ``wanted`` (tp_rank, ep_rank) pairs only when given (the experts of other ranks are not read)."""
     check_moe_tensors(hf, layer, moe, hidden)
     h = f"model.layers.{layer}.mlp."
     if moe.ffn_hidden_size % tp:
         raise ValueError(f"moe_intermediate_size {moe.ffn_hidden_size} does not split over tp {tp}")
-    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {(t, e): {} for t in range(tp) for e in range(ep)}
-    for t in range(tp):
-        for e in range(ep):
-            out[(t, e)]["router.weight"] = hf[h + "gate.weight"]
-    for e in range(ep):
+    pairs = [(t, e) for t in range(tp) for e in range(ep) if wanted is None or (t, e) in wanted]
+    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {pair: {} for pair in pairs}
+    router = hf[h + "gate.weight"]
+    for pair in pairs:
+        out[pair]["router.weight"] = router
+    for e in sorted({e for _, e in pairs}):
         start, end = moe.expert_range(ep, e)
         for j, g in enumerate(range(start, end)):
             x = h + f"experts.{g}."
@@ -121,6 +133,8 @@ def moe_layer_to_mcore(
             up = torch.chunk(hf[x + "up_proj.weight"], tp, dim=0)
             down = torch.chunk(hf[x + "down_proj.weight"], tp, dim=1)
             for t in range(tp):
+                if (t, e) not in out:
+                    continue
                 local = f"experts.local_experts.{j}."
                 out[(t, e)][local + "linear_fc1.weight"] = torch.cat([gate[t], up[t]], dim=0).contiguous()
                 out[(t, e)][local + "linear_fc2.weight"] = down[t].contiguous()
