@@ -34,6 +34,7 @@ from agentrl.cluster import start_ray, user_code_env
 from agentrl.config import dump_config
 from agentrl.episodes import EpisodeDump, episode_table
 from agentrl.handover import Handover
+from agentrl.host_memory import check_host_memory
 from agentrl.metrics import MetricsLogger, ProgressLine, batch_metrics, engine_metrics, step_time_summary
 from agentrl.node_watch import NodeLost, watch_nodes
 from agentrl.placement import Fleet, check_cluster, run_network
@@ -64,6 +65,7 @@ async def main(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     # 1. model and tasks, from the recipe (the Search-R1 demo: synthetic world, tiny model, SFT; cached)
     model_dir, train_tasks, eval_tasks = recipe.prepare()
     check_model_shape(cfg, model_dir)  # tp against the model's heads, before anything starts
+    check_host_memory(cfg, model_dir)  # CPU Adam, offloads and engine backups fit this host's memory
     print(f"model {model_dir}; {len(train_tasks)} train / {len(eval_tasks)} held-out tasks", flush=True)
 
     # workers at the driver's priority, importing the user's modules from the working directory
