@@ -60,7 +60,7 @@ class HostMemory:
 def host_bytes(cfg: RunConfig, model_dir: str | Path) -> HostMemory:
     """The run's host memory by part for the model in ``model_dir`` (zero where a part is off or the
     trainer is not on GPUs)."""
-    from agentrl.run_checks import trainer_on_gpu
+    from agentrl.run_checks import engine_on_gpu, trainer_on_gpu
     from agentrl.trainer.arch import ModelArch
 
     if not trainer_on_gpu(cfg):
@@ -77,10 +77,10 @@ def host_bytes(cfg: RunConfig, model_dir: str | Path) -> HostMemory:
     if turns and cfg.colocation.trainer_offload != "none":
         offload = WEIGHT_BYTES * held + (0 if t.optimizer_cpu_offload else OPTIMIZER_BYTES * total)
     e = cfg.engine
-    backup = (e.backend == "embedded" and e.device.startswith("cuda") and turns) and (
-        cfg.colocation.engine_release == "all"
-    )
-    backup = backup or (e.backend == "sglang" and e.sglang is not None and e.sglang.weights_cpu_backup)
+    if e.backend == "embedded":  # saves its weights on a release of everything
+        backup = engine_on_gpu(cfg) and turns and cfg.colocation.engine_release == "all"
+    else:
+        backup = e.backend == "sglang" and e.sglang is not None and e.sglang.weights_cpu_backup
     engines = WEIGHT_BYTES * total * e.num_engines if backup else 0.0
     return HostMemory(float(cpu_adam), float(offload), float(engines))
 

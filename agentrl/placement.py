@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import json
 import secrets
 import sys
@@ -173,8 +172,9 @@ def placement_group(
 
 def engine_seed(seed: int, index: int) -> int:
     """Engine ``index``'s seed of unseeded sampling in a run of ``seed``: a 63-bit hash of both."""
-    key = f"{seed}/engine/{index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    from agentrl.rollout.lockstep import seed_hash
+
+    return seed_hash(seed, "engine", index)
 
 
 def engine_starter(

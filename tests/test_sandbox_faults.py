@@ -215,6 +215,18 @@ async def test_reaper_removes_containers_of_dead_owners():
     assert left() == []
 
 
+def _remove_and_close(client, containers) -> None:
+    """Remove the containers a test made (a reaper may have removed them already) and close its client."""
+    import docker
+
+    for c in containers:
+        try:
+            c.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+    client.close()
+
+
 @pytest.mark.docker
 def test_the_reaper_counts_the_containers_it_removed():
     """Containers of one session, owned by this live process (no other reaper touches them)."""
@@ -229,12 +241,7 @@ def test_the_reaper_counts_the_containers_it_removed():
         assert reap_containers(client, session=session, dead_owners=False) == 3
         assert reap_containers(client, session=session, dead_owners=False) == 0
     finally:
-        for c in made:
-            try:
-                c.remove(force=True)
-            except docker.errors.NotFound:
-                pass
-        client.close()
+        _remove_and_close(client, made)
 
 
 @pytest.mark.docker
@@ -264,12 +271,7 @@ def test_a_container_removed_while_the_reaper_lists_them_is_no_error():
         # sparse, as the reaper lists: other processes' sandboxes come and go meanwhile
         left = {c.id for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"}, sparse=True)}
     finally:
-        for c in made:
-            try:
-                c.remove(force=True)
-            except docker.errors.NotFound:
-                pass
-        client.close()
+        _remove_and_close(client, made)
     # the dead owner's container is gone: this reaper's doing, or a concurrent test process's
     assert dead.id not in left
 

@@ -38,10 +38,15 @@ from typing import Protocol
 from agentrl.buffer import Group, TrajectoryBuffer
 
 
+def seed_hash(*parts: object) -> int:
+    """A 63-bit seed hashed from ``parts`` (joined by ``/``): the same parts, the same seed, anywhere."""
+    key = "/".join(map(str, parts)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
 def request_seed(seed: int, uid: str, sample_index: int, turn: int) -> int:
     """The sampling seed of one ``/generate``: a 63-bit hash of (run seed, draw uid, sample, turn)."""
-    key = f"{seed}/{uid}/{sample_index}/{turn}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return seed_hash(seed, uid, sample_index, turn)
 
 
 class RolloutSchedule(Protocol):

@@ -339,8 +339,7 @@ def hf_to_mcore_shards(
                 mine = {(t, e) for q, t, e in wanted if q == p}  # only this stage's ranks' experts are read
                 experts = moe_layer_to_mcore(hf, i, arch.moe, arch.hidden_size, tp, ep, wanted=mine)
                 for (t, e), tensors in experts.items():
-                    if (p, t, e) in wanted:
-                        out[(p, t, e)].update({m + "mlp." + k: v for k, v in tensors.items()})
+                    out[(p, t, e)].update({m + "mlp." + k: v for k, v in tensors.items()})
                 continue
             gate = _split_rows(hf[h + "mlp.gate_proj.weight"], tp)
             up = _split_rows(hf[h + "mlp.up_proj.weight"], tp)
