@@ -4,9 +4,12 @@ An RL step has four parts, each modelled from a figure measured on one or two GP
 spec where nothing was measured), and composed per placement:
 
 - **rollout**: generated tokens / (engines x one engine's tokens/s). A decode step of ``c`` rows
-  costs a fixed part, a part per row, and the larger of reading the bytes it touches (weights, or
-  for a mixture of experts the experts its rows reach, plus every row's KV cache) at the engine's
-  share of HBM bandwidth and its matmul FLOPs at a share of peak. Prompts prefill at a share of peak.
+  has a device part, the larger of reading the bytes it touches (weights, or for a mixture of experts
+  the experts its rows reach, plus every row's KV cache) at the engine's share of HBM bandwidth and
+  its matmul FLOPs at a share of peak, and a host part, a fixed cost and a cost per row. The embedded
+  engine runs the two one after the other; SGLang prepares the next step on the host while the device
+  runs this one (its overlap scheduler), so its step is the larger of the two. Prompts prefill at a
+  share of peak.
 - **training**: 6 x active parameters x tokens (plus causal attention) / (GPUs x MFU x peak), then
   the data-parallel gradient reduce-scatter and parameter all-gather and, for experts spread over a
   host, the all-to-all of each token's hidden state to its experts and back. For the measured 7B steps,
@@ -48,6 +51,10 @@ def _fig(value: float, kind: str, source: str) -> Any:
 
 
 _ENGINE_FIT = "embedded engine, 0.5B and 7B shapes at 64 and 256 in flight, 1x H200, b8a69bd and 30f3000"
+_SGLANG_FIT = (
+    "SGLang, 0.5B shape at 64 and 256 in flight (185b92d, 1x H100) and 1B MoE at 64 and 256 (30f3000, "
+    "1x H200): steps host-bound at 4.2-9.4 ms where the device part is 0.4-0.9 ms"
+)
 _IPC_FIT = "in-memory syncs, SmolLM2 0.047 s (e8793d1) and the 0.5B shape 0.050 s (1d1fbc2), 1x H100"
 _KV_FIT = "one engine's KV pool, 1x H200 of a 4x host, a269f59 (multi-gpu.md)"
 
@@ -83,6 +90,9 @@ class ScaleInputs:
     engine_hbm_efficiency: float = _fig(0.7, "fit", _ENGINE_FIT + ": share of HBM bandwidth read")
     engine_flops_efficiency: float = _fig(0.3, "fit", _ENGINE_FIT + ": share of peak in decode matmuls")
     prefill_flops_efficiency: float = _fig(0.5, "assumption", "prefill matmuls at half of peak")
+    # SGLang engines: the same device part, their own host costs, overlapped with the device
+    sglang_step_fixed_s: float = _fig(3.2e-3, "fit", _SGLANG_FIT + ": host cost a decode step")
+    sglang_row_s: float = _fig(22.4e-6, "fit", _SGLANG_FIT + ": host cost a row a decode step")
     # The trainer
     mfu_dense: float = _fig(
         0.385, "measured", "update MFU, Qwen2.5-0.5B shape, micro-batch 32, 1x H100, ed9a9bf"
@@ -222,28 +232,54 @@ class Workload:
 # --- the parts -----------------------------------------------------------------------------------
 
 
-def decode_step_s(shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs) -> float:
-    """One decode step of an engine spread over ``gpus`` GPUs with ``rows`` rows of ``context`` tokens."""
+ENGINES = ("sglang", "embedded")
+
+
+def decode_step_s(
+    shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs, engine: str = "sglang"
+) -> float:
+    """One decode step of an engine spread over ``gpus`` GPUs with ``rows`` rows of ``context`` tokens:
+    its device part (reads or matmuls, the larger) and its host part, after one another in the embedded
+    engine, overlapped in SGLang."""
     read = shape.weight_bytes_touched(rows) + rows * context * shape.kv_bytes_per_token
     memory = read / (gpus * inp.hbm_bytes_per_s * inp.engine_hbm_efficiency)
     compute = rows * 2 * shape.active_matmul_params / (gpus * inp.peak_flops * inp.engine_flops_efficiency)
-    return inp.engine_step_fixed_s + rows * inp.engine_row_s + max(memory, compute)
+    device = max(memory, compute)
+    if engine == "embedded":
+        return inp.engine_step_fixed_s + rows * inp.engine_row_s + device
+    if engine == "sglang":
+        return max(inp.sglang_step_fixed_s + rows * inp.sglang_row_s, device)
+    raise ValueError(f"engine: one of {ENGINES}, not {engine!r}")
 
 
-def engine_tokens_per_s(shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs) -> float:
+def engine_tokens_per_s(
+    shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs, engine: str = "sglang"
+) -> float:
     """One engine's decode tokens/s at ``rows`` in flight."""
-    return rows / decode_step_s(shape, rows, context, gpus, inp)
+    return rows / decode_step_s(shape, rows, context, gpus, inp, engine)
+
+
+def prefill_s(shape: Shape, rows: int, prompt_tokens: int, gpus: int, inp: ScaleInputs) -> float:
+    """Prefilling ``rows`` prompts of ``prompt_tokens`` on an engine over ``gpus`` GPUs."""
+    flops = rows * prompt_tokens * 2 * shape.active_matmul_params
+    return flops / (gpus * inp.peak_flops * inp.prefill_flops_efficiency)
 
 
 def rollout_s(
-    shape: Shape, trajectories: int, engines: int, engine_gpus: int, w: Workload, inp: ScaleInputs
+    shape: Shape,
+    trajectories: int,
+    engines: int,
+    engine_gpus: int,
+    w: Workload,
+    inp: ScaleInputs,
+    engine: str = "sglang",
 ) -> float:
     """Generating a batch: every engine prefills its prompts, then decodes its rows to the cap."""
     rows = math.ceil(trajectories / engines)
-    prefill = rows * w.prompt_tokens * 2 * shape.active_matmul_params
-    prefill /= engine_gpus * inp.peak_flops * inp.prefill_flops_efficiency
+    prefill = prefill_s(shape, rows, w.prompt_tokens, engine_gpus, inp)
     context = w.prompt_tokens + w.response_tokens / 2
-    return prefill + w.response_tokens * rows / engine_tokens_per_s(shape, rows, context, engine_gpus, inp)
+    decode = w.response_tokens * rows / engine_tokens_per_s(shape, rows, context, engine_gpus, inp, engine)
+    return prefill + decode
 
 
 def train_flops_per_token(shape: Shape, seq: float) -> float:
@@ -468,12 +504,22 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
 H100 = {"hbm_bytes_per_s": 3.35e12}  # NVIDIA H100 SXM datasheet: HBM3 3.35 TB/s; the same compute
 
 
-def _engine_point(shape: str, rows: int, gpu: dict[str, float] | None = None) -> Any:
+def _engine_point(engine: str, shape: str, rows: int, gpu: dict[str, float] | None = None) -> Any:
     def predict(inp: ScaleInputs) -> float:
         # the bench's rows: a 32-token prompt and, on average, half of their 64 new tokens
-        return engine_tokens_per_s(SHAPES[shape], rows, 64, 1, dataclasses.replace(inp, **(gpu or {})))
+        inp = dataclasses.replace(inp, **(gpu or {}))
+        return engine_tokens_per_s(SHAPES[shape], rows, 64, 1, inp, engine)
 
     return predict
+
+
+def _engine_round_7b(inp: ScaleInputs) -> float:
+    """bench/engine_throughput.py's round on the 7B shape: 256 requests with 128 in flight, prompts of 512
+    tokens, 1,024 new tokens each: the prompts prefilled, then two waves of 1,024 decode steps."""
+    shape = SHAPES["qwen2.5-7b"]
+    rows, prompt, new = 128, 512, 1024
+    decode = 2 * new * decode_step_s(shape, rows, prompt + new / 2, 1, inp)
+    return 2 * rows * new / (prefill_s(shape, 2 * rows, prompt, 1, inp) + decode)
 
 
 def _trainer_dp2(inp: ScaleInputs) -> float:
@@ -615,9 +661,10 @@ _H100_SPREAD = (
     "at 256 between runs and hosts (engine-throughput.md: part of it the host); the row cost is fit on "
     "H200 runs of later commits"
 )
-_SGLANG_DENSE = (
-    "SGLang on the dense 0.5B shape at 64 in flight: 0.65x the embedded engine in the same run, a "
-    "per-row host cost the model, fit on the embedded engine, does not have"
+_SGLANG_7B = (
+    "at 128 rows the 7B step sits where reads (6.8 ms at 70% of HBM bandwidth) and matmuls (5.6 ms at 30% "
+    "of peak) are close, and the model takes the larger as if the other hid under it; SGLang's decode "
+    "steps and prefill were not timed apart"
 )
 _H200_ENGINE = [
     ("qwen2.5-0.5b", 64, 19_315, "b8a69bd, 1x H200, fp8-rollout.md"),
@@ -634,7 +681,7 @@ _OTHER_ENGINE = [
     ("SGLang", "qwen3-moe-1b", 256, 30_045, "30f3000, 1x H200, sglang.md", ""),
     ("embedded engine", "qwen2.5-0.5b", 64, 19_410, "185b92d, 1x H100, sglang.md", ""),
     ("embedded engine", "qwen2.5-0.5b", 256, 43_584, "185b92d, 1x H100, sglang.md", _H100_SPREAD),
-    ("SGLang", "qwen2.5-0.5b", 64, 12_647, "185b92d, 1x H100, sglang.md", _SGLANG_DENSE),
+    ("SGLang", "qwen2.5-0.5b", 64, 12_647, "185b92d, 1x H100, sglang.md", ""),
     ("SGLang", "qwen2.5-0.5b", 256, 27_337, "185b92d, 1x H100, sglang.md", ""),
     ("embedded engine", "qwen2.5-0.5b", 64, 9_842, "6e95082, 1x H100, engine-throughput.md", _H100_SPREAD),
     ("embedded engine", "qwen2.5-0.5b", 256, 24_239, "6e95082, 1x H100, engine-throughput.md", ""),
@@ -658,7 +705,15 @@ def _sync(
 
 POINTS: list[Point] = [
     *[
-        Point(f"embedded engine tok/s, {s}, {c} in flight", 1, v, "tok/s", src, _engine_point(s, c), "fit")
+        Point(
+            f"embedded engine tok/s, {s}, {c} in flight",
+            1,
+            v,
+            "tok/s",
+            src,
+            _engine_point("embedded", s, c),
+            "fit",
+        )
         for s, c, v, src in _H200_ENGINE
     ],
     *[
@@ -668,11 +723,21 @@ POINTS: list[Point] = [
             v,
             "tok/s",
             src,
-            _engine_point(s, c, None if "H200" in src else H100),
+            _engine_point("sglang" if e == "SGLang" else "embedded", s, c, None if "H200" in src else H100),
+            "fit" if e == "SGLang" else "check",
             why=why,
         )
         for e, s, c, v, src, why in _OTHER_ENGINE
     ],
+    Point(
+        "SGLang tok/s, 7B shape, 128 in flight, prompts of 512 tokens, 1,024 new (256 requests)",
+        1,
+        12_416,
+        "tok/s",
+        "77827b0, 1x H200 of a 2x host, sglang.md",
+        _engine_round_7b,
+        why=_SGLANG_7B,
+    ),
     Point("trainer DP2 tok/s, 0.5B shape", 2, 71_356, "tok/s", f"e3f220d, 2x H200, {_MULTI}", _trainer_dp2),
     Point(
         "trainer TP2 tok/s, 0.5B shape",
@@ -850,7 +915,7 @@ POINTS: list[Point] = [
         "s",
         _SCALE,
         lambda inp: sum(_colocated_7b(inp).values()),
-        why="training 25.8 s against the run's 19.19 (the trainer point below), the rollout 13.8 s against "
+        why="training 25.8 s against the run's 19.19 (the trainer point below), the rollout 8.8 s against "
         "10.35 (the SGLang point below), and the hand-overs summed (4.2 s) where the run moves the trainer's "
         "state out during generation and starts bringing it back before the batch is in: the run's step "
         "has 2.0 s beyond its wait, training and sync",
@@ -875,9 +940,8 @@ POINTS: list[Point] = [
         "tok/s",
         _SCALE,
         lambda inp: W_7B.batch(2) * W_7B.response_tokens / _colocated_7b(inp)["rollout"] / 2,
-        why="the batch took 10.35 s where the model, fit on the embedded engine's 64-token benches, has "
-        "13.8 s: 12.0 s of decode at 11.7 ms a step (3.6 ms of it the row cost) and 1.9 s of prefill at "
-        "an assumed half of peak; SGLang's decode step and prefill were not timed apart",
+        why="the batch took 10.35 s where the model has 8.8 s; SGLang's own bench of the same workload "
+        "agrees with the run (12,416 tok/s), and " + _SGLANG_7B,
     ),
     Point(
         "trainer tok/s a GPU, 7B shape, TP2, in the colocated step",
@@ -924,9 +988,6 @@ POINTS: list[Point] = [
         "s",
         _SCALE_MOE,
         lambda inp: sum(_colocated_moe(inp).values()),
-        why="the rollout 11.3 s against the run's 6.45 s wait (the SGLang point below); training 16.0 s "
-        "against 16.10; the sync and hand-overs 3.5 s against the run's 2.28 s, since the model sums "
-        "hand-overs the run overlaps with generation and has the sync at 0.51 s (the sync point below)",
     ),
     Point(
         "MoE in-memory sync in that step: EP2 trainer to 2 SGLang engines (16.2 GB, 4,719 tensors)",
@@ -946,9 +1007,6 @@ POINTS: list[Point] = [
         "tok/s",
         _SCALE_MOE,
         lambda inp: W_MOE.batch(2) * W_MOE.response_tokens / _colocated_moe(inp)["rollout"] / 2,
-        why="SGLang decoded at about 27,500 tok/s an engine with 128 requests running (its log), 4.7 ms a "
-        "step, where the model has 10.7 ms: 1.4 ms fixed and 3.6 ms of row cost, fit on the embedded "
-        "engine's host, and 5.8 ms reading every expert and the KV at 70% of HBM bandwidth",
     ),
     Point(
         "trainer tok/s a GPU in the MoE step, EP2 with CPU Adam",
