@@ -97,6 +97,12 @@ class ScaleInputs:
     mfu_dense: float = _fig(
         0.385, "measured", "update MFU, Qwen2.5-0.5B shape, micro-batch 32, 1x H100, ed9a9bf"
     )
+    mfu_dense_7b: float = _fig(
+        0.487,
+        "fit",
+        "the trainer's rate in the colocated 7B step: Qwen2.5-7B shape at TP2, 10,515 tok/s a GPU, "
+        "77005c6, 2x H200",
+    )
     mfu_moe: float = _fig(
         0.20,
         "assumption",
@@ -282,6 +288,12 @@ def rollout_s(
     return prefill + decode
 
 
+def dense_mfu(shape: Shape, inp: ScaleInputs) -> float:
+    """A dense model's training MFU: that of the measured width nearer ``shape``'s on a log scale, the
+    0.5B shape's 896 or the 7B shape's 3,584 (wider matmuls run nearer peak)."""
+    return inp.mfu_dense_7b if shape.hidden >= math.sqrt(896 * 3584) else inp.mfu_dense
+
+
 def train_flops_per_token(shape: Shape, seq: float) -> float:
     return 6 * shape.active_matmul_params + 6 * shape.layers * shape.q_heads * shape.head_dim * seq
 
@@ -321,7 +333,7 @@ def train_s(
     picks (the same MFU, plus two all-reduces of the activations a layer forward and two backward).
     ``cpu_adam``: Adam's state and step on the host (``trainer.optimizer_cpu_offload``): each rank's fp32
     gradient shard out and bf16 weights back at the host-copy rate, and the step at a host's CPU Adam rate."""
-    mfu = inp.mfu_moe if shape.experts else inp.mfu_dense
+    mfu = inp.mfu_moe if shape.experts else dense_mfu(shape, inp)
     compute = (
         tokens * train_flops_per_token(shape, seq) / (gpus * mfu * inp.peak_flops * inp.rl_step_over_update)
     )
@@ -689,10 +701,6 @@ _OTHER_ENGINE = [
 _MULTI = "multi-gpu.md"
 _SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
 _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
-_7B_MFU = (
-    "the 7B trainer ran at MFU 0.486 (6 x parameters, H200); the model applies the 0.5B shape's 0.385 "
-    "(an H100): the 7B shape's wider matmuls run nearer peak"
-)
 
 
 def _sync(
@@ -915,10 +923,6 @@ POINTS: list[Point] = [
         "s",
         _SCALE,
         lambda inp: sum(_colocated_7b(inp).values()),
-        why="training 25.8 s against the run's 19.19 (the trainer point below), the rollout 8.8 s against "
-        "10.35 (the SGLang point below), and the hand-overs summed (4.2 s) where the run moves the trainer's "
-        "state out during generation and starts bringing it back before the batch is in: the run's step "
-        "has 2.0 s beyond its wait, training and sync",
     ),
     Point(
         "7B in-memory sync, colocated on 2 GPUs: TP2 trainer to 2 SGLang engines (15.2 GB)",
@@ -950,7 +954,7 @@ POINTS: list[Point] = [
         "tok/s",
         _SCALE,
         lambda inp: _update_tokens_per_s(_train_7b(inp, 2, tp=2), 2, inp),
-        why=_7B_MFU + "; TP2 adds 1.0 s of activation all-reduces to its 23.3 s update",
+        "fit",
     ),
     Point(
         "7B step, disaggregated 1+1, async: 1 SGLang engine, 1 trainer GPU with CPU Adam",
