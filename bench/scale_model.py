@@ -57,6 +57,10 @@ _SGLANG_FIT = (
 )
 _IPC_FIT = "in-memory syncs, SmolLM2 0.047 s (e8793d1) and the 0.5B shape 0.050 s (1d1fbc2), 1x H100"
 _KV_FIT = "one engine's KV pool, 1x H200 of a 4x host, a269f59 (multi-gpu.md)"
+_SGLANG_IPC_FIT = (
+    "SGLang's in-memory syncs in the 2-GPU steps: 7B 0.398 s (15.2 GB, 339 tensors, 77005c6) and 12 of "
+    "30B-A3B's layers 1.912 s (16.2 GB, 4,719 tensors, 05ba71c), 2x H200"
+)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ class ScaleInputs:
     ipc_fixed_s: float = _fig(0.0207, "fit", _IPC_FIT + ": fixed cost a sync")
     tensor_s: float = _fig(95e-6, "fit", _IPC_FIT + ": a HF tensor's naming, packing and copy")
     ipc_copy_passes: float = _fig(6, "assumption", "gather, pack, copy in place: each a read and a write")
+    sglang_ipc_s_per_gb: float = _fig(15.84e-3, "fit", _SGLANG_IPC_FIT + ": packing and loading, a GB")
+    sglang_ipc_tensor_s: float = _fig(341.7e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, a tensor")
     pause_s: float = _fig(0.05, "assumption", "pausing generation and resubmitting around a sync")
     # Colocated hand-overs
     host_copy_bytes_per_s: float = _fig(
@@ -374,9 +380,11 @@ def sync_s(
     trainer_split: int = 1,
     engine_gpus: int = 1,
     gbytes: float | None = None,
+    engine: str = "sglang",
 ) -> float:
     """One weight sync. ``transport``: ipc (colocated: each GPU's engine shard assembled from the
-    trainer ranks holding it, over NVLink in a host and the NICs beyond, then copied in place), nvlink
+    trainer ranks holding it, over NVLink in a host and the NICs beyond, then copied in place by the
+    embedded engine, or packed and loaded tensor by tensor by SGLang, at its own costs), nvlink
     (NCCL broadcast from trainer rank 0 in a host), network (the same between hosts: one NIC's
     bandwidth, pipelined however many engines listen), bench (the NCCL push alone, as
     bench/weight_broadcast.py times it: no naming or loading of tensors). ``trainer_split``: the GPUs
@@ -387,8 +395,11 @@ def sync_s(
         shard, m = nbytes / engine_gpus, trainer_split
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
         across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
-        copies = inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
-        return inp.ipc_fixed_s + per_tensor + in_host + across + copies
+        if engine == "sglang":
+            load = shard / GB * inp.sglang_ipc_s_per_gb + shape.hf_tensors * inp.sglang_ipc_tensor_s
+        else:
+            load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
+        return inp.ipc_fixed_s + in_host + across + load
     if transport == "bench":
         return inp.push_fixed_s + nbytes / inp.nvlink_broadcast
     link = inp.nvlink_broadcast if transport == "nvlink" else _nic(inp)
@@ -706,8 +717,10 @@ _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
 def _sync(
     shape: str, transport: str, gbytes: float | None = None, gpu: dict[str, float] | None = None
 ) -> Any:
+    """A sync into the embedded engine (the only engine these points ran; the transports other than ipc
+    model both engines alike)."""
     return lambda inp: sync_s(
-        SHAPES[shape], transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes
+        SHAPES[shape], transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes, engine="embedded"
     )
 
 
@@ -931,10 +944,7 @@ POINTS: list[Point] = [
         "s",
         _SCALE,
         lambda inp: _colocated_7b(inp)["sync"],
-        why="38 GB/s where the model has 0.093 s: its in-memory constants are fit on 0.05 s syncs of "
-        "135M- and 494M-parameter models into the embedded engine, and its cost a byte (6 passes over "
-        "HBM) is an assumption; each TP rank gathering the full 15.2 GB and SGLang's mapping and load of "
-        "it are not measured apart",
+        "fit",
     ),
     Point(
         "SGLang tok/s a GPU in the colocated 7B step, 128 in flight an engine (256 x 1,022 over the "
@@ -1000,9 +1010,7 @@ POINTS: list[Point] = [
         "s",
         _SCALE_MOE,
         lambda inp: _colocated_moe(inp)["sync"],
-        why="8.5 GB/s where the model has 0.51 s: the run's own parts are gathering the experts 0.19 s, "
-        "packing 0.58 s and SGLang's load 0.69 s, the last two per tensor (4,719 here against the 7B's "
-        "339) at several times the embedded engine's per-tensor cost the model is fit on",
+        "fit",
     ),
     Point(
         "SGLang tok/s a GPU in the MoE step, 128 in flight an engine (256 x 1,024 over the 6.45 s wait)",
