@@ -352,7 +352,7 @@ def start_embedded_server(
     api_key: str | None = None,
     max_batch_size: int = 64,
     extra_args: Sequence[str] = (),
-    timeout: float = 180.0,
+    timeout: float = 600.0,
     log_file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
 ) -> EmbeddedServer:
@@ -361,7 +361,9 @@ def start_embedded_server(
     ``port=0`` lets the server pick a free port (reported back through a file, so there is no race).
     ``host`` may be :data:`agentrl.cluster.NODE`: this node's routable address (then ``api_key`` is needed).
     The key reaches the server in its environment, not on its command line.
-    Raises :class:`ServerStartError` with the server's log tail if it exits or is not healthy in time.
+    Raises :class:`ServerStartError` with the server's log tail if it exits or is not healthy in time (a
+    server that exits raises at once; ``timeout`` bounds a slow start: torch's import and the model's load
+    on a host whose cores other jobs share).
     """
     host = bind_address(host)
     require_key_off_loopback(host, api_key)
