@@ -41,6 +41,7 @@ from agentrl.cluster import (
     stop_all,
 )
 from agentrl.config import ConfigError
+from agentrl.rollout.lockstep import seed_hash
 from agentrl.run_config import RunConfig
 from agentrl.weight_sync import IN_MEMORY, WeightUpdate, trainer_env
 
@@ -172,8 +173,6 @@ def placement_group(
 
 def engine_seed(seed: int, index: int) -> int:
     """Engine ``index``'s seed of unseeded sampling in a run of ``seed``: a 63-bit hash of both."""
-    from agentrl.rollout.lockstep import seed_hash
-
     return seed_hash(seed, "engine", index)
 
 

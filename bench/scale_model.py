@@ -247,6 +247,13 @@ class Workload:
 ENGINES = ("sglang", "embedded")
 
 
+def _engine(engine: str) -> str:
+    """``engine``, one of :data:`ENGINES` (else ValueError)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine: one of {ENGINES}, not {engine!r}")
+    return engine
+
+
 def decode_step_s(
     shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs, engine: str = "sglang"
 ) -> float:
@@ -257,11 +264,9 @@ def decode_step_s(
     memory = read / (gpus * inp.hbm_bytes_per_s * inp.engine_hbm_efficiency)
     compute = rows * 2 * shape.active_matmul_params / (gpus * inp.peak_flops * inp.engine_flops_efficiency)
     device = max(memory, compute)
-    if engine == "embedded":
+    if _engine(engine) == "embedded":
         return inp.engine_step_fixed_s + rows * inp.engine_row_s + device
-    if engine == "sglang":
-        return max(inp.sglang_step_fixed_s + rows * inp.sglang_row_s, device)
-    raise ValueError(f"engine: one of {ENGINES}, not {engine!r}")
+    return max(inp.sglang_step_fixed_s + rows * inp.sglang_row_s, device)
 
 
 def engine_tokens_per_s(
@@ -297,7 +302,8 @@ def rollout_s(
 def dense_mfu(shape: Shape, inp: ScaleInputs) -> float:
     """A dense model's training MFU: that of the measured width nearer ``shape``'s on a log scale, the
     0.5B shape's 896 or the 7B shape's 3,584 (wider matmuls run nearer peak)."""
-    return inp.mfu_dense_7b if shape.hidden >= math.sqrt(896 * 3584) else inp.mfu_dense
+    narrow, wide = SHAPES["qwen2.5-0.5b"].hidden, SHAPES["qwen2.5-7b"].hidden
+    return inp.mfu_dense_7b if shape.hidden >= math.sqrt(narrow * wide) else inp.mfu_dense
 
 
 def train_flops_per_token(shape: Shape, seq: float) -> float:
@@ -395,7 +401,7 @@ def sync_s(
         shard, m = nbytes / engine_gpus, trainer_split
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
         across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
-        if engine == "sglang":
+        if _engine(engine) == "sglang":
             load = shard / GB * inp.sglang_ipc_s_per_gb + shape.hf_tensors * inp.sglang_ipc_tensor_s
         else:
             load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s

@@ -109,6 +109,8 @@ def test_sync_is_bytes_over_bandwidth_plus_fixed_and_per_tensor_costs() -> None:
     colocated = sm.sync_s(shape, "ipc", INP)
     assert colocated == pytest.approx(0.0207 + 2 * shape.params / 1e9 * 15.84e-3 + 339 * 341.7e-6)
     assert colocated < 1.0 and between_hosts < 2.0  # the 7B sync targets, as the model sees them
+    with pytest.raises(ValueError, match="engine"):
+        sm.sync_s(shape, "ipc", INP, engine="vllm")
 
 
 def test_placements_compose_the_parts() -> None:
