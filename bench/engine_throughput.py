@@ -43,6 +43,12 @@ are done (``update_wall_s``: that whole update, the checkpoint's read from disk 
 keeps the bf16 weights beside their fp8 copies, so its KV cache may be planned smaller: its
 ``context_len`` and ``prefix_cache_slots`` are reported too.
 
+``--split`` times prefill and decode apart at each concurrency: before the round, a round of the same
+prompts with one new token each (``prefill_s``: the 2*C prompts prefilled, C at a time); the round itself
+then finds the prompts cached, so its seconds over its 2 x ``--max-new-tokens`` decode steps are
+``decode_step_ms`` (the C requests of a wave finish together, EOS ignored). Reported per engine
+(``engine_split``, ``sglang_split``).
+
 ``--speculative`` serves the same rounds (and the multi-turn episodes) on the embedded engine without
 and then with speculative decoding (``--spec-args``, default ``--speculative ngram --spec-k 4
 --spec-ngram 3``: :mod:`agentrl.embedded.speculative`), one server after the other on the same device,
@@ -306,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--obs-len", type=int, default=200, help="multi-turn: new tokens per observation")
     p.add_argument("--server-args", default="", help="extra flags for the engine server (quoted)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--split", action="store_true", help="time prefill and a decode step apart")
     p.add_argument(
         "--deterministic",
         action="store_true",
@@ -373,8 +380,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             server = launch(a, model_dir, tmp / f"{log}.log", max(concs), extra)
         multi: dict[str, float] | None = None
+        split: dict[int, dict[str, float]] = {}
         try:
             for c in concs:
+                if a.split:  # the prompts once, one new token each: prefill, and the round finds them cached
+                    _, prefill = asyncio.run(engine_round(server.url, c, a.prompt_len, 1, vocab))
+                    split[c] = {"prefill_s": round(prefill, 4)}
                 engine[c] = asyncio.run(
                     engine_round(server.url, c, a.prompt_len, a.max_new_tokens, vocab, accounts[c])
                 )
@@ -386,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
             info = asyncio.run(_server_info(server.url))
             info["rounds"] = {c: acc for c, acc in accounts.items() if acc}
+            for c, part in split.items():
+                part["decode_step_ms"] = round(engine[c][1] * 1000 / (2 * a.max_new_tokens), 3)
+            info["split"] = split
             if update:
                 info["update"] = asyncio.run(update_round(server.url, model_dir))
         finally:
@@ -430,12 +444,16 @@ def main(argv: list[str] | None = None) -> None:
         results[str(c)] = {"requests": 2 * c}
         if c in sglang:
             results[str(c)]["sglang_tok_s"] = round(sglang[c][0] / sglang[c][1], 1)
+            if c in sglang_info.get("split", {}):
+                results[str(c)]["sglang_split"] = sglang_info["split"][c]
         if c not in engine:
             continue
         e_tok, e_s = engine[c]
         results[str(c)]["engine_tok_s"] = round(e_tok / e_s, 1)
         if c in info.get("rounds", {}):
             results[str(c)]["engine_time"] = info["rounds"][c]
+        if c in info.get("split", {}):
+            results[str(c)]["engine_split"] = info["split"][c]
         if c in sglang:
             results[str(c)]["ratio_sglang_over_embedded"] = round(
                 (sglang[c][0] / sglang[c][1]) / (e_tok / e_s), 3

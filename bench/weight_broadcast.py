@@ -16,7 +16,15 @@ checksum on both sides), then ``--repeats`` timed pushes: seconds (median) and G
 between the same two processes: all-reduce of ``--collective-mb`` and one broadcast of that size,
 ``--iters`` times after a warm-up, with nccl-tests' bus bandwidth (all-reduce: algbw x 2(n-1)/n).
 
+``--receivers embedded,sglang`` also pushes the same weights, after the receiver above, to a real SGLang
+server on the engine's GPU holding a model of the shape (random weights): SGLang's own receiving side, a
+request a bucket and each tensor loaded into its model, as a disaggregated run with SGLang engines pays
+it. Per shape it reports SGLang's push (one untimed, then ``--repeats`` timed) beside the receiver's, their
+ratio and the difference a tensor. Both receivers then run with the NCCL setting SGLang's servers need
+(:data:`agentrl.weight_sync.SGLANG_PEER_ENV`), so that the receiving side is all that differs.
+
     python bench/weight_broadcast.py                       # 2 GPUs: NCCL, 0.5B and 7B shapes
+    python bench/weight_broadcast.py --receivers embedded,sglang   # and SGLang's receiving side
     python bench/weight_broadcast.py --device cpu          # gloo, tiny shape (the CPU test runs this)
 
 Prints ONE JSON line.
@@ -34,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -281,21 +290,20 @@ class Receiver:
             self.proc.wait()
 
 
-async def push_shape(
+async def timed_pushes(
+    hf: dict[str, torch.Tensor],
     client: Any,
-    receiver: Receiver,
-    name: str,
     a: argparse.Namespace,
     device: torch.device,
-    dtype: torch.dtype,
     backend: str,
+    first: Any = None,
 ) -> dict[str, Any]:
-    """One checked push of shape ``name``, then ``a.repeats`` timed ones, as trainer rank 0 pushes."""
+    """Open a weight-update group with the engine behind ``client``, push ``hf`` once untimed (it sets
+    the communicator up; ``first``, when given, is awaited around it: the receiver's check), then
+    ``a.repeats`` timed pushes, as trainer rank 0 pushes."""
     from agentrl.weight_sync import BroadcastGroup, WeightUpdate, connect
 
-    hf = random_weights(name, dtype, device)
     nbytes = sum(t.numel() * t.element_size() for t in hf.values())
-    sent_sum = checksum(hf.values())
     sync(device)
     t0 = time.perf_counter()
     group = BroadcastGroup(backend=backend, bucket_bytes=int(a.bucket_mb * 2**20))
@@ -303,11 +311,8 @@ async def push_shape(
     engine_sync = await connect(update, rank=0, world_size=1, device=device, model_path="", client=client)
     group_init_s = time.perf_counter() - t0
     try:
-        await receiver.call("POST", "/bench/verify", {"on": True})
-        await engine_sync.push(hf, 1)  # checked, and it sets the communicator up: not timed
+        checked = await first(engine_sync.push(hf, 1)) if first else await engine_sync.push(hf, 1)
         sync(device)
-        got = await receiver.call("GET", "/bench/received")
-        await receiver.call("POST", "/bench/verify", {"on": False})
         times = []
         for r in range(a.repeats):
             t0 = time.perf_counter()
@@ -318,17 +323,88 @@ async def push_shape(
         await engine_sync.close()
     seconds = statistics.median(times)
     return {
-        "shape": name,
-        "params": sum(t.numel() for t in hf.values()),
-        "tensors": len(hf),
-        "bytes": nbytes,
         "buckets": int(stats["num_buckets"]),
-        "verified": got["bytes"] == nbytes and got["tensors"] == len(hf) and got["checksum"] == sent_sum,
+        "verified": checked if first else None,
         "group_init_s": group_init_s,
         "seconds": seconds,
         "seconds_min": min(times),
         "gbps": nbytes / seconds / 1e9,
     }
+
+
+async def push_shape(
+    client: Any,
+    receiver: Receiver,
+    name: str,
+    a: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+) -> dict[str, Any]:
+    """One checked push of shape ``name`` to the receiver, then ``a.repeats`` timed ones; with
+    ``a.receivers`` naming sglang, the same to an SGLang server (:func:`push_to_sglang`)."""
+    hf = random_weights(name, dtype, device)
+    nbytes = sum(t.numel() * t.element_size() for t in hf.values())
+    sent_sum = checksum(hf.values())
+
+    async def checked(push: Any) -> bool:
+        await receiver.call("POST", "/bench/verify", {"on": True})
+        await push
+        sync(device)
+        got = await receiver.call("GET", "/bench/received")
+        await receiver.call("POST", "/bench/verify", {"on": False})
+        return got["bytes"] == nbytes and got["tensors"] == len(hf) and got["checksum"] == sent_sum
+
+    out = {
+        "shape": name,
+        "params": sum(t.numel() for t in hf.values()),
+        "tensors": len(hf),
+        "bytes": nbytes,
+        **await timed_pushes(hf, client, a, device, backend, checked),
+    }
+    if "sglang" in a.receivers:
+        sglang = await push_to_sglang(hf, name, a, device, backend)
+        sglang["ratio_over_embedded_receiver"] = sglang["seconds"] / out["seconds"]
+        sglang["extra_per_tensor_us"] = (sglang["seconds"] - out["seconds"]) / len(hf) * 1e6
+        out["sglang"] = sglang
+    return out
+
+
+async def push_to_sglang(
+    hf: dict[str, torch.Tensor], name: str, a: argparse.Namespace, device: torch.device, backend: str
+) -> dict[str, Any]:
+    """The pushes of :func:`timed_pushes` to a real SGLang server on ``a.engine_device`` that holds a
+    model of shape ``name`` (random weights, saved first): SGLang's receiving side."""
+    import tempfile
+
+    from agentrl.engine.client import EngineClient
+    from agentrl.engine.launcher import SGLangLauncher
+    from agentrl.engine.sglang_config import SGLangConfig
+    from agentrl.models.random_weights import build_shape_model
+
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-") as tmp:
+        model_dir = build_shape_model(name, Path(tmp) / "model", "bfloat16", str(device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        cfg = SGLangConfig(
+            model_path=str(model_dir),
+            port=0,
+            mem_fraction_static=a.sglang_mem_fraction,
+            skip_tokenizer_init=True,
+            env={"CUDA_VISIBLE_DEVICES": a.engine_device.partition(":")[2] or "0"},
+            extra_args={"dtype": "bfloat16", "disable-cuda-graph": True},
+            log_file=str(Path(tmp) / "sglang.log"),
+            startup_timeout=1800,
+        )
+        t0 = time.perf_counter()
+        server = SGLangLauncher(cfg).start()
+        start_s = time.perf_counter() - t0
+        try:
+            async with EngineClient(server.url, timeout=3600, max_retries=0) as client:
+                pushed = await timed_pushes(hf, client, a, device, backend)
+        finally:
+            server.stop()
+    return {"server_start_s": start_s, **pushed}
 
 
 async def collective(
@@ -370,7 +446,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
 
     cuda = a.device == "cuda"
     device = torch.device(a.trainer_device or ("cuda:0" if cuda else "cpu"))
-    engine_device = a.engine_device or ("cuda:1" if cuda else "cpu")
+    engine_device = a.engine_device = a.engine_device or ("cuda:1" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
     dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
@@ -382,6 +458,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "trainer_device": str(device),
         "engine_device": engine_device,
+        "receivers": a.receivers,
         "backend": backend,
         "dtype": str(dtype).removeprefix("torch."),
         "bucket_mb": a.bucket_mb,
@@ -421,11 +498,28 @@ def main() -> None:
     p.add_argument("--collective-mb", type=int, default=None, help="all-reduce size (default 1024, 1 on cpu)")
     p.add_argument("--iters", type=int, default=None, help="timed collectives (default 20, 3 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed collectives first (default 5, 1 on cpu)")
+    p.add_argument(
+        "--receivers",
+        default="embedded",
+        help="embedded, or embedded,sglang: also push to a real SGLang server on the engine's GPU",
+    )
+    p.add_argument(
+        "--sglang-mem-fraction", type=float, default=0.3, help="the SGLang server's --mem-fraction-static"
+    )
     p.add_argument("--serve-receiver", default=None, metavar="DEVICE", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.serve_receiver:
         asyncio.run(serve_receiver(torch.device(a.serve_receiver)))
         return
+    a.receivers = [r.strip() for r in a.receivers.split(",") if r.strip()]
+    if a.receivers not in (["embedded"], ["embedded", "sglang"]):
+        p.error(f"--receivers: embedded, or embedded,sglang, not {','.join(a.receivers)!r}")
+    if "sglang" in a.receivers:
+        if a.device != "cuda":
+            p.error("--receivers embedded,sglang: SGLang runs on a GPU (--device cuda)")
+        from agentrl.weight_sync import trainer_env
+
+        os.environ.update(trainer_env("sglang"))  # before NCCL starts; the receiver inherits it
     from agentrl.trainer.config import TrainerConfig
 
     cuda = a.device == "cuda"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _rounding import ratio_of_rounded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,3 +84,19 @@ def test_speculative_ab_reports_both_servers_and_the_drafts_account() -> None:
         assert account["verify_steps"] <= account["verify_rows"]
         assert account["skipped_steps"] == 0  # --spec-always: no gate, every step with a draft verifies
     assert out["spec_args"] == spec and out["multi_turn_spec"]["episodes"] == 2
+
+
+def test_split_times_the_prefill_and_a_decode_step_apart() -> None:
+    """``--split``: a round of one new token first (the prompts' prefill), then the round, which finds
+    the prompts cached: its seconds over 2 x max-new-tokens steps are the decode step."""
+    args = ["--concurrency", "1,3", "--prompt-len", "16", "--max-new-tokens", "6", "--no-hf", "--split"]
+    proc = subprocess.run([*BENCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for c in (1, 3):
+        row = out["results"][str(c)]
+        split = row["engine_split"]
+        assert split["prefill_s"] > 0
+        # the round made 2C x 6 tokens in 2 x 6 steps: a step is C tokens at the round's rate
+        assert split["decode_step_ms"] == pytest.approx(c * 1000 / row["engine_tok_s"], rel=0.01)
+        assert "sglang_split" not in row  # only the engines that served the rounds

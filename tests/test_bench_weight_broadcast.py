@@ -46,6 +46,7 @@ def test_bench_broadcasts_every_byte_in_buckets_and_reports_bandwidths() -> None
     assert tiny["tensors"] == len(shapes)
     assert tiny["bytes"] == 4 * sum(math.prod(s) for s in shapes.values())  # float32
     assert tiny["verified"] is True  # the receiver got every byte (checksums equal)
+    assert out["receivers"] == ["embedded"] and "sglang" not in tiny  # SGLang's side only when asked
     assert tiny["buckets"] >= tiny["bytes"] // int(0.1 * 2**20)  # 0.1 MB buckets: several
     assert tiny["seconds_min"] <= tiny["seconds"]
     assert tiny["gbps"] == pytest.approx(tiny["bytes"] / tiny["seconds"] / 1e9)
@@ -63,3 +64,22 @@ def test_bus_bandwidth_is_nccl_tests_formula() -> None:
         "busbw_gbps": 7.0,
     }
     assert bench.bus_bandwidth("broadcast", 8 * 10**9, 2.0, ranks=8)["busbw_gbps"] == 4.0
+
+
+@pytest.mark.parametrize(
+    ("receivers", "says"),
+    [
+        ("sglang", "--receivers: embedded, or embedded,sglang, not 'sglang'"),
+        ("embedded,sglang", "SGLang runs on a GPU (--device cuda)"),
+    ],
+)
+def test_an_sglang_receiver_is_refused_where_it_cannot_run(receivers: str, says: str) -> None:
+    """SGLang's receiving side is measured beside the bench's own receiver (the baseline), and on a GPU."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "cpu", "--receivers", receivers],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
