@@ -56,6 +56,14 @@ _SGLANG_FIT = (
     "1x H200): steps host-bound at 4.2-9.4 ms where the device part is 0.4-0.9 ms"
 )
 _IPC_FIT = "in-memory syncs, SmolLM2 0.047 s (e8793d1) and the 0.5B shape 0.050 s (1d1fbc2), 1x H100"
+_SGLANG_7B_FIT = (
+    "SGLang's 7B decode step and prefill at 16 and 256 rows (bench/engine_throughput.py --split: prompts "
+    "of 512 tokens, 1,024 new), c436473, 1x H200"
+)
+_SGLANG_RECEIVE_FIT = (
+    "SGLang's NCCL receiving side: its push less the bench receiver's in the same run, 0.5B shape "
+    "(0.99 GB, +6.7 ms) and 7B (15.2 GB, +66.3 ms), bench/weight_broadcast.py, c436473, 2x H200"
+)
 _KV_FIT = "one engine's KV pool, 1x H200 of a 4x host, a269f59 (multi-gpu.md)"
 _SGLANG_IPC_FIT = (
     "SGLang's in-memory syncs in the 2-GPU steps: 7B 0.398 s (15.2 GB, 339 tensors, 77005c6) and 12 of "
@@ -93,8 +101,12 @@ class ScaleInputs:
     engine_row_s: float = _fig(28.0e-6, "fit", _ENGINE_FIT + ": host cost a row a decode step")
     engine_hbm_efficiency: float = _fig(0.7, "fit", _ENGINE_FIT + ": share of HBM bandwidth read")
     engine_flops_efficiency: float = _fig(0.3, "fit", _ENGINE_FIT + ": share of peak in decode matmuls")
-    prefill_flops_efficiency: float = _fig(0.5, "assumption", "prefill matmuls at half of peak")
-    # SGLang engines: the same device part, their own host costs, overlapped with the device
+    prefill_flops_efficiency: float = _fig(0.644, "fit", _SGLANG_7B_FIT + ": prefill matmuls' share of peak")
+    # SGLang engines: their own device efficiency and host costs, the host part overlapped with the device
+    sglang_hbm_efficiency: float = _fig(0.657, "fit", _SGLANG_7B_FIT + ": share of HBM bandwidth read")
+    sglang_exposed: float = _fig(
+        0.253, "fit", _SGLANG_7B_FIT + ": share of the smaller of reads and matmuls not hidden by the larger"
+    )
     sglang_step_fixed_s: float = _fig(3.2e-3, "fit", _SGLANG_FIT + ": host cost a decode step")
     sglang_row_s: float = _fig(22.4e-6, "fit", _SGLANG_FIT + ": host cost a row a decode step")
     # The trainer
@@ -131,6 +143,8 @@ class ScaleInputs:
     ipc_copy_passes: float = _fig(6, "assumption", "gather, pack, copy in place: each a read and a write")
     sglang_ipc_s_per_gb: float = _fig(15.84e-3, "fit", _SGLANG_IPC_FIT + ": packing and loading, a GB")
     sglang_ipc_tensor_s: float = _fig(341.7e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, a tensor")
+    sglang_receive_fixed_s: float = _fig(2.57e-3, "fit", _SGLANG_RECEIVE_FIT + ": fixed cost a sync")
+    sglang_receive_s_per_gb: float = _fig(4.18e-3, "fit", _SGLANG_RECEIVE_FIT + ": a GB received")
     pause_s: float = _fig(0.05, "assumption", "pausing generation and resubmitting around a sync")
     # Colocated hand-overs
     host_copy_bytes_per_s: float = _fig(
@@ -258,14 +272,17 @@ def decode_step_s(
     shape: Shape, rows: int, context: float, gpus: int, inp: ScaleInputs, engine: str = "sglang"
 ) -> float:
     """One decode step of an engine spread over ``gpus`` GPUs with ``rows`` rows of ``context`` tokens:
-    its device part (reads or matmuls, the larger) and its host part, after one another in the embedded
-    engine, overlapped in SGLang."""
+    its device part and its host part, after one another in the embedded engine, overlapped in SGLang.
+    The device part is the larger of reads and matmuls; in SGLang (measured over 16-256 rows at 7B) a
+    share of the smaller stays outside it."""
     read = shape.weight_bytes_touched(rows) + rows * context * shape.kv_bytes_per_token
-    memory = read / (gpus * inp.hbm_bytes_per_s * inp.engine_hbm_efficiency)
+    sglang = _engine(engine) == "sglang"
+    hbm = inp.sglang_hbm_efficiency if sglang else inp.engine_hbm_efficiency
+    memory = read / (gpus * inp.hbm_bytes_per_s * hbm)
     compute = rows * 2 * shape.active_matmul_params / (gpus * inp.peak_flops * inp.engine_flops_efficiency)
-    device = max(memory, compute)
-    if _engine(engine) == "embedded":
-        return inp.engine_step_fixed_s + rows * inp.engine_row_s + device
+    if not sglang:
+        return inp.engine_step_fixed_s + rows * inp.engine_row_s + max(memory, compute)
+    device = max(memory, compute) + inp.sglang_exposed * min(memory, compute)
     return max(inp.sglang_step_fixed_s + rows * inp.sglang_row_s, device)
 
 
@@ -393,23 +410,26 @@ def sync_s(
     embedded engine, or packed and loaded tensor by tensor by SGLang, at its own costs), nvlink
     (NCCL broadcast from trainer rank 0 in a host), network (the same between hosts: one NIC's
     bandwidth, pipelined however many engines listen), bench (the NCCL push alone, as
-    bench/weight_broadcast.py times it: no naming or loading of tensors). ``trainer_split``: the GPUs
-    one copy of the trainer's weights is split over."""
+    bench/weight_broadcast.py times it: no naming of tensors). Over NCCL, SGLang's receiving side (a
+    request a bucket, each tensor loaded into its model) adds its own cost to the embedded engine's.
+    ``trainer_split``: the GPUs one copy of the trainer's weights is split over."""
     nbytes = gbytes * GB if gbytes is not None else 2.0 * shape.params
     per_tensor = shape.hf_tensors * inp.tensor_s
+    sglang = _engine(engine) == "sglang"
+    receive = inp.sglang_receive_fixed_s + nbytes / GB * inp.sglang_receive_s_per_gb if sglang else 0.0
     if transport == "ipc":
         shard, m = nbytes / engine_gpus, trainer_split
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
         across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
-        if _engine(engine) == "sglang":
+        if sglang:
             load = shard / GB * inp.sglang_ipc_s_per_gb + shape.hf_tensors * inp.sglang_ipc_tensor_s
         else:
             load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
         return inp.ipc_fixed_s + in_host + across + load
     if transport == "bench":
-        return inp.push_fixed_s + nbytes / inp.nvlink_broadcast
+        return inp.push_fixed_s + nbytes / inp.nvlink_broadcast + receive
     link = inp.nvlink_broadcast if transport == "nvlink" else _nic(inp)
-    return inp.push_fixed_s + per_tensor + nbytes / link
+    return inp.push_fixed_s + per_tensor + nbytes / link + receive
 
 
 def handover_s(
@@ -516,11 +536,12 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
     if shape.experts:
         notes.append("trainer MoE MFU assumed: grouped expert GEMMs not measured on a GPU")
         notes.append("engine's expert reads checked on a 1B MoE only")
-        notes.append(f"per-tensor sync cost fit on 272-290 tensors, applied to {shape.hf_tensors:,}")
-    else:
         notes.append(
-            "trainer MFU measured on the 0.5B shape, applied to 7B (the colocated 2-GPU 7B step ran at 0.486)"
+            "per-tensor sync costs fit on 339-4,719 tensors (SGLang's load) and 272-290 (the broadcasts), "
+            f"applied to {shape.hf_tensors:,}"
         )
+    else:
+        notes.append("trainer MFU fit on one TP2 step of 2 GPUs, applied to data-parallel ranks of one GPU")
     if engine_gpus > 1:
         notes.append("an engine spread over several GPUs: not measured")
     if hosts > 1:
@@ -590,7 +611,7 @@ def _weak_scaling(one_gpu_step: float, gpus: int) -> Any:
 def _disaggregated_1_1(inp: ScaleInputs) -> float:
     """1 engine GPU + 1 trainer GPU, one step off-policy, from the colocated run of the same call
     (wait 0.427 s = the engine's time for a batch, train 0.482 s)."""
-    sync = sync_s(SHAPES["smollm2-135m"], "nvlink", inp)
+    sync = sync_s(SHAPES["smollm2-135m"], "nvlink", inp, engine="embedded")
     return max(0.427, 0.482 + sync) + inp.pause_s
 
 
@@ -690,11 +711,6 @@ _H100_SPREAD = (
     "at 256 between runs and hosts (engine-throughput.md: part of it the host); the row cost is fit on "
     "H200 runs of later commits"
 )
-_SGLANG_7B = (
-    "SGLang's decode step at 128 rows took 8.9-9.0 ms where the model has 6.8 (its prefill 2.8 s against "
-    "the model's 3.75; sglang.md): reads (6.8 ms at 70% of HBM bandwidth) and matmuls (5.6 ms at 30% of "
-    "peak) are close there, and the model takes the larger as if the other hid under it"
-)
 _H200_ENGINE = [
     ("qwen2.5-0.5b", 64, 19_315, "b8a69bd, 1x H200, fp8-rollout.md"),
     ("qwen2.5-0.5b", 256, 30_303, "b8a69bd, 1x H200, fp8-rollout.md"),
@@ -721,13 +737,37 @@ _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
 
 
 def _sync(
-    shape: str, transport: str, gbytes: float | None = None, gpu: dict[str, float] | None = None
+    shape: str,
+    transport: str,
+    gbytes: float | None = None,
+    gpu: dict[str, float] | None = None,
+    engine: str = "embedded",
 ) -> Any:
-    """A sync into the embedded engine (the only engine these points ran; the transports other than ipc
-    model both engines alike)."""
+    """A sync into ``engine`` (the embedded engine, or the bench's receiver of its broadcasts)."""
     return lambda inp: sync_s(
-        SHAPES[shape], transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes, engine="embedded"
+        SHAPES[shape], transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes, engine=engine
     )
+
+
+_SWEEP = "c436473, 1x H200 of a 2x host, sglang.md"
+# SGLang on the 7B shape, --split: a decode step (ms) and the prefill of 2C prompts of 512 tokens (s)
+_SGLANG_7B_SWEEP = [
+    (16, 5.319, 0.3642),
+    (32, 5.802, 0.7290),
+    (64, 6.828, 1.4436),
+    (128, 9.221, 2.8971),
+    (192, 11.244, 4.3474),
+    (256, 14.629, 5.8195),
+]
+
+
+def _sglang_7b_decode(rows: int) -> Any:
+    """A decode step of the sweep: its rows at 1,024 tokens of context on average."""
+    return lambda inp: decode_step_s(SHAPES["qwen2.5-7b"], rows, 512 + 1024 / 2, 1, inp)
+
+
+def _sglang_7b_prefill(rows: int) -> Any:
+    return lambda inp: prefill_s(SHAPES["qwen2.5-7b"], 2 * rows, 512, 1, inp)
 
 
 POINTS: list[Point] = [
@@ -763,8 +803,31 @@ POINTS: list[Point] = [
         "tok/s",
         "77827b0, 1x H200 of a 2x host, sglang.md",
         _engine_round_7b,
-        why=_SGLANG_7B,
     ),
+    *[
+        Point(
+            f"SGLang decode step, 7B shape, {rows} rows of 1,024 tokens on average",
+            1,
+            ms / 1e3,
+            "s",
+            _SWEEP,
+            _sglang_7b_decode(rows),
+            "fit" if rows in (16, 256) else "check",
+        )
+        for rows, ms, _ in _SGLANG_7B_SWEEP
+    ],
+    *[
+        Point(
+            f"SGLang prefill, 7B shape, {2 * rows} prompts of 512 tokens, {rows} at a time",
+            1,
+            seconds,
+            "s",
+            _SWEEP,
+            _sglang_7b_prefill(rows),
+            "fit" if rows in (16, 256) else "check",
+        )
+        for rows, _, seconds in _SGLANG_7B_SWEEP
+    ],
     Point("trainer DP2 tok/s, 0.5B shape", 2, 71_356, "tok/s", f"e3f220d, 2x H200, {_MULTI}", _trainer_dp2),
     Point(
         "trainer TP2 tok/s, 0.5B shape",
@@ -793,6 +856,23 @@ POINTS: list[Point] = [
         f"e3f220d, 2x H200, {_MULTI}",
         _sync("qwen2.5-7b", "bench", 15.2),
     ),
+    *[
+        Point(
+            f"NCCL push, {name} shape ({gb} GB), under SGLang's NCCL setting, {what}",
+            2,
+            seconds,
+            "s",
+            "c436473, 2x H200, sglang.md",
+            _sync(shape, "bench", gb, engine=engine),
+            role,
+        )
+        for name, shape, gb, what, engine, seconds, role in [
+            ("0.5B", "qwen2.5-0.5b", 0.99, "the bench's receiver", "embedded", 0.0200, "check"),
+            ("7B", "qwen2.5-7b", 15.2, "the bench's receiver", "embedded", 0.0641, "check"),
+            ("0.5B", "qwen2.5-0.5b", 0.99, "an SGLang server", "sglang", 0.0267, "fit"),
+            ("7B", "qwen2.5-7b", 15.2, "an SGLang server", "sglang", 0.1303, "fit"),
+        ]
+    ],
     Point(
         "in-memory sync, SmolLM2",
         1,
@@ -843,9 +923,7 @@ POINTS: list[Point] = [
         0.055,
         "s",
         "a269f59, 2 GPUs of 4x H200, sglang.md",
-        _sync("smollm2-135m", "nvlink"),
-        why="SGLang's receiving side (a request a bucket, its own load of each tensor) costs 9 ms more "
-        "than the embedded engine's; its per-tensor cost is not measured apart",
+        _sync("smollm2-135m", "nvlink", engine="sglang"),
     ),
     Point(
         "trainer offload, SmolLM2, 1 GPU, KV pool 0.2",
@@ -960,8 +1038,6 @@ POINTS: list[Point] = [
         "tok/s",
         _SCALE,
         lambda inp: W_7B.batch(2) * W_7B.response_tokens / _colocated_7b(inp)["rollout"] / 2,
-        why="the batch took 10.35 s where the model has 8.8 s; SGLang's own bench of the same workload "
-        "agrees with the run (12,416 tok/s), and " + _SGLANG_7B,
     ),
     Point(
         "trainer tok/s a GPU, 7B shape, TP2, in the colocated step",
@@ -987,10 +1063,6 @@ POINTS: list[Point] = [
         "s",
         _SCALE,
         lambda inp: _async_7b_1_1(inp)["sync"],
-        why="the NCCL push alone of the same 15.2 GB took 0.059 s, which the model has within 0.5%; the "
-        "trainer's gather of HF-named tensors and SGLang's receiving side (a request a bucket, its own "
-        "load of each tensor) add 0.08 s, where the model has 0.03 s of per-tensor cost fit on the "
-        "embedded engine",
     ),
     Point(
         "trainer tok/s, 7B shape, 1 GPU with CPU Adam, in the 1+1 step",
