@@ -135,8 +135,11 @@ class ScaleInputs:
         "some 80 bytes of fp32 passes a parameter at about 80 GB/s of host memory bandwidth",
     )
     # Weight sync
-    push_fixed_s: float = _fig(
-        0.0173, "fit", "NCCL push of the 0.5B shape, 0.020 s for 0.99 GB, 2x H200, e3f220d"
+    push_tensor_s: float = _fig(
+        60.8e-6,
+        "fit",
+        "NCCL pushes to bench/weight_broadcast.py's receiver, a broadcast a tensor: 0.5B shape (290 "
+        "tensors), 7B (339) and 12 of 30B-A3B's layers (4,719), c436473, 2x H200",
     )
     ipc_fixed_s: float = _fig(0.0207, "fit", _IPC_FIT + ": fixed cost a sync")
     tensor_s: float = _fig(95e-6, "fit", _IPC_FIT + ": a HF tensor's naming, packing and copy")
@@ -145,6 +148,12 @@ class ScaleInputs:
     sglang_ipc_tensor_s: float = _fig(341.7e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, a tensor")
     sglang_receive_fixed_s: float = _fig(2.57e-3, "fit", _SGLANG_RECEIVE_FIT + ": fixed cost a sync")
     sglang_receive_s_per_gb: float = _fig(4.18e-3, "fit", _SGLANG_RECEIVE_FIT + ": a GB received")
+    sglang_receive_expert_tensor_s: float = _fig(
+        111e-6,
+        "fit",
+        "SGLang's receiving side of 12 of 30B-A3B's layers (16.2 GB, 4,719 tensors, 4,608 of them experts): "
+        "+0.58 s over the bench's receiver where bytes give 0.07, c436473, 2x H200: a cost an expert tensor",
+    )
     pause_s: float = _fig(0.05, "assumption", "pausing generation and resubmitting around a sync")
     # Colocated hand-overs
     host_copy_bytes_per_s: float = _fig(
@@ -410,13 +419,19 @@ def sync_s(
     embedded engine, or packed and loaded tensor by tensor by SGLang, at its own costs), nvlink
     (NCCL broadcast from trainer rank 0 in a host), network (the same between hosts: one NIC's
     bandwidth, pipelined however many engines listen), bench (the NCCL push alone, as
-    bench/weight_broadcast.py times it: no naming of tensors). Over NCCL, SGLang's receiving side (a
-    request a bucket, each tensor loaded into its model) adds its own cost to the embedded engine's.
+    bench/weight_broadcast.py times it: no naming of tensors). A push is a broadcast a tensor. Over
+    NCCL, SGLang's receiving side (a request a bucket, each tensor loaded into its model, an expert's
+    at a cost of its own) adds to the embedded engine's.
     ``trainer_split``: the GPUs one copy of the trainer's weights is split over."""
     nbytes = gbytes * GB if gbytes is not None else 2.0 * shape.params
     per_tensor = shape.hf_tensors * inp.tensor_s
     sglang = _engine(engine) == "sglang"
-    receive = inp.sglang_receive_fixed_s + nbytes / GB * inp.sglang_receive_s_per_gb if sglang else 0.0
+    receive = 0.0
+    if sglang:
+        experts = shape.layers * shape.experts * 3  # gate, up and down projections, one tensor an expert
+        receive = inp.sglang_receive_fixed_s + nbytes / GB * inp.sglang_receive_s_per_gb
+        receive += experts * inp.sglang_receive_expert_tensor_s
+    push = shape.hf_tensors * inp.push_tensor_s
     if transport == "ipc":
         shard, m = nbytes / engine_gpus, trainer_split
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
@@ -427,9 +442,9 @@ def sync_s(
             load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
         return inp.ipc_fixed_s + in_host + across + load
     if transport == "bench":
-        return inp.push_fixed_s + nbytes / inp.nvlink_broadcast + receive
+        return push + nbytes / inp.nvlink_broadcast + receive
     link = inp.nvlink_broadcast if transport == "nvlink" else _nic(inp)
-    return inp.push_fixed_s + per_tensor + nbytes / link + receive
+    return push + per_tensor + nbytes / link + receive
 
 
 def handover_s(
@@ -537,7 +552,8 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
         notes.append("trainer MoE MFU assumed: grouped expert GEMMs not measured on a GPU")
         notes.append("engine's expert reads checked on a 1B MoE only")
         notes.append(
-            "per-tensor sync costs fit on 339-4,719 tensors (SGLang's load) and 272-290 (the broadcasts), "
+            "per-tensor sync costs fit on 290-4,719 tensors (SGLang's load, NCCL's pushes, SGLang's "
+            "receiving side) and 272-290 (the trainer's naming), "
             f"applied to {shape.hf_tensors:,}"
         )
     else:
@@ -737,15 +753,16 @@ _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
 
 
 def _sync(
-    shape: str,
+    shape: str | Shape,
     transport: str,
     gbytes: float | None = None,
     gpu: dict[str, float] | None = None,
     engine: str = "embedded",
 ) -> Any:
     """A sync into ``engine`` (the embedded engine, or the bench's receiver of its broadcasts)."""
+    model = SHAPES[shape] if isinstance(shape, str) else shape
     return lambda inp: sync_s(
-        SHAPES[shape], transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes, engine=engine
+        model, transport, dataclasses.replace(inp, **(gpu or {})), gbytes=gbytes, engine=engine
     )
 
 
@@ -846,7 +863,7 @@ POINTS: list[Point] = [
         "s",
         f"e3f220d, 2x H200, {_MULTI}",
         _sync("qwen2.5-0.5b", "bench", 0.99),
-        "fit",
+        "check",
     ),
     Point(
         "NCCL push, 7B shape (15.2 GB)",
@@ -858,7 +875,7 @@ POINTS: list[Point] = [
     ),
     *[
         Point(
-            f"NCCL push, {name} shape ({gb} GB), under SGLang's NCCL setting, {what}",
+            f"NCCL push, {name} ({gb} GB), under SGLang's NCCL setting, {what}",
             2,
             seconds,
             "s",
@@ -867,10 +884,12 @@ POINTS: list[Point] = [
             role,
         )
         for name, shape, gb, what, engine, seconds, role in [
-            ("0.5B", "qwen2.5-0.5b", 0.99, "the bench's receiver", "embedded", 0.0200, "check"),
-            ("7B", "qwen2.5-7b", 15.2, "the bench's receiver", "embedded", 0.0641, "check"),
-            ("0.5B", "qwen2.5-0.5b", 0.99, "an SGLang server", "sglang", 0.0267, "fit"),
-            ("7B", "qwen2.5-7b", 15.2, "an SGLang server", "sglang", 0.1303, "fit"),
+            ("0.5B shape", "qwen2.5-0.5b", 0.99, "the bench's receiver", "embedded", 0.0200, "fit"),
+            ("7B shape", "qwen2.5-7b", 15.2, "the bench's receiver", "embedded", 0.0641, "fit"),
+            ("12 of 30B-A3B's layers", MOE_12, 16.2, "the bench's receiver", "embedded", 0.3321, "fit"),
+            ("0.5B shape", "qwen2.5-0.5b", 0.99, "an SGLang server", "sglang", 0.0267, "fit"),
+            ("7B shape", "qwen2.5-7b", 15.2, "an SGLang server", "sglang", 0.1303, "fit"),
+            ("12 of 30B-A3B's layers", MOE_12, 16.2, "an SGLang server", "sglang", 0.9137, "fit"),
         ]
     ],
     Point(

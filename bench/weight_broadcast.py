@@ -71,9 +71,14 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def shape_config(name: str) -> dict[str, Any]:
-    from agentrl.models.tiny import QWEN25_05B
+    """The HF config of shape ``name``: one of :data:`SHAPES`, or of the full-size shapes
+    (:data:`agentrl.models.tiny.FULL_SHAPES`), which ``name:N`` cuts to its first N decoder layers."""
+    from agentrl.models.tiny import QWEN25_05B, shape_config
 
-    return {"model_type": "qwen2", **(QWEN25_05B if name == "qwen2.5-0.5b" else SHAPES[name])}
+    if name in SHAPES or name == "qwen2.5-0.5b":
+        return {"model_type": "qwen2", **(QWEN25_05B if name == "qwen2.5-0.5b" else SHAPES[name])}
+    base, _, layers = name.partition(":")
+    return shape_config(base, int(layers) if layers else None).to_dict()
 
 
 def random_weights(
@@ -383,7 +388,10 @@ async def push_to_sglang(
     from agentrl.models.random_weights import build_shape_model
 
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-") as tmp:
-        model_dir = build_shape_model(name, Path(tmp) / "model", "bfloat16", str(device))
+        base, _, layers = name.partition(":")
+        model_dir = build_shape_model(
+            base, Path(tmp) / "model", "bfloat16", str(device), int(layers) if layers else None
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
         cfg = SGLangConfig(
@@ -486,7 +494,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda: NCCL; cpu: gloo")
     p.add_argument("--trainer-device", default=None, help="the sender's device (default cuda:0, or cpu)")
     p.add_argument("--engine-device", default=None, help="the receiver's device (default cuda:1, or cpu)")
-    p.add_argument("--shapes", default=None, help=f"comma-separated, of qwen2.5-0.5b, {', '.join(SHAPES)}")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated, of {', '.join(SHAPES)} and the full-size shapes "
+        "(qwen3-30b-a3b:12: its first 12 decoder layers)",
+    )
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument(
         "--backend", default=None, choices=["nccl", "gloo"], help="default nccl on cuda, gloo on cpu"

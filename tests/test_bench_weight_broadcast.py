@@ -83,3 +83,22 @@ def test_an_sglang_receiver_is_refused_where_it_cannot_run(receivers: str, says:
         timeout=120,
     )
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_full_size_shape_can_be_cut_to_its_first_layers() -> None:
+    """``qwen3-30b-a3b:12``: the MoE shape of the 2-GPU MoE step, 12 of its 48 layers: 4,719 tensors,
+    where the 7B shape has 339 for about as many bytes (what tells a cost a tensor from one a byte)."""
+    from agentrl.trainer.arch import ModelArch
+    from agentrl.trainer.model import hf_param_shapes
+
+    bench = _bench_module()
+
+    def count(name: str) -> tuple[int, int]:
+        shapes = hf_param_shapes(ModelArch.from_hf_config(bench.shape_config(name)))
+        return len(shapes), 2 * sum(math.prod(s) for s in shapes.values())
+
+    tensors, nbytes = count("qwen3-30b-a3b:12")
+    assert tensors == 12 * (4 + 2 + 3 * 128 + 1 + 2) + 3 == 4719
+    assert nbytes == pytest.approx(16.2e9, rel=0.01)
+    assert count("qwen2.5-7b")[0] == 339
+    assert count("qwen3-30b-a3b")[0] == 48 * 393 + 3  # uncut
