@@ -1,5 +1,6 @@
-"""bench/scale_model.py: the scale model's arithmetic on cases worked by hand, and its check against the
-measured 1-, 2- and 4-GPU points staying within what it states (15 %, or a stated reason)."""
+"""bench/scale_model.py and bench/scale_points.py: the scale model's arithmetic on cases worked by hand,
+and its check against the measured 1-, 2- and 4-GPU points staying within what it states (15 %, or a
+stated reason)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "scale_model.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("scale_model", BENCH)
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_model"] = module  # dataclasses resolve the module's annotations through it
+    # dataclasses resolve a module's annotations through it, and the points import the model by name
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-sm = _load()
+sm = _load("scale_model")
+points = _load("scale_points")
 INP = sm.ScaleInputs()
 
 
@@ -122,7 +125,7 @@ def test_sync_is_bytes_over_bandwidth_plus_fixed_and_per_tensor_costs() -> None:
         push + 2.57e-3 + 15.2 * 4.18e-3
     )
     # and for a mixture of experts one an expert tensor: 12 layers of 128 experts, 3 tensors each
-    moe = sm.MOE_12
+    moe = points.MOE_12
     assert moe.hf_tensors == 4719
     extra = sm.sync_s(moe, "bench", INP, gbytes=16.2) - sm.sync_s(
         moe, "bench", INP, gbytes=16.2, engine="embedded"
@@ -162,8 +165,8 @@ def test_the_235b_trainer_state_needs_eight_hosts() -> None:
 
 
 def test_measured_points_stay_within_the_stated_error() -> None:
-    rows = sm.check_points(INP)
-    assert len(rows) == len(sm.POINTS) >= 30
+    rows = points.check_points(INP)
+    assert len(rows) == len(points.POINTS) >= 30
     assert {r["gpus"] for r in rows} == {1, 2, 4}
     for row in rows:
         if row["role"] == "fit":
@@ -173,7 +176,7 @@ def test_measured_points_stay_within_the_stated_error() -> None:
     checked = [r for r in rows if r["role"] == "check"]
     assert sum(r["within"] for r in checked) >= 32  # of 42; the doc lists the 10 that miss
     # a stated reason only where the point misses: one that comes within the bound loses it
-    for point, row in zip(sm.POINTS, rows, strict=True):
+    for point, row in zip(points.POINTS, rows, strict=True):
         assert bool(point.why) == (not row["within"]), point.what
 
 
@@ -200,5 +203,5 @@ def test_the_bench_prints_predictions_checks_and_a_summary() -> None:
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     kinds = [line["kind"] for line in lines]
     assert kinds.count("prediction") == 2 * 3
-    assert kinds.count("check") == len(sm.POINTS)
+    assert kinds.count("check") == len(points.POINTS)
     assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 42
