@@ -231,8 +231,8 @@ class ProcessSandbox(Sandbox):
         try:
             await asyncio.to_thread(self._fill_workdir, workdir, files, uid)
             argv, inner_cwd = self._argv(workdir, uid, command)
-            try:
-                proc = await asyncio.create_subprocess_exec(
+            start = asyncio.ensure_future(
+                asyncio.create_subprocess_exec(
                     *argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
@@ -242,8 +242,8 @@ class ProcessSandbox(Sandbox):
                     start_new_session=True,
                     preexec_fn=self._preexec(uid),
                 )
-            except OSError as e:
-                raise SandboxError(f"could not start {argv[0]}: {e}") from e
+            )
+            proc = await _started(start, argv[0])
             self._running.add(proc)
             try:
                 await asyncio.wait_for(
@@ -366,6 +366,35 @@ class UidLease:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+async def _started(
+    start: asyncio.Future[asyncio.subprocess.Process], tool: str
+) -> asyncio.subprocess.Process:
+    """The process ``start`` creates (``tool``: the program, for the error). Its start is never cut
+    short: a start cancelled half-way kills the isolation tool by its pid alone, which can leave the pid
+    namespace's init it forked behind, outside every later kill. A run cancelled while its process starts
+    waits for the start and kills the whole process group; cancelled again, it leaves that kill to the
+    start's end."""
+    try:
+        return await asyncio.shield(start)
+    except asyncio.CancelledError:
+        try:
+            proc = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            start.add_done_callback(_kill_started)
+        except OSError:
+            pass
+        else:
+            _killpg(proc.pid)
+        raise
+    except OSError as e:
+        raise SandboxError(f"could not start {tool}: {e}") from e
+
+
+def _kill_started(start: asyncio.Future[asyncio.subprocess.Process]) -> None:
+    if not start.cancelled() and start.exception() is None:
+        _killpg(start.result().pid)
 
 
 async def _pump(stream: asyncio.StreamReader | None, cap: OutputCap) -> None:

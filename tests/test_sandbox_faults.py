@@ -301,3 +301,50 @@ async def test_exit_reaper_removes_containers_when_close_is_forgotten():
     ).stdout.split()
     assert p.returncode == 0, p.stderr
     assert left == []
+
+
+def test_a_run_cancelled_while_its_sandbox_starts_kills_the_whole_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run cancelled after the isolation tool was forked but before its start returned (a window a
+    loaded host widens; here the start is held open for a second) kills the tool's whole process group,
+    not the tool's pid alone. The tool here is a stand-in whose child outlives a kill of its parent's pid,
+    as bwrap's namespace init does when bwrap dies before the init has armed its parent-death signal."""
+    from agentrl.sandboxes import process as module
+
+    marker = f"agentrl-cancelled-start-{uuid.uuid4().hex}"
+    child = f"{sys.executable} -c 'import time; time.sleep(300)' {marker}"
+    real_start = asyncio.create_subprocess_exec
+    running = asyncio.Event()
+
+    async def slow_start(*argv: str, **kwargs: object) -> asyncio.subprocess.Process:
+        proc = await real_start(*argv, **kwargs)
+        deadline = time.monotonic() + 30
+        while not _marker_procs(marker) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        running.set()
+        await asyncio.sleep(1.0)  # the start returns a second later
+        return proc
+
+    async def scenario() -> list[int]:
+        sandbox = make_backend("process")
+        monkeypatch.setattr(sandbox, "_argv", lambda *_: (["sh", "-c", f"{child} & wait"], None))
+        monkeypatch.setattr(module.asyncio, "create_subprocess_exec", slow_start)
+        run = asyncio.create_task(sandbox.run("print('never runs')"))
+        await running.wait()
+        alive = _marker_procs(marker)
+        run.cancel()  # while the start is still held open
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        await sandbox.close()
+        return alive
+
+    alive = asyncio.run(scenario())
+    assert alive, "the stand-in's child should have been running when the run was cancelled"
+    deadline = time.monotonic() + 10
+    while _marker_procs(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _marker_procs(marker)
+    for pid in left:  # leave nothing behind, even when the assertion fails
+        os.kill(pid, 9)
+    assert left == [], "a process of the cancelled run outlived it"
