@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.embedded.buckets import plan_kv_cache
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.prefix_cache import PrefixCache
-from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
+from agentrl.embedded.runner import ExtendBatch, ModelRunner
 from agentrl.embedded.sampling import (
     RequestSampling,
     inverse_cdf,

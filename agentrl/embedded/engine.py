@@ -41,12 +41,13 @@ from pathlib import Path
 import torch
 
 from agentrl.embedded import fp8
+from agentrl.embedded.buckets import plan_kv_cache
 from agentrl.embedded.gate import RequestGate
 from agentrl.embedded.lora import AdapterEndpoints
 from agentrl.embedded.memory import EngineMemory, MemoryMode
 from agentrl.embedded.prefix_cache import PrefixCache
 from agentrl.embedded.request import EngineFailed, EngineRequest, GenerationRecord, TokenDelta, TokenStream
-from agentrl.embedded.runner import ExtendBatch, ModelRunner, plan_kv_cache
+from agentrl.embedded.runner import ExtendBatch, ModelRunner
 from agentrl.embedded.sampling import EngineBadRequest, RequestSampling, sample_tokens
 from agentrl.embedded.scheduler import Scheduler
 from agentrl.embedded.sleep import SleepWake

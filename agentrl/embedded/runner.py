@@ -34,6 +34,13 @@ import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
 from agentrl.embedded import fp8
+from agentrl.embedded.buckets import (
+    VERIFY_GRAPH_TOKENS,
+    batch_buckets,
+    bucket_of,
+    length_buckets,
+    prefill_buckets,
+)
 from agentrl.embedded.modes import RunnerModes, resolve_modes
 from agentrl.embedded.slot_copy import copy_slots
 from agentrl.models.decoder import (
@@ -49,71 +56,6 @@ from agentrl.models.moe import MoESpec, refuse_unsupported_moe
 log = logging.getLogger("agentrl.engine")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-# Packed prefill steps of up to this many tokens replay a captured graph; larger ones run eagerly (their
-# GPU work covers the launches, and a graph's activations stay in the graph pool while the engine sleeps)
-PREFILL_GRAPH_TOKENS = 8192
-# Speculative verify steps (logits at every token) of up to this many tokens replay a captured graph: a
-# verify step is a decode step's work over a few tokens a row, as launch-bound as one
-VERIFY_GRAPH_TOKENS = 1024
-
-
-def _bucket(x: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if b >= x:
-            return b
-    raise ValueError(f"{x} is over the largest bucket {buckets[-1]}")
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes with a captured graph: 1, 2, 4, 8, then steps of 8 to 64, of 32 beyond."""
-    out = [b for b in (1, 2, 4) if b < max_batch]
-    b = 8
-    while b < max_batch:
-        out.append(b)
-        b += 8 if b < 64 else 32
-    return [*out, max_batch]
-
-
-def length_buckets(context_len: int, smallest: int = 128) -> list[int]:
-    """Attention lengths of decode steps: powers of two from ``smallest``, and ``context_len`` itself."""
-    out, b = [], smallest
-    while b < context_len:
-        out.append(b)
-        b *= 2
-    return [*out, context_len]
-
-
-def prefill_buckets() -> list[int]:
-    """Token counts of the packed prefill steps with a captured graph: powers of two from 64 to
-    :data:`PREFILL_GRAPH_TOKENS`."""
-    out, b = [], 64
-    while b <= PREFILL_GRAPH_TOKENS:
-        out.append(b)
-        b *= 2
-    return out
-
-
-def plan_kv_cache(
-    budget: int, per_token: int, max_batch: int, cache_slots: int, model_context: int, context_len: int | None
-) -> tuple[int, int]:
-    """(context_len, cache_slots) that fit ``budget`` bytes of KV cache. Without an explicit context length,
-    running sequences get the model's context (up to 8,192) if it fits beside the prefix-cache slots; else
-    the context shrinks, down to 1,024 tokens, and only then are prefix-cache slots given up."""
-    if context_len is None:
-        want = min(model_context, 8192)
-        context_len = budget // ((max_batch + cache_slots) * per_token)
-        if context_len < want:
-            fit = max(0, budget // (min(want, 1024) * per_token) - max_batch)
-            cache_slots = min(cache_slots, fit)
-            context_len = budget // ((max_batch + cache_slots) * per_token)
-        context_len = min(context_len, want)
-    context_len = min(int(context_len), model_context) // 16 * 16
-    if context_len < 64:
-        raise ValueError(
-            f"a KV cache of {budget / 2**30:.2f} GiB holds only {context_len} tokens for each of "
-            f"{max_batch} sequences: lower max_batch_size or give the engine more memory (mem_fraction)"
-        )
-    return context_len, cache_slots
 
 
 def decode_attention(
@@ -435,9 +377,10 @@ class ModelRunner:
     def _extend_packed(self, batch: ExtendBatch, every_token: bool = False) -> torch.Tensor:
         """:meth:`extend` over the rows' tokens laid end to end: every op runs on real tokens only, and
         attention reads each row's keys from its slot (see :mod:`agentrl.embedded.attention`). A step of up
-        to :data:`PREFILL_GRAPH_TOKENS` tokens (with ``every_token``, a speculative verify step: up to the
-        largest of :attr:`verify_buckets`) replays the CUDA graph of its token bucket (a step of a few short
-        turns is otherwise ~20 ms of kernel launches for ~3 ms of GPU work); larger steps run eagerly."""
+        to :data:`~agentrl.embedded.buckets.PREFILL_GRAPH_TOKENS` tokens (with ``every_token``, a
+        speculative verify step: up to the largest of :attr:`verify_buckets`) replays the CUDA graph of its
+        token bucket (a step of a few short turns is otherwise ~20 ms of kernel launches for ~3 ms of GPU
+        work); larger steps run eagerly."""
         t = sum(len(toks) for toks in batch.tokens)
         buckets, graphs = (
             (self.verify_buckets, self._verify_graphs)
@@ -578,8 +521,8 @@ class ModelRunner:
         ``positions[r]`` (its KV is written there). Returns fp32 logits [rows, vocab] (a view, valid until
         the next call)."""
         n = len(ids)
-        b = _bucket(n, self.batch_buckets) if self.cuda_graphs else n
-        length = _bucket(max(positions) + 1, self.length_buckets)
+        b = bucket_of(n, self.batch_buckets) if self.cuda_graphs else n
+        length = bucket_of(max(positions) + 1, self.length_buckets)
         host = torch.tensor(ids + [0] * (b - n) + positions + [self.context_len] * (b - n), dtype=torch.long)
         if self._pinned is not None:  # the previous step's copy is done: its tokens were read back since
             self._pinned[: 2 * b].copy_(host)
@@ -658,7 +601,4 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ExtendBatch",
     "ModelRunner",
-    "batch_buckets",
-    "length_buckets",
-    "plan_kv_cache",
 ]
