@@ -1,4 +1,4 @@
-"""The scale model's check (:mod:`scale_model`): every figure measured on 1, 2 and 4 GPUs that the model can
+"""The scale model's check (:mod:`scale_parts`): every figure measured on 1, 2 and 4 GPUs that the model can
 predict, with its source (commit, GPU kind, results page), how the model predicts it from its parts,
 whether an input was fit to it, and, where it misses 15%, why. ``python bench/scale_model.py`` prints
 the check beside the predictions; docs/design/scale-model.md tabulates it."""
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from scale_model import (
+from scale_parts import (
     GB,
     SHAPES,
     ScaleInputs,

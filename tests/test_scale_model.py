@@ -1,4 +1,4 @@
-"""bench/scale_model.py and bench/scale_points.py: the scale model's arithmetic on cases worked by hand,
+"""bench/scale_parts.py and bench/scale_points.py: the scale model's arithmetic on cases worked by hand,
 and its check against the measured 1-, 2- and 4-GPU points staying within what it states (15 %, or a
 stated reason)."""
 
@@ -27,7 +27,7 @@ def _load(name: str):
     return module
 
 
-sm = _load("scale_model")
+sm = _load("scale_parts")
 points = _load("scale_points")
 INP = sm.ScaleInputs()
 
@@ -205,3 +205,19 @@ def test_the_bench_prints_predictions_checks_and_a_summary() -> None:
     assert kinds.count("prediction") == 2 * 3
     assert kinds.count("check") == len(points.POINTS)
     assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 42
+
+
+def test_the_bench_prints_the_inputs_with_their_kinds() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--inputs", "--hosts", "1", "--shapes", "qwen2.5-7b"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    inputs = [line for line in map(json.loads, proc.stdout.splitlines()) if line["kind"] == "input"]
+    assert [line["name"] for line in inputs] == [row["name"] for row in INP.table()]
+    by_name = {line["name"]: line for line in inputs}
+    assert by_name["peak_flops"]["input_kind"] == "vendor"
+    assert by_name["sglang_exposed"]["input_kind"] == "fit" and by_name["sglang_exposed"]["value"] == 0.253
