@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-# The shapes (HF config fields) of the models whose weights are broadcast.
+# The one shape of its own: the CPU test's (HF config fields); the others are the full-size shapes
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=600,
@@ -58,27 +58,23 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
-    "qwen2.5-7b": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
 }
 
 
-def shape_config(name: str) -> dict[str, Any]:
-    """The HF config of shape ``name``: one of :data:`SHAPES`, or of the full-size shapes
-    (:data:`agentrl.models.tiny.FULL_SHAPES`), which ``name:N`` cuts to its first N decoder layers."""
-    from agentrl.models.tiny import QWEN25_05B, shape_config
-
-    if name in SHAPES or name == "qwen2.5-0.5b":
-        return {"model_type": "qwen2", **(QWEN25_05B if name == "qwen2.5-0.5b" else SHAPES[name])}
+def full_size(name: str) -> tuple[str, int | None]:
+    """A full-size shape's name (:data:`agentrl.models.tiny.FULL_SHAPES`) and its decoder layers:
+    ``qwen3-30b-a3b:12`` is its first 12 layers, a bare name all of them (None)."""
     base, _, layers = name.partition(":")
-    return shape_config(base, int(layers) if layers else None).to_dict()
+    return base, int(layers) if layers else None
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """The HF config of shape ``name``: ``tiny``, or a full-size shape (:func:`full_size`)."""
+    from agentrl.models.tiny import shape_config
+
+    if name in SHAPES:
+        return {"model_type": "qwen2", **SHAPES[name]}
+    return shape_config(*full_size(name)).to_dict()
 
 
 def random_weights(
@@ -388,10 +384,8 @@ async def push_to_sglang(
     from agentrl.models.random_weights import build_shape_model
 
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-") as tmp:
-        base, _, layers = name.partition(":")
-        model_dir = build_shape_model(
-            base, Path(tmp) / "model", "bfloat16", str(device), int(layers) if layers else None
-        )
+        base, layers = full_size(name)
+        model_dir = build_shape_model(base, Path(tmp) / "model", "bfloat16", str(device), layers)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         cfg = SGLangConfig(
