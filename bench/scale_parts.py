@@ -424,12 +424,6 @@ def sync_s(
     nbytes = gbytes * GB if gbytes is not None else 2.0 * shape.params
     per_tensor = shape.hf_tensors * inp.tensor_s
     sglang = _engine(engine) == "sglang"
-    receive = 0.0
-    if sglang:
-        experts = shape.layers * shape.experts * 3  # gate, up and down projections, one tensor an expert
-        receive = inp.sglang_receive_fixed_s + nbytes / GB * inp.sglang_receive_s_per_gb
-        receive += experts * inp.sglang_receive_expert_tensor_s
-    push = shape.hf_tensors * inp.push_tensor_s
     if transport == "ipc":
         shard, m = nbytes / engine_gpus, trainer_split
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
@@ -439,6 +433,13 @@ def sync_s(
         else:
             load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
         return inp.ipc_fixed_s + in_host + across + load
+    # over NCCL: a broadcast a tensor, and SGLang's receiving side
+    push = shape.hf_tensors * inp.push_tensor_s
+    receive = 0.0
+    if sglang:
+        experts = shape.layers * shape.experts * 3  # gate, up and down projections, one tensor an expert
+        receive = inp.sglang_receive_fixed_s + nbytes / GB * inp.sglang_receive_s_per_gb
+        receive += experts * inp.sglang_receive_expert_tensor_s
     if transport == "bench":
         return push + nbytes / inp.nvlink_broadcast + receive
     link = inp.nvlink_broadcast if transport == "nvlink" else _nic(inp)
