@@ -9,7 +9,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from _trainer_helpers import dist_env, make_trajectories, offset_rollout_logprobs, spawn_ranks
+from _trainer_helpers import (
+    dist_env,
+    make_trajectories,
+    offset_rollout_logprobs,
+    spawn_ranks,
+    sync_to_disk,
+)
 
 
 def _worker(rank: int, world: int, port: int, model_dirs: list[str], out: str, extra: dict) -> None:
@@ -94,6 +100,45 @@ def test_packed_micro_batches_match_padded(tiny_model_factory, tmp_path: Path) -
         )
         for one, two in zip(padded, packed, strict=True):
             _compare(one, two)
+
+
+def _gather_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    import asyncio
+
+    from agentrl.trainer.config import TrainerConfig
+    from agentrl.trainer.model import gather_hf_state_dict
+    from agentrl.trainer.trainer import MegatronTrainer
+
+    warnings.filterwarnings("ignore")
+    dist_env(rank, world, port)
+    tr = MegatronTrainer(TrainerConfig(model_path=model_dir, tp=world, vocab_divisible_by=4))
+    full = tr.hf_state_dict()
+    # rank 1 takes part in the gather without keeping anything; rank 0 still gets every tensor
+    kept = gather_hf_state_dict(tr.module, tr.arch, tr.ps, "cpu" if rank == 0 else None)
+    # a sync whose rank 0 alone writes: the other rank gathers for it, keeping nothing
+    calls: list[object] = []
+    gather = tr.hf_state_dict
+    tr.hf_state_dict = lambda device="cpu": calls.append(device) or gather(device)  # type: ignore[method-assign]
+    version = asyncio.run(sync_to_disk(tr, str(Path(out).parent / "synced")))
+    torch.save({"full": full, "kept": kept, "calls": calls, "version": version}, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_that_push_nothing_keep_no_gathered_weights(tiny_model_factory, tmp_path: Path) -> None:
+    from agentrl.trainer.model import load_hf_state_dict
+
+    spawn_ranks(_gather_worker, 2, str(tiny_model_factory("qwen2")), str(tmp_path / "out"))
+    zero, one = (torch.load(tmp_path / f"out.{r}", weights_only=False) for r in (0, 1))
+    assert zero["kept"].keys() == zero["full"].keys() and zero["full"]
+    for name, t in zero["full"].items():
+        assert torch.equal(zero["kept"][name], t), name
+    assert one["kept"] == {}
+    assert zero["calls"] == ["cpu"] and one["calls"] == [None]
+    assert zero["version"] == one["version"] == 1
+    written = load_hf_state_dict(tmp_path / "synced")
+    assert written.keys() == zero["full"].keys()
+    for name, t in zero["full"].items():
+        assert torch.equal(written[name], t), name
 
 
 def _compare(one: dict, two: dict) -> None:

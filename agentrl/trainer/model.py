@@ -415,10 +415,15 @@ def mcore_to_hf(
 
 
 def gather_hf_state_dict(
-    module: torch.nn.Module, arch: ModelArch, ps: Any, device: torch.device | str = "cpu"
+    module: torch.nn.Module, arch: ModelArch, ps: Any, device: torch.device | str | None = "cpu"
 ) -> dict[str, torch.Tensor]:
     """The full HF-named state dict of a GPTModel sharded over TP and PP, assembled on every rank
-    (collective over both; ``ps``: megatron's parallel_state), its tensors on ``device``."""
+    (collective over both; ``ps``: megatron's parallel_state), its tensors on ``device``.
+
+    ``device=None``: this rank takes part in the collectives for the others and keeps nothing (returns
+    ``{}``); its own shards still travel to the other pipeline stages. A rank that hands no weights over
+    calls it so: copying the whole model off the GPU only to drop it takes seconds at 7B."""
+    keep = device is not None
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -442,10 +447,13 @@ def gather_hf_state_dict(
                 held = [torch.empty_like(part) for _ in range(ep)]
                 dist.all_gather(held, part.contiguous(), group=ps.get_expert_model_parallel_group())
                 for e, x in enumerate(held):
-                    shards.setdefault((pp_rank, r, e), {})[name] = x.to(device)
+                    if keep or pp > 1:
+                        shards.setdefault((pp_rank, r, e), {})[name] = x.to(device or "cpu")
             continue
         for r, part in enumerate(parts):
-            shards.setdefault((pp_rank, r) if ep == 1 else (pp_rank, r, 0), {})[name] = part.to(device)
+            if keep or pp > 1:
+                key = (pp_rank, r) if ep == 1 else (pp_rank, r, 0)
+                shards.setdefault(key, {})[name] = part.to(device or "cpu")
     if pp > 1:
         gathered: list[Any] = [None] * pp
         dist.all_gather_object(
@@ -453,8 +461,10 @@ def gather_hf_state_dict(
             {k: {n: v.cpu() for n, v in d.items()} for k, d in shards.items()},
             group=ps.get_pipeline_model_parallel_group(),
         )
+        if not keep:
+            return {}
         shards = {k: {n: v.to(device) for n, v in d.items()} for part in gathered for k, d in part.items()}
-    return mcore_to_hf(shards, arch)
+    return mcore_to_hf(shards, arch) if keep else {}
 
 
 def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:

@@ -477,14 +477,18 @@ class MegatronTrainer:
             raise RuntimeError("the trainer's state is offloaded: call onload() first")
 
     # ---- weights out ------------------------------------------------------------------------------
-    def hf_state_dict(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, device: torch.device | str | None = "cpu") -> dict[str, torch.Tensor]:
         """The full HF-named state dict, assembled on every rank (collective over TP and PP); with LoRA
-        the adapters merged into the base weights."""
+        the adapters merged into the base weights. ``device=None``: this rank takes part for the others
+        and gets ``{}`` (see :func:`agentrl.trainer.model.gather_hf_state_dict`)."""
         self._check_onloaded()
         hf = gather_hf_state_dict(self.module, self.arch, self.ps, device)
         if self.cfg.lora is None:
             return hf
-        adapters = {k: v.to(device) for k, v in self.lora_state_dict().items()}
+        adapters = self.lora_state_dict()  # collective too
+        if device is None:
+            return hf
+        adapters = {k: v.to(device) for k, v in adapters.items()}
         return merge_into_hf(hf, adapters, self.cfg.lora.alpha / self.cfg.lora.rank)
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
@@ -504,7 +508,7 @@ class MegatronTrainer:
 
     def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path | None:
         """Write the current weights as an HF dir (rank 0 writes; collective). Returns the dir on rank 0."""
-        hf = self.hf_state_dict("cpu")
+        hf = self.hf_state_dict("cpu" if self.rank == 0 else None)
         out = save_hf_dir(hf, out_dir, self.cfg.model_path, dtype=dtype) if self.rank == 0 else None
         dist.barrier()
         return out
@@ -538,8 +542,9 @@ class MegatronTrainer:
         t0 = time.perf_counter()
         if self.cfg.lora is not None:  # only the adapters travel; the engines keep the base
             hf = await asyncio.to_thread(self.lora_state_dict)
-        else:
-            hf = await asyncio.to_thread(self.hf_state_dict, self._engines.gather_device)
+        else:  # a rank that hands nothing over only takes part in the gather (device None)
+            device = self._engines.gather_device if self._engines.pushes else None
+            hf = await asyncio.to_thread(self.hf_state_dict, device)
         gathered = time.perf_counter() - t0
         if new_version:
             self.policy_version += 1
