@@ -1,29 +1,24 @@
 """The scale model's check (:mod:`scale_parts`): every figure measured on 1, 2 and 4 GPUs that the model can
 predict, with its source (commit, GPU kind, results page), how the model predicts it from its parts,
-whether an input was fit to it, and, where it misses 15%, why. ``python bench/scale_model.py`` prints
-the check beside the predictions; docs/design/scale-model.md tabulates it."""
+whether an input was fit to it, and, where it misses 15%, why. The benches of parts (engines, trainers,
+pushes, hand-overs) are here, the whole 7B and MoE steps in :mod:`scale_steps`. ``python
+bench/scale_model.py`` prints the check beside the predictions; docs/design/scale-model.md tabulates it."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from scale_parts import (
-    GB,
     SHAPES,
     ScaleInputs,
     Shape,
-    Workload,
     decode_step_s,
     engine_tokens_per_s,
-    handover_s,
     prefill_s,
-    rollout_s,
     sync_s,
-    train_s,
 )
+from scale_steps import MOE_12, STEP_POINTS, Point
 
 H100 = {"hbm_bytes_per_s": 3.35e12}  # NVIDIA H100 SXM datasheet: HBM3 3.35 TB/s; the same compute
 
@@ -89,92 +84,6 @@ def _disaggregated_1_1(inp: ScaleInputs) -> float:
     return max(0.427, 0.482 + sync) + inp.pause_s
 
 
-# The measured 7B steps: 32 groups of 8 a step, prompts of 512 tokens, responses of 1,022 on average
-W_7B = Workload(trajectories=256, prompt_tokens=512, response_tokens=1022)
-# SGLang engines release their weights with no host copy (engine.sglang.weights_cpu_backup off): the
-# sync after the step rewrites them
-SGLANG = {"engine_weights_backup": False}
-
-
-def _train_7b(inp: ScaleInputs, gpus: int, tp: int = 1, cpu_adam: bool = False) -> dict[str, float]:
-    """The measured 7B steps' training on ``gpus`` GPUs, as :func:`train_s` splits it."""
-    seq = W_7B.prompt_tokens + W_7B.response_tokens
-    return train_s(SHAPES["qwen2.5-7b"], W_7B.batch(gpus) * seq, gpus, seq, inp, tp, cpu_adam)
-
-
-def _update_tokens_per_s(parts: dict[str, float], gpus: int, inp: ScaleInputs, w: Workload = W_7B) -> float:
-    """A GPU's trained tokens/s over the update alone (as the trainer reports it) for the workload
-    ``w``: its compute at the update's MFU, with the collectives and the host's Adam inside it."""
-    tokens = w.batch(gpus) * (w.prompt_tokens + w.response_tokens)
-    update = parts["compute"] * inp.rl_step_over_update
-    update += sum(v for k, v in parts.items() if k != "compute")
-    return tokens / update / gpus
-
-
-def _colocated_7b(inp: ScaleInputs) -> dict[str, float]:
-    """The colocated 7B step's parts on 2 GPUs: 2 SGLang engines (one a GPU, 128 rows each, a 0.25
-    memory fraction) in turns with a TP2 x DP1 trainer, weights handed over in memory. They sum."""
-    shape = SHAPES["qwen2.5-7b"]
-    inp = dataclasses.replace(inp, **SGLANG)
-    kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * shape.params / GB
-    return {
-        "rollout": rollout_s(shape, W_7B.batch(2), 2, 1, W_7B, inp),
-        "train": sum(_train_7b(inp, 2, tp=2).values()),
-        "sync": sync_s(shape, "ipc", inp, trainer_split=2),
-        "handover": handover_s(shape, 2, 1, kv_gb, inp, tp=2),
-    }
-
-
-def _async_7b_1_1(inp: ScaleInputs) -> dict[str, float]:
-    """The 7B step disaggregated 1+1, one step off-policy: one SGLang engine (256 rows) beside a
-    one-GPU trainer with CPU Adam, new weights broadcast over NVLink. The step is the longer of the
-    two, then the sync and the pause around it."""
-    shape = SHAPES["qwen2.5-7b"]
-    rollout = rollout_s(shape, W_7B.batch(1), 1, 1, W_7B, inp)
-    train = sum(_train_7b(inp, 1, cpu_adam=True).values())
-    sync = sync_s(shape, "nvlink", inp)
-    return {"step": max(rollout, train) + sync + inp.pause_s, "sync": sync}
-
-
-# The measured MoE step: 12 of Qwen3-30B-A3B's 48 layers (examples/scale/config_moe_2gpu.yaml), 32 groups of
-# 8, prompts of about 525 tokens with the chat template, responses to the cap
-MOE_12 = dataclasses.replace(SHAPES["qwen3-30b-a3b"], name="qwen3-30b-a3b, 12 layers", layers=12)
-W_MOE = Workload(trajectories=256, prompt_tokens=525, response_tokens=1024)
-
-
-def _train_moe(inp: ScaleInputs) -> dict[str, float]:
-    """The measured MoE step's training on its 2 GPUs with CPU Adam, as :func:`train_s` splits it."""
-    seq = W_MOE.prompt_tokens + W_MOE.response_tokens
-    return train_s(MOE_12, W_MOE.batch(2) * seq, 2, seq, inp, cpu_adam=True)
-
-
-def _colocated_moe(inp: ScaleInputs) -> dict[str, float]:
-    """The colocated MoE step's parts on 2 GPUs: 2 SGLang engines (one a GPU, 128 rows each, a 0.3
-    memory fraction) in turns with a trainer over both GPUs with CPU Adam, weights handed over in memory."""
-    inp = dataclasses.replace(inp, **SGLANG)
-    kv_gb = 0.3 * inp.gpu_memory / GB - 2.0 * MOE_12.params / GB
-    return {
-        "rollout": rollout_s(MOE_12, W_MOE.batch(2), 2, 1, W_MOE, inp),
-        "train": sum(_train_moe(inp).values()),
-        "sync": sync_s(MOE_12, "ipc", inp, trainer_split=2),
-        "handover": handover_s(MOE_12, 2, 1, kv_gb, inp, cpu_adam=True),
-    }
-
-
-@dataclass(frozen=True)
-class Point:
-    """A figure the project measured on 1, 2 or 4 GPUs, and how the model predicts it."""
-
-    what: str
-    gpus: int
-    measured: float
-    unit: str
-    source: str  # commit, GPU kind, results page
-    predict: Callable[[ScaleInputs], float]
-    role: str = "check"  # "fit": an input was fit to it, so it checks the fit and predicts nothing
-    why: str = ""  # why it misses the bound, where it does
-
-
 _MOE_ENGINE = (
     "the embedded engine's MoE round: about 70% of it outside the decode forward (eager MoE prefill, "
     "routing bookkeeping; sglang.md), which the read model does not have; the two runs of this bench "
@@ -206,8 +115,6 @@ _OTHER_ENGINE = [
     ("embedded engine", "qwen2.5-0.5b", 256, 24_239, "6e95082, 1x H100, engine-throughput.md", ""),
 ]
 _MULTI = "multi-gpu.md"
-_SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
-_SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
 
 
 def _sync(
@@ -490,99 +397,7 @@ POINTS: list[Point] = [
         f"e3f220d, 2x H200, {_MULTI}",
         _disaggregated_1_1,
     ),
-    Point(
-        "7B step, colocated on 2 GPUs: 2 SGLang engines in turns with a TP2 trainer",
-        2,
-        32.27,
-        "s",
-        _SCALE,
-        lambda inp: sum(_colocated_7b(inp).values()),
-    ),
-    Point(
-        "7B in-memory sync, colocated on 2 GPUs: TP2 trainer to 2 SGLang engines (15.2 GB)",
-        2,
-        0.398,
-        "s",
-        _SCALE,
-        lambda inp: _colocated_7b(inp)["sync"],
-        "fit",
-    ),
-    Point(
-        "SGLang tok/s a GPU in the colocated 7B step, 128 in flight an engine (256 x 1,022 over the "
-        "10.35 s wait)",
-        2,
-        round(256 * 1022 / 10.35 / 2),
-        "tok/s",
-        _SCALE,
-        lambda inp: W_7B.batch(2) * W_7B.response_tokens / _colocated_7b(inp)["rollout"] / 2,
-    ),
-    Point(
-        "trainer tok/s a GPU, 7B shape, TP2, in the colocated step",
-        2,
-        10_515,
-        "tok/s",
-        _SCALE,
-        lambda inp: _update_tokens_per_s(_train_7b(inp, 2, tp=2), 2, inp),
-        "fit",
-    ),
-    Point(
-        "7B step, disaggregated 1+1, async: 1 SGLang engine, 1 trainer GPU with CPU Adam",
-        2,
-        51.42,
-        "s",
-        _SCALE,
-        lambda inp: _async_7b_1_1(inp)["step"],
-    ),
-    Point(
-        "7B NCCL sync, disaggregated 1+1: 1 trainer GPU to 1 SGLang engine (15.2 GB)",
-        2,
-        0.142,
-        "s",
-        _SCALE,
-        lambda inp: _async_7b_1_1(inp)["sync"],
-    ),
-    Point(
-        "trainer tok/s, 7B shape, 1 GPU with CPU Adam, in the 1+1 step",
-        2,
-        7_829,
-        "tok/s",
-        _SCALE,
-        lambda inp: _update_tokens_per_s(_train_7b(inp, 1, cpu_adam=True), 1, inp),
-    ),
-    Point(
-        "MoE step (30B-A3B, 12 of 48 layers), colocated on 2 GPUs: 2 SGLang engines in turns with an "
-        "EP2 trainer with CPU Adam",
-        2,
-        25.90,
-        "s",
-        _SCALE_MOE,
-        lambda inp: sum(_colocated_moe(inp).values()),
-    ),
-    Point(
-        "MoE in-memory sync in that step: EP2 trainer to 2 SGLang engines (16.2 GB, 4,719 tensors)",
-        2,
-        1.912,
-        "s",
-        _SCALE_MOE,
-        lambda inp: _colocated_moe(inp)["sync"],
-        "fit",
-    ),
-    Point(
-        "SGLang tok/s a GPU in the MoE step, 128 in flight an engine (256 x 1,024 over the 6.45 s wait)",
-        2,
-        round(256 * 1024 / 6.446 / 2),
-        "tok/s",
-        _SCALE_MOE,
-        lambda inp: W_MOE.batch(2) * W_MOE.response_tokens / _colocated_moe(inp)["rollout"] / 2,
-    ),
-    Point(
-        "trainer tok/s a GPU in the MoE step, EP2 with CPU Adam",
-        2,
-        13_143,
-        "tok/s",
-        _SCALE_MOE,
-        lambda inp: _update_tokens_per_s(_train_moe(inp), 2, inp, W_MOE),
-    ),
+    *STEP_POINTS,
 ]
 
 

@@ -1,6 +1,6 @@
-"""bench/scale_parts.py and bench/scale_points.py: the scale model's arithmetic on cases worked by hand,
-and its check against the measured 1-, 2- and 4-GPU points staying within what it states (15 %, or a
-stated reason)."""
+"""bench/scale_parts.py, scale_steps.py and scale_points.py: the scale model's arithmetic on cases worked
+by hand, and its check against the measured 1-, 2- and 4-GPU points staying within what it states (15 %,
+or a stated reason)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _load(name: str):
 
 
 sm = _load("scale_parts")
+steps = _load("scale_steps")
 points = _load("scale_points")
 INP = sm.ScaleInputs()
 
@@ -125,7 +126,7 @@ def test_sync_is_bytes_over_bandwidth_plus_fixed_and_per_tensor_costs() -> None:
         push + 2.57e-3 + 15.2 * 4.18e-3
     )
     # and for a mixture of experts one an expert tensor: 12 layers of 128 experts, 3 tensors each
-    moe = points.MOE_12
+    moe = steps.MOE_12
     assert moe.hf_tensors == 4719
     extra = sm.sync_s(moe, "bench", INP, gbytes=16.2) - sm.sync_s(
         moe, "bench", INP, gbytes=16.2, engine="embedded"
