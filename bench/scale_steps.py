@@ -48,17 +48,18 @@ def _update_tokens_per_s(parts: dict[str, float], gpus: int, inp: ScaleInputs, w
     return tokens / update / gpus
 
 
-def _colocated_7b(inp: ScaleInputs) -> dict[str, float]:
-    """The colocated 7B step's parts on 2 GPUs: 2 SGLang engines (one a GPU, 128 rows each, a 0.25
-    memory fraction) in turns with a TP2 x DP1 trainer, weights handed over in memory. They sum."""
+def _colocated_7b(inp: ScaleInputs, gpus: int = 2) -> dict[str, float]:
+    """The colocated 7B step's parts on ``gpus`` GPUs: an SGLang engine a GPU (256 / ``gpus`` rows each, a
+    0.25 memory fraction) in turns with a TP2 trainer (DP ``gpus`` / 2), each copy of the trainer handing
+    its weights over in memory to the engines on its GPUs. They sum."""
     shape = SHAPES["qwen2.5-7b"]
     inp = dataclasses.replace(inp, **SGLANG)
     kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * shape.params / GB
     return {
-        "rollout": rollout_s(shape, W_7B.batch(2), 2, 1, W_7B, inp),
-        "train": sum(_train_7b(inp, 2, tp=2).values()),
+        "rollout": rollout_s(shape, W_7B.batch(gpus), gpus, 1, W_7B, inp),
+        "train": sum(_train_7b(inp, gpus, tp=2).values()),
         "sync": sync_s(shape, "ipc", inp, trainer_split=2),
-        "handover": handover_s(shape, 2, 1, kv_gb, inp, tp=2),
+        "handover": handover_s(shape, gpus, 1, kv_gb, inp, tp=2),
     }
 
 
@@ -71,6 +72,17 @@ def _async_7b_1_1(inp: ScaleInputs) -> dict[str, float]:
     train = sum(_train_7b(inp, 1, cpu_adam=True).values())
     sync = sync_s(shape, "nvlink", inp)
     return {"step": max(rollout, train) + sync + inp.pause_s, "sync": sync}
+
+
+def _async_7b_2_2(inp: ScaleInputs) -> dict[str, float]:
+    """The 7B step disaggregated 2+2, one step off-policy: two SGLang engines (128 rows each) beside a
+    TP2 trainer on two GPUs, new weights broadcast to both engines over NVLink."""
+    shape = SHAPES["qwen2.5-7b"]
+    rollout = rollout_s(shape, W_7B.batch(2), 2, 1, W_7B, inp)
+    train = _train_7b(inp, 2, tp=2)
+    sync = sync_s(shape, "nvlink", inp)
+    step = max(rollout, sum(train.values())) + sync + inp.pause_s
+    return {"step": step, "sync": sync, "update": _update_tokens_per_s(train, 2, inp)}
 
 
 # The measured MoE step: 12 of Qwen3-30B-A3B's 48 layers (examples/scale/config_moe_2gpu.yaml), 32 groups of
@@ -100,6 +112,12 @@ def _colocated_moe(inp: ScaleInputs) -> dict[str, float]:
 
 _SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
 _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
+_SCALE_4 = "98c3a8b, 4x H200, gpus-and-scaling.md"
+# the 2+2 run's sync: a trainer rank that pushed nothing still copied the whole gathered model to the host
+_SYNC_BUG = (
+    "the run's sync was 14.6 s, of which the broadcast 2.6 s: the other trainer rank copied the 15 GB it "
+    "gathered to the host before the closing barrier (fixed in 313bbfc; not measured since)"
+)
 
 
 STEP_POINTS: list[Point] = [
@@ -195,5 +213,67 @@ STEP_POINTS: list[Point] = [
         "tok/s",
         _SCALE_MOE,
         lambda inp: _update_tokens_per_s(_train_moe(inp), 2, inp, W_MOE),
+    ),
+    Point(
+        "7B step, colocated on 4 GPUs: 4 SGLang engines in turns with a TP2 x DP2 trainer",
+        4,
+        20.49,
+        "s",
+        _SCALE_4,
+        lambda inp: sum(_colocated_7b(inp, 4).values()),
+    ),
+    Point(
+        "7B in-memory sync, colocated on 4 GPUs: two TP2 copies of the trainer to 4 SGLang engines",
+        4,
+        0.729,
+        "s",
+        _SCALE_4,
+        lambda inp: _colocated_7b(inp, 4)["sync"],
+        why="two trainer copies assemble and four engines load the weights at once (gather 0.13, pack "
+        "0.34, load 0.24 s, against 0.398 s in all with one copy and two engines); the model has no "
+        "term for pairs handing over at once, as with the DP2 and DP4 contention points",
+    ),
+    Point(
+        "SGLang tok/s a GPU in the colocated 7B step on 4 GPUs, 64 in flight an engine (256 x 1,022 "
+        "over the 7.46 s wait)",
+        4,
+        round(256 * 1022 / 7.462 / 4),
+        "tok/s",
+        _SCALE_4,
+        lambda inp: W_7B.batch(4) * W_7B.response_tokens / _colocated_7b(inp, 4)["rollout"] / 4,
+    ),
+    Point(
+        "trainer tok/s a GPU, 7B shape, TP2 x DP2, in the colocated step on 4 GPUs",
+        4,
+        10_226,
+        "tok/s",
+        _SCALE_4,
+        lambda inp: _update_tokens_per_s(_train_7b(inp, 4, tp=2), 4, inp),
+    ),
+    Point(
+        "7B step, disaggregated 2+2, async: 2 SGLang engines, a TP2 trainer on 2 GPUs",
+        4,
+        32.51,
+        "s",
+        _SCALE_4,
+        lambda inp: _async_7b_2_2(inp)["step"],
+        why=_SYNC_BUG,
+    ),
+    Point(
+        "7B NCCL sync, disaggregated 2+2: a TP2 trainer to 2 SGLang engines (15.2 GB)",
+        4,
+        14.57,
+        "s",
+        _SCALE_4,
+        lambda inp: _async_7b_2_2(inp)["sync"],
+        why=_SYNC_BUG,
+    ),
+    Point(
+        "trainer tok/s a GPU, 7B shape, TP2 with GPU Adam, in the 2+2 step",
+        4,
+        11_299,
+        "tok/s",
+        _SCALE_4,
+        lambda inp: _async_7b_2_2(inp)["update"],
     ),
 ]

@@ -205,7 +205,7 @@ def test_the_bench_prints_predictions_checks_and_a_summary() -> None:
     kinds = [line["kind"] for line in lines]
     assert kinds.count("prediction") == 2 * 3
     assert kinds.count("check") == len(points.POINTS)
-    assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 42
+    assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 49
 
 
 def test_the_bench_prints_the_inputs_with_their_kinds() -> None:
