@@ -115,13 +115,16 @@ class Handover:
         if self.release == "all":
             await self._timed("engine_resume_weights", self.control.resume_memory_occupation(["weights"]))
         version = await self._timed("weight_sync", self.trainer.sync_weights())
+        # asked now: a trainer rank answers one call at a time, so once the offload below is under way
+        # the question would wait for it, and the rollout's resume with it
+        parts = await self._sync_parts()
         if self.offload:
             await self.trainer.release_cached_memory()
             self._offloading = asyncio.ensure_future(_seconds(self.trainer.offload()))
         if self.release != "none":
             await self._timed("engine_resume_kv", self.control.resume_memory_occupation(["kv_cache"]))
         self.phases["time/sync_s"] = time.monotonic() - t0
-        self.phases.update(await self._sync_parts())
+        self.phases.update(parts)
         return version
 
     @contextlib.asynccontextmanager

@@ -1,7 +1,8 @@
 """One device shared by an engine and a trainer (CPU): the embedded engine's sleep and wake over SGLang's
 endpoints (its state machine, requests in flight, weight updates while asleep), weights handed over in
-memory (``/update_weights_from_tensor``) equal to a disk update bit for bit, and the trainer's offload,
-after which the next step is bit-identical to one without it."""
+memory (``/update_weights_from_tensor``) equal to a disk update bit for bit, the trainer's offload, after
+which the next step is bit-identical to one without it, and the hand-over back to the engines, which does
+not wait for that offload."""
 
 from __future__ import annotations
 
@@ -382,3 +383,58 @@ async def test_onload_ahead_starts_at_its_lead_or_when_the_batch_is_in() -> None
     offloading.set_result(0.2)
     await asyncio.wait_for(onloading, 5)
     assert len(trainer.onloads) == 1 and offloading.result() == 0.2  # still there for Handover.to_trainer
+
+
+# ------------------------------------------------------------------- the hand-over back to the engines
+class _OneCallAtATime:
+    """A trainer that answers one call at a time, as each rank's Ray actor does; its offload takes
+    ``offload_s``."""
+
+    def __init__(self, offload_s: float) -> None:
+        self.offload_s = offload_s
+        self.busy = asyncio.Lock()
+        self.offload_done: float | None = None
+
+    async def _call(self, seconds: float = 0.0, answer: object = None) -> object:
+        async with self.busy:
+            await asyncio.sleep(seconds)
+            return answer
+
+    async def sync_weights(self) -> object:
+        return await self._call(0.01, 1)
+
+    async def last_sync_stats(self) -> object:
+        return await self._call(0.0, {"gather_seconds": 0.002, "pack_seconds": 0.003, "seconds": 0.008})
+
+    async def release_cached_memory(self) -> object:
+        return await self._call()
+
+    async def offload(self) -> object:
+        await self._call(self.offload_s)
+        self.offload_done = time.monotonic()
+        return {}
+
+
+class _Engines:
+    async def resume_memory_occupation(self, tags: list[str]) -> None:
+        await asyncio.sleep(0.01)  # a request to every engine: the offload's call goes out meanwhile
+
+
+async def test_engines_get_the_gpu_back_while_the_trainer_still_offloads() -> None:
+    from types import SimpleNamespace
+
+    from agentrl.handover import Handover
+
+    colocation = SimpleNamespace(mode="turns", engine_release="all", trainer_offload="after_batch")
+    cfg = SimpleNamespace(placement="colocated", colocation=colocation)
+    trainer = _OneCallAtATime(offload_s=1.5)
+    handover = Handover(cfg, trainer, rollout=None, control=_Engines())  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    assert await handover.to_engines() == 1
+    returned = time.monotonic()
+    # the rollout resumes now; the offload goes on beside the next generation
+    assert returned - t0 < 1.0 and trainer.offload_done is None
+    assert handover.phases["time/weight_sync_push_s"] == pytest.approx(0.005)
+    assert handover._offloading is not None
+    assert await asyncio.wait_for(handover._offloading, 5) >= 1.4
+    assert trainer.offload_done is not None and trainer.offload_done > returned
