@@ -1,12 +1,13 @@
 """Building one trainer rank's model: the megatron-core GPTModel of this rank's (pp, tp, ep) place, its
 initial weights (from the HF dir, or from a Megatron dir when ``mcore_path`` is set), a frozen copy for
-the KL reference, and the compile warm-up that compiles the layers before the first train step.
+the KL reference, how it computes logprobs, and the compile warm-up that compiles the layers before the
+first train step.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,9 +15,13 @@ from agentrl.trainer.batch import batch_advantages, plan_mini_batches, response_
 from agentrl.trainer.checkpoint import load_local_state
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.hf_checkpoint import load_mcore_shard
+from agentrl.trainer.logprobs import ModelLogprobs
 from agentrl.trainer.model import LazyHFStateDict, ModelArch, build_gpt_model, hf_to_mcore_shards
 from agentrl.trainer.moe import expert_layout
 from agentrl.types import Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
 
 # the compile warm-up's two batches, sequence lengths: the second has other lengths and more sequences
 WARMUP_LENGTHS = ((384, 384), (200, 330, 460, 590, 720))
@@ -60,6 +65,27 @@ def build_rank_model(
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def build_logprobs(
+    cfg: TrainerConfig, arch: ModelArch, ps: Any, kernels: Any, compile_kernels: bool
+) -> ModelLogprobs | TrueOnPolicyLogprobs:
+    """How this rank turns hidden states into logprobs: the vocabulary-parallel LM head in chunks, or,
+    where ``kernels`` (:meth:`agentrl.exactness.Exactness.trainer_kernels`) ask for exact logprobs, the
+    true on-policy forward in the batch-invariant engine's kernels."""
+    if kernels.exact_logprobs:
+        from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
+
+        return TrueOnPolicyLogprobs(
+            arch, cfg.tp, cfg.pp, deterministic_backward=kernels.deterministic_backward
+        )
+    return ModelLogprobs(
+        arch.vocab_size,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+        cfg.logprob_chunk_tokens,
+        compile_kernels,
+    )
 
 
 def initial_shard(

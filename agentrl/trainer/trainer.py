@@ -49,6 +49,7 @@ from agentrl.buffer import check_staleness
 from agentrl.exactness import Exactness
 from agentrl.trainer.batch import (
     MicroBatch,
+    MiniBatch,
     batch_advantages,
     input_length,
     make_micro_batch,
@@ -57,7 +58,7 @@ from agentrl.trainer.batch import (
     select_usable,
     split_micro_batches,
 )
-from agentrl.trainer.build import build_rank_model, compile_warmup
+from agentrl.trainer.build import build_logprobs, build_rank_model, compile_warmup
 from agentrl.trainer.checkpoint import (
     TrainerCounters,
     latest_checkpoint,
@@ -75,7 +76,6 @@ from agentrl.trainer.distributed import (
     seed_everything,
     set_rng_state,
 )
-from agentrl.trainer.logprobs import ModelLogprobs
 from agentrl.trainer.lora import merge_into_hf, peft_state_dict, save_peft_dir
 from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
 from agentrl.trainer.mcore_compat import apply_cpu_patches
@@ -157,21 +157,9 @@ class MegatronTrainer:
         self.compile_kernels = (
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
         )
-        self.logprobs = ModelLogprobs(
-            self.arch.vocab_size,
-            self.tp_rank,
-            ps.get_tensor_model_parallel_group(),
-            cfg.logprob_chunk_tokens,
-            self.compile_kernels,
-        )
         exactness = Exactness.resolve(deterministic, cfg.true_on_policy)
         kernels = exactness.trainer_kernels(on_gpu=self.device.type == "cuda")
-        if kernels.exact_logprobs:  # π_old and the loss's logprobs in the batch-invariant engine's kernels
-            from agentrl.trainer.true_on_policy import TrueOnPolicyLogprobs
-
-            self.logprobs = TrueOnPolicyLogprobs(  # type: ignore[assignment]
-                self.arch, cfg.tp, cfg.pp, deterministic_backward=kernels.deterministic_backward
-            )
+        self.logprobs = build_logprobs(cfg, self.arch, ps, kernels, self.compile_kernels)
         if kernels.deterministic_backward:  # cuBLAS picks one workspace layout per stream: same sums
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         how = (self.params_dtype, self.compile_kernels, self.grouped_experts, self.device)
@@ -289,44 +277,12 @@ class MegatronTrainer:
         usable, dropped = select_usable(trajectories, sft=lcfg.mode == "sft")
         staleness = check_staleness(usable, self.policy_version, max_staleness)
         resp_mask = response_mask(usable)
-        advantages = batch_advantages(usable, resp_mask, lcfg)
-        plan = plan_mini_batches(
-            usable,
-            advantages,
-            resp_mask,
-            cfg.num_mini_batches,
-            cfg.micro_batch_size,
-            cfg.max_tokens_per_micro_batch,
-            self.dp_rank,
-            self.dp_size,
-            self.pad_id,
-            fixed_shape=cfg.pp > 1,
-            pack=cfg.pack_sequences,
-            same_shape_across_ranks=cfg.ep > 1,
-        )
-        for mini in plan:
-            mini.micro_batches = [mb.to(self.device) for mb in mini.micro_batches]
-            for mb in mini.micro_batches:
-                self._attach_routing(mb, usable)
-
-        # π_old (and π_ref) with the weights of this step, before any update
+        plan = self._plan(usable, batch_advantages(usable, resp_mask, lcfg), resp_mask)
         t_old = time.perf_counter()
-        need_old = lcfg.mode != "sft" and lcfg.off_policy == "decoupled" and not self._old_from_update
         # recorded logprobs are π_old where the step computes it (its own pass, or the update's forward,
         # taken in _micro_loss); otherwise (bypass, SFT) a no-grad pass of the step's starting weights
         recorded: list[tuple[MicroBatch, torch.Tensor]] | None = [] if record_logprobs else None
-        with torch.no_grad():
-            for mini in plan:
-                for mb in mini.micro_batches:
-                    if need_old:
-                        mb.old_logprobs = self._logprobs_no_grad(self.model, mb)
-                    elif not self._old_from_update:
-                        mb.old_logprobs = mb.rollout_logprobs
-                    if self.ref_model is not None:
-                        mb.ref_logprobs = self._logprobs_no_grad(self.ref_model, mb)
-                    if recorded is not None and not self._old_from_update:
-                        lp = mb.old_logprobs if need_old else self._logprobs_no_grad(self.model, mb)
-                        recorded.append((mb, lp))
+        self._starting_logprobs(plan, recorded)
         old_seconds = time.perf_counter() - t_old
 
         metrics = MetricSums()
@@ -388,6 +344,52 @@ class MegatronTrainer:
         if self.device.type == "cuda":  # the peak since the process started, this rank's GPU
             out["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
+
+    def _plan(
+        self, usable: list[Trajectory], advantages: list[torch.Tensor], resp_mask: torch.Tensor
+    ) -> list[MiniBatch]:
+        """The step's mini-batches of this data-parallel rank, their micro-batches on the device with the
+        engine's routing attached (MoE routing replay)."""
+        cfg = self.cfg
+        plan = plan_mini_batches(
+            usable,
+            advantages,
+            resp_mask,
+            cfg.num_mini_batches,
+            cfg.micro_batch_size,
+            cfg.max_tokens_per_micro_batch,
+            self.dp_rank,
+            self.dp_size,
+            self.pad_id,
+            fixed_shape=cfg.pp > 1,
+            pack=cfg.pack_sequences,
+            same_shape_across_ranks=cfg.ep > 1,
+        )
+        for mini in plan:
+            mini.micro_batches = [mb.to(self.device) for mb in mini.micro_batches]
+            for mb in mini.micro_batches:
+                self._attach_routing(mb, usable)
+        return plan
+
+    @torch.no_grad()
+    def _starting_logprobs(
+        self, plan: list[MiniBatch], recorded: list[tuple[MicroBatch, torch.Tensor]] | None
+    ) -> None:
+        """π_old (and π_ref) of every micro-batch with the weights the step starts from, before any
+        update; ``recorded`` (when kept) gets the logprobs the step reports."""
+        lcfg = self.cfg.loss
+        need_old = lcfg.mode != "sft" and lcfg.off_policy == "decoupled" and not self._old_from_update
+        for mini in plan:
+            for mb in mini.micro_batches:
+                if need_old:
+                    mb.old_logprobs = self._logprobs_no_grad(self.model, mb)
+                elif not self._old_from_update:
+                    mb.old_logprobs = mb.rollout_logprobs
+                if self.ref_model is not None:
+                    mb.ref_logprobs = self._logprobs_no_grad(self.ref_model, mb)
+                if recorded is not None and not self._old_from_update:
+                    lp = mb.old_logprobs if need_old else self._logprobs_no_grad(self.model, mb)
+                    recorded.append((mb, lp))
 
     def _micro_loss(
         self,
