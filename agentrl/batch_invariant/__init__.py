@@ -119,7 +119,7 @@ def attention(
     backward (training on a sequence's own keys) is torch SDPA, with ``deterministic_backward`` its math
     kernel."""
     if q.is_cuda:
-        from agentrl.batch_invariant.triton_ops import attention as tri
+        from agentrl.batch_invariant.triton_attention import attention as tri
 
         return tri(q, k, v, q_pos, scale, slots, deterministic_backward)
     w = q.shape[1]
