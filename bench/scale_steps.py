@@ -229,8 +229,8 @@ STEP_POINTS: list[Point] = [
         "s",
         _SCALE_4,
         lambda inp: _colocated_7b(inp, 4)["sync"],
-        why="two trainer copies assemble and four engines load the weights at once (gather 0.13, pack "
-        "0.34, load 0.24 s, against 0.398 s in all with one copy and two engines); the model has no "
+        why="two trainer copies assemble and four engines load the weights at once (gather 0.12, pack "
+        "0.35, load 0.24 s, against 0.398 s in all with one copy and two engines); the model has no "
         "term for pairs handing over at once, as with the DP2 and DP4 contention points",
     ),
     Point(
