@@ -43,8 +43,9 @@ def moe_expert_parallel_worker(
     rank: int, world: int, port: int, model_dir: str, out: str, grouped: bool
 ) -> None:
     """One rank of an MoE trainer with expert parallelism ``world`` (SequentialMLP or grouped experts): one
-    train step; rank 0 saves the metrics, the HF weights gathered over the ranks, the count of its
-    SequentialMLP experts and the shapes of its stacked expert weights."""
+    train step; rank 0 saves the metrics, the HF weights gathered over the ranks (twice: the second time
+    the other ranks keep nothing), the count of its SequentialMLP experts and the shapes of its stacked
+    expert weights."""
     import warnings
 
     import torch
@@ -70,10 +71,12 @@ def moe_expert_parallel_worker(
     stacked = [tuple(p.shape) for n, p in tr.module.named_parameters() if n.endswith("experts.fc1_weight")]
     metrics = tr.train_step(trajs)
     weights = tr.hf_state_dict()  # gathered over the expert-parallel ranks
+    # again, the other ranks taking part without keeping anything (a sync's ranks that push nothing)
+    kept = tr.hf_state_dict("cpu" if rank == 0 else None)
+    assert rank == 0 or kept == {}, f"rank {rank} kept {len(kept)} tensors"
     if rank == 0:
-        torch.save(
-            {"metrics": metrics, "weights": weights, "local_experts": experts, "stacked": stacked}, out
-        )
+        saved = {"metrics": metrics, "weights": weights, "kept": kept}
+        torch.save({**saved, "local_experts": experts, "stacked": stacked}, out)
     tr.shutdown()
 
 

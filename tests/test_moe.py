@@ -482,6 +482,9 @@ def test_expert_parallel_two_ranks_match_one(moe_dir: Path, tmp_path: Path) -> N
     assert set(one["weights"]) == set(two["weights"])
     for k, w in one["weights"].items():
         assert (w - two["weights"][k]).abs().max() <= 1e-4, k
+    for run in (one, two):  # rank 0 gets every expert whether or not the other ranks keep theirs
+        assert run["kept"].keys() == run["weights"].keys()
+        assert all(torch.equal(run["kept"][k], w) for k, w in run["weights"].items())
 
 
 # ---------------------------------------------------------------------------------- GPU
