@@ -10,6 +10,8 @@ engine's endpoints (:class:`agentrl.embedded.native_api.NativeAPI`) over its bro
 (:class:`agentrl.embedded.weights.WeightGroups`), which receive each bucket into new tensors, as the
 engine does before it copies them into its model (the copy is not timed here). The receiver answers the
 last bucket once its GPU holds every byte, so a push's time is until the engine has the weights.
+``--flatten`` sends each bucket as one broadcast of its bytes (``trainer.weight_sync_flatten``, SGLang's
+``load_format: flattened_bucket``) instead of one broadcast a tensor.
 
 Per shape (``--shapes``, default qwen2.5-0.5b and qwen2.5-7b): one push that checks every byte arrived (a
 checksum on both sides), then ``--repeats`` timed pushes: seconds (median) and GB/s (1e9 bytes). Then,
@@ -172,8 +174,9 @@ class BroadcastReceiver:
         weight_version: str | None,
         abort_all: bool,
         flush: bool = True,
+        load_format: str | None = None,
     ) -> None:
-        tensors = await self.groups.receive(group_name, names, dtypes, shapes)
+        tensors = await self.groups.receive(group_name, names, dtypes, shapes, load_format)
         if weight_version is not None:  # the last bucket: the engine has the weights once the device does
             await asyncio.to_thread(sync, self.device)
         self.received["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -307,7 +310,7 @@ async def timed_pushes(
     nbytes = sum(t.numel() * t.element_size() for t in hf.values())
     sync(device)
     t0 = time.perf_counter()
-    group = BroadcastGroup(backend=backend, bucket_bytes=int(a.bucket_mb * 2**20))
+    group = BroadcastGroup(backend=backend, bucket_bytes=int(a.bucket_mb * 2**20), flatten=a.flatten)
     update = WeightUpdate("distributed", group=group)
     engine_sync = await connect(update, rank=0, world_size=1, device=device, model_path="", client=client)
     group_init_s = time.perf_counter() - t0
@@ -325,6 +328,7 @@ async def timed_pushes(
     seconds = statistics.median(times)
     return {
         "buckets": int(stats["num_buckets"]),
+        "broadcasts": int(stats["num_broadcasts"]),
         "verified": checked if first else None,
         "group_init_s": group_init_s,
         "seconds": seconds,
@@ -464,6 +468,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         "backend": backend,
         "dtype": str(dtype).removeprefix("torch."),
         "bucket_mb": a.bucket_mb,
+        "flatten": a.flatten,
         "repeats": a.repeats,
         "torch": torch.__version__,
     }
@@ -500,6 +505,9 @@ def main() -> None:
     )
     p.add_argument(
         "--bucket-mb", type=float, default=None, help="default: TrainerConfig.weight_sync_bucket_mb"
+    )
+    p.add_argument(
+        "--flatten", action="store_true", help="each bucket as one broadcast of its bytes (flattened_bucket)"
     )
     p.add_argument("--repeats", type=int, default=None, help="timed pushes per shape (default 5, 2 on cpu)")
     p.add_argument("--collective-mb", type=int, default=None, help="all-reduce size (default 1024, 1 on cpu)")

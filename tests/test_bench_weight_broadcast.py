@@ -24,8 +24,10 @@ def _bench_module():
     return module
 
 
-def test_bench_broadcasts_every_byte_in_buckets_and_reports_bandwidths() -> None:
+@pytest.mark.parametrize("flatten", [False, True])
+def test_bench_broadcasts_every_byte_in_buckets_and_reports_bandwidths(flatten: bool) -> None:
     args = ["--device", "cpu", "--bucket-mb", "0.1", "--repeats", "2", "--collective-mb", "1", "--iters", "2"]
+    args += ["--flatten"] if flatten else []
     proc = subprocess.run(
         [sys.executable, str(BENCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
@@ -48,6 +50,9 @@ def test_bench_broadcasts_every_byte_in_buckets_and_reports_bandwidths() -> None
     assert tiny["verified"] is True  # the receiver got every byte (checksums equal)
     assert out["receivers"] == ["embedded"] and "sglang" not in tiny  # SGLang's side only when asked
     assert tiny["buckets"] >= tiny["bytes"] // int(0.1 * 2**20)  # 0.1 MB buckets: several
+    # a broadcast a tensor, or one a bucket of its bytes
+    assert out["flatten"] is flatten
+    assert tiny["broadcasts"] == (tiny["buckets"] if flatten else tiny["tensors"])
     assert tiny["seconds_min"] <= tiny["seconds"]
     assert tiny["gbps"] == pytest.approx(tiny["bytes"] / tiny["seconds"] / 1e9)
     for op in ("all_reduce", "broadcast"):

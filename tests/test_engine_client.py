@@ -216,6 +216,8 @@ async def test_control_calls_fan_out_to_every_endpoint(engines: list[FakeEngine]
         await c.update_weights_from_disk("/ckpt", weight_version="3", abort_all_requests=True)
         await c.update_weight_version("4")
         await c.update_weights_from_distributed(["w"], ["torch.bfloat16"], [[2, 3]], "g", weight_version="5")
+        flat = "flattened_bucket"
+        await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], "g", load_format=flat)
         await c.init_weights_update_group("127.0.0.1", 29500, 1, 5, "g", "nccl")
         assert await c.health() is True
         assert await c.model_info() == {"model_path": "/m"}
@@ -230,8 +232,9 @@ async def test_control_calls_fan_out_to_every_endpoint(engines: list[FakeEngine]
             "weight_version": "3",
         }
         assert e.bodies["/update_weight_version"][0] == {"new_version": "4", "abort_all_requests": False}
-        dist = e.bodies["/update_weights_from_distributed"][0]
+        dist, flat = e.bodies["/update_weights_from_distributed"]
         assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[2, 3]] and dist["weight_version"] == "5"
+        assert "load_format" not in dist and flat["load_format"] == "flattened_bucket"
     # rank offsets: trainer is rank 0, each engine has tp_size 2 -> 1 and 3
     offsets = [e.bodies["/init_weights_update_group"][0]["rank_offset"] for e in engines]
     assert offsets == [1, 3]

@@ -125,9 +125,16 @@ async def test_trainer_engine_consistency_and_weight_sync(trainer, model_dir: Pa
         assert trainer.train_step(again)["ppo_kl"] == 0.0
         assert await trainer.disconnect_engines() is True
 
-        # the engine can join a new broadcast group after leaving the first
-        await trainer.connect_engines(WeightUpdate("distributed"), client)
+        # the engine can join a new broadcast group after leaving the first; this one sends each bucket
+        # as one broadcast of its bytes (SGLang's flattened_bucket), and the engine serves those weights
+        flat = BroadcastGroup(bucket_bytes=64 << 10, flatten=True)
+        await trainer.connect_engines(WeightUpdate("distributed", group=flat), client)
         assert await trainer.sync_weights() == 3
+        stats = trainer.last_sync_stats
+        assert stats["num_buckets"] > 1 and stats["num_broadcasts"] == stats["num_buckets"]
+        last = await _rollouts(client, 4, version=3, seed=13)
+        assert {t.info["weight_version"] for t in last} == {"3"}
+        assert _max_abs_diff(trainer, last) <= 1e-4
     finally:
         await trainer.disconnect_engines()
         await client.close()

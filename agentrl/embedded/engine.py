@@ -470,10 +470,12 @@ class EmbeddedEngine(AdapterEndpoints):
         weight_version: str | None,
         abort_all: bool,
         flush: bool = True,
+        load_format: str | None = None,
     ) -> None:
-        """SGLang's ``/update_weights_from_distributed``: the tensors the trainer broadcasts in the group."""
+        """SGLang's ``/update_weights_from_distributed``: the tensors the trainer broadcasts in the group
+        (``load_format: flattened_bucket``: as one broadcast of their bytes)."""
         await self.updates.from_distributed(
-            names, dtypes, shapes, group_name, weight_version, abort_all, flush
+            names, dtypes, shapes, group_name, weight_version, abort_all, flush, load_format
         )
 
     # the weight-update steps the LoRA endpoints (AdapterEndpoints) take

@@ -312,6 +312,7 @@ class NativeAPI:
                 body.get("weight_version"),
                 bool(body.get("abort_all_requests", False)),
                 bool(body.get("flush_cache", True)),
+                body.get("load_format"),
             )
         except EngineBadRequest as err:
             return web.json_response({"success": False, "message": str(err)}, status=400)

@@ -178,12 +178,14 @@ class WeightUpdates:
         weight_version: str | None,
         abort_all: bool,
         flush: bool = True,
+        load_format: str | None = None,
     ) -> None:
         """``/update_weights_from_distributed``: the tensors broadcast by the trainer in the group
-        ``group_name``; a LoRA adapter's tensors (sent whole in one call) load as the adapter."""
+        ``group_name`` (``load_format: flattened_bucket``: as one broadcast of their bytes); a LoRA
+        adapter's tensors (sent whole in one call) load as the adapter."""
         # Receive first (the trainer is blocked in broadcast until we do), even if the names turn out to be
         # wrong: refusing before receiving would leave the trainer hanging in its collective.
-        tensors = await self.groups.receive(group_name, names, dtypes, shapes)
+        tensors = await self.groups.receive(group_name, names, dtypes, shapes, load_format)
         adapter = [is_adapter_tensor(n) for n in tensors]
         if any(adapter):  # a LoRA adapter, sent whole in one call, its B scaled already
             if not all(adapter):

@@ -186,10 +186,16 @@ class WeightGroups:
         return await leave_process_group(entry[0], timeout)
 
     async def receive(
-        self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+        self,
+        name: str,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        load_format: str | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Receive one broadcast of ``names`` (rank 0 sends) into new tensors."""
-        from agentrl.engine.dist import parse_dtype
+        """Receive one broadcast of ``names`` (rank 0 sends) into new tensors: a broadcast a tensor, or
+        with ``load_format: flattened_bucket`` one of their bytes, split in the same layout."""
+        from agentrl.engine.dist import FLATTENED, bucket_bytes, parse_dtype, unflatten_bucket
 
         if name not in self._groups:
             raise EngineBadRequest(f"no weight update group {name!r}; call /init_weights_update_group first")
@@ -204,10 +210,17 @@ class WeightGroups:
             ]
         except ValueError as err:
             raise EngineBadRequest(str(err)) from None
+        if load_format not in (None, FLATTENED):
+            raise EngineBadRequest(f"load_format {load_format!r}: only {FLATTENED!r} or none")
 
         def receive() -> dict[str, torch.Tensor]:
             import torch.distributed as dist
 
+            if load_format == FLATTENED:
+                layout = [(dt, shape) for _, dt, shape in specs]
+                flat = torch.empty(bucket_bytes(layout), dtype=torch.uint8, device=device)
+                dist.broadcast(flat, src=0, group=pg)
+                return dict(zip(names, unflatten_bucket(flat, layout), strict=True))
             out = {}
             for n, dt, shape in specs:
                 t = torch.empty(shape, dtype=dt, device=device)

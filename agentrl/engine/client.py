@@ -243,10 +243,12 @@ class EngineClient(AdapterNaming):
         weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> None:
-        """Announce one broadcast bucket; the trainer (rank 0) then broadcasts each tensor in order."""
+        """Announce one broadcast bucket; the trainer (rank 0) then broadcasts each tensor in order, or
+        with ``load_format: flattened_bucket`` the bucket's bytes in one broadcast."""
         await self.weights.update_weights_from_distributed(
-            names, dtypes, shapes, group_name, weight_version, flush_cache, abort_all_requests
+            names, dtypes, shapes, group_name, weight_version, flush_cache, abort_all_requests, load_format
         )
 
     async def update_weights_from_tensor(

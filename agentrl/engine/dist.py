@@ -3,7 +3,10 @@
 SGLang's ``/init_weights_update_group`` makes each engine rank join a *new* torch.distributed group next to
 (not instead of) any default group: a TCP rendezvous at ``tcp://master_address:master_port``, a store
 prefixed with ``group_name``, the trainer as rank 0 and engine ranks from ``rank_offset``. Tensors then
-arrive by ``torch.distributed.broadcast(t, src=0, group=pg)`` in the order of the announced ``names``.
+arrive by ``torch.distributed.broadcast(t, src=0, group=pg)`` in the order of the announced ``names``; with
+``load_format: flattened_bucket`` (:data:`FLATTENED`) a bucket arrives as one broadcast of a byte buffer,
+each tensor's bytes after the last's in ``names`` order (SGLang's ``FlattenedTensorBucket`` layout:
+:func:`flatten_bucket`, :func:`unflatten_bucket`), one collective a bucket instead of one a tensor.
 
 :func:`init_custom_process_group` reproduces SGLang's helper exactly, so a trainer that already runs a
 default group (Megatron) can open the extra group to real SGLang engines or to the embedded engine alike.
@@ -32,13 +35,18 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "FLATTENED",
     "abort_process_group",
+    "bucket_bytes",
     "destroy_process_group",
+    "flatten_bucket",
+    "flattens",
     "host_store",
     "in_daemon_thread",
     "init_custom_process_group",
     "leave_process_group",
     "parse_dtype",
+    "unflatten_bucket",
 ]
 
 log = logging.getLogger("agentrl.dist")
@@ -202,3 +210,48 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if not isinstance(attr, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return attr
+
+
+# SGLang's load_format for a bucket broadcast as one byte buffer
+FLATTENED = "flattened_bucket"
+
+
+def flattens(specs: list[tuple[torch.dtype, list[int]]]) -> bool:
+    """Whether a bucket of tensors (``(dtype, shape)`` each) can travel as one byte buffer: each tensor's
+    bytes must start at a multiple of its element size, or its slice cannot be viewed as its dtype."""
+    offset = 0
+    for dtype, shape in specs:
+        size = torch.empty((), dtype=dtype).element_size()
+        if offset % size:
+            return False
+        offset += size * _numel(shape)
+    return True
+
+
+def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after another in order, as one uint8 tensor on their device."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten_bucket(flat: torch.Tensor, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
+    """The tensors of :func:`flatten_bucket`'s layout, as views of ``flat`` (``(dtype, shape)`` each)."""
+    if bucket_bytes(specs) != flat.numel():
+        raise ValueError(f"a flattened bucket of {flat.numel()} bytes holds tensors of {bucket_bytes(specs)}")
+    out, offset = [], 0
+    for dtype, shape in specs:
+        nbytes = torch.empty((), dtype=dtype).element_size() * _numel(shape)
+        out.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+        offset += nbytes
+    return out
+
+
+def bucket_bytes(specs: list[tuple[torch.dtype, list[int]]]) -> int:
+    """The bytes of a flattened bucket of these tensors."""
+    return sum(torch.empty((), dtype=d).element_size() * _numel(s) for d, s in specs)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n

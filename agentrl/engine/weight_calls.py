@@ -92,8 +92,10 @@ class WeightUpdateCalls:
         weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> None:
-        """Announce one broadcast bucket; the trainer (rank 0) then broadcasts each tensor in order."""
+        """Announce one broadcast bucket; the trainer (rank 0) then broadcasts each tensor in order, or
+        with ``load_format: flattened_bucket`` the bucket's bytes in one broadcast."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError("names, dtypes and shapes must have the same length")
         payload: dict[str, Any] = {
@@ -106,6 +108,8 @@ class WeightUpdateCalls:
         }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
+        if load_format is not None:
+            payload["load_format"] = load_format
         await self.transport.all("POST", "/update_weights_from_distributed", payload)
 
     async def update_weights_from_tensor(

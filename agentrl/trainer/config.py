@@ -180,6 +180,11 @@ class TrainerConfig(ConfigModel):
     weight_sync_bucket_mb: int = Field(
         512, ge=1, description="bucket size of the distributed weight broadcast"
     )
+    weight_sync_flatten: bool = Field(
+        False,
+        description="distributed weight broadcast: each bucket as one broadcast of its bytes (SGLang's "
+        "load_format flattened_bucket), one collective a bucket instead of one a tensor",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:

@@ -531,6 +531,7 @@ class MegatronTrainer:
             lora=self.cfg.lora,
             client=client,
             bucket_bytes=self.cfg.weight_sync_bucket_mb << 20,
+            flatten=self.cfg.weight_sync_flatten,
         )
 
     async def sync_weights(self, new_version: bool = True) -> int:

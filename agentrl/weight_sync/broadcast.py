@@ -11,6 +11,9 @@ side; the receiver is any SGLang server or the embedded engine, both built on :m
    order, one ``broadcast(src=0)`` per tensor (the receiver allocates ``empty(shape, dtype)`` and
    receives into it). ``weight_version`` goes with the last bucket only, so an engine never reports the
    new version while holding half-updated weights. gloo sends from the CPU, NCCL from the GPU.
+   ``flatten``: a bucket goes as one broadcast of its bytes (``load_format: flattened_bucket``, SGLang's
+   ``FlattenedTensorBucket`` layout: :func:`agentrl.engine.dist.flatten_bucket`), one collective a bucket
+   instead of one a tensor; a bucket whose tensors do not line up as bytes goes tensor by tensor.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.engine.dist import in_daemon_thread
+from agentrl.engine.dist import FLATTENED, flatten_bucket, flattens, in_daemon_thread
 from agentrl.weight_sync.update import RankSide, WeightUpdate
 
 log = logging.getLogger("agentrl.weight_sync")
 
-Announce = Callable[[list[str], list[str], list[list[int]], bool], Awaitable[None]]
+# announce(names, dtypes, shapes, is_last, load_format)
+Announce = Callable[[list[str], list[str], list[list[int]], bool, str | None], Awaitable[None]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,10 +67,14 @@ class BroadcastStats:
     num_tensors: int = 0
     num_buckets: int = 0
     num_bytes: int = 0
+    num_broadcasts: int = 0  # collectives: one a tensor, or one a flattened bucket
     seconds: float = 0.0
 
 
-def _broadcast_bucket(bucket: list[tuple[str, torch.Tensor]], group: Any) -> None:
+def _broadcast_bucket(bucket: list[tuple[str, torch.Tensor]], group: Any, flat: bool) -> None:
+    if flat:
+        dist.broadcast(flatten_bucket([t for _, t in bucket]), src=0, group=group)
+        return
     for _, t in bucket:
         dist.broadcast(t.contiguous(), src=0, group=group)
 
@@ -76,12 +84,15 @@ async def broadcast_weights(
     group: Any,
     bucket_bytes: int = 512 << 20,
     announce: Announce | None = None,
+    flatten: bool = False,
 ) -> BroadcastStats:
-    """Broadcast ``named_tensors`` from rank 0 of ``group``, bucket by bucket.
+    """Broadcast ``named_tensors`` from rank 0 of ``group``, bucket by bucket (``flatten``: each bucket
+    as one broadcast of its bytes where its tensors line up, see the module docstring).
 
-    ``announce(names, dtypes, shapes, is_last)`` (e.g. an ``EngineClient.update_weights_from_distributed``
-    call) runs concurrently with each bucket's broadcasts, because the receiver only returns once it
-    has received them. Without ``announce`` the receivers must know the names in advance.
+    ``announce(names, dtypes, shapes, is_last, load_format)`` (e.g. an
+    ``EngineClient.update_weights_from_distributed`` call) runs concurrently with each bucket's
+    broadcasts, because the receiver only returns once it has received them. Without ``announce`` the
+    receivers must know the names (and the layout) in advance.
     """
     t0 = time.perf_counter()
     stats = BroadcastStats()
@@ -90,14 +101,17 @@ async def broadcast_weights(
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
+        flat = flatten and flattens([(t.dtype, list(t.shape)) for _, t in bucket])
         # a daemon thread: a broadcast whose receivers failed blocks for good, and must not hold up the
         # event loop's executor or the interpreter's exit
-        send = in_daemon_thread(_broadcast_bucket, bucket, group)
+        send = in_daemon_thread(_broadcast_bucket, bucket, group, flat)
         if announce is not None:
-            await asyncio.gather(announce(names, dtypes, shapes, i == len(buckets) - 1), send)
+            last, load_format = i == len(buckets) - 1, FLATTENED if flat else None
+            await asyncio.gather(announce(names, dtypes, shapes, last, load_format), send)
         else:
             await send
         stats.num_tensors += len(bucket)
+        stats.num_broadcasts += 1 if flat else len(bucket)
         stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     stats.num_buckets = len(buckets)
     stats.seconds = time.perf_counter() - t0
@@ -108,11 +122,16 @@ class WeightBroadcaster:
     """The trainer side of a distributed weight-sync group with a set of engines (an EngineClient)."""
 
     def __init__(
-        self, client: Any, group_name: str = "agentrl_weight_sync", bucket_bytes: int = 512 << 20
+        self,
+        client: Any,
+        group_name: str = "agentrl_weight_sync",
+        bucket_bytes: int = 512 << 20,
+        flatten: bool = False,
     ) -> None:
         self.client = client
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
+        self.flatten = flatten  # a bucket as one broadcast of its bytes (see the module docstring)
         self.group: Any = None
 
     async def connect(
@@ -157,16 +176,21 @@ class WeightBroadcaster:
         if self.group is None:
             raise RuntimeError("WeightBroadcaster.connect() first")
 
-        async def announce(names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool) -> None:
+        async def announce(
+            names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool, load_format: str | None
+        ) -> None:
             await self.client.update_weights_from_distributed(
                 names,
                 dtypes,
                 shapes,
                 group_name=self.group_name,
                 weight_version=weight_version if last else None,
+                load_format=load_format,
             )
 
-        return await broadcast_weights(named_tensors, self.group, self.bucket_bytes, announce=announce)
+        return await broadcast_weights(
+            named_tensors, self.group, self.bucket_bytes, announce=announce, flatten=self.flatten
+        )
 
     async def close(self, timeout: float = 30.0) -> bool:
         """Leave the group with the engines; returns within about ``2 * timeout`` whatever they do.
@@ -265,7 +289,9 @@ async def connect_broadcast(update: WeightUpdate, side: RankSide) -> BroadcastSy
         raise ValueError("weight sync 'distributed' needs the engines' client on rank 0")
     group = update.group
     backend = group.backend or ("nccl" if side.device.type == "cuda" else "gloo")
-    broadcaster = WeightBroadcaster(side.client, bucket_bytes=group.bucket_bytes or 512 << 20)
+    broadcaster = WeightBroadcaster(
+        side.client, bucket_bytes=group.bucket_bytes or 512 << 20, flatten=group.flatten
+    )
     await broadcaster.connect(
         group.master_address or "127.0.0.1", group.master_port, group.num_engine_ranks or 1, backend
     )

@@ -106,6 +106,7 @@ async def connect(
     lora: Any = None,
     client: Any = None,
     bucket_bytes: int = 512 << 20,
+    flatten: bool = False,
 ) -> RankSync:
     """Trainer rank ``rank``'s side of ``update``, ready to push.
 
@@ -114,8 +115,8 @@ async def connect(
     rank pushes to none). The payload: the full weights, or with ``lora`` (a LoRAConfig) the adapters,
     PEFT-named, loaded by name where the engines serve adapters by name (SGLang with ``--enable-lora``,
     asked through the client). A broadcast's defaults: one engine rank per URL, the rendezvous at this
-    rank's node address, ``bucket_bytes`` per bucket; ``distributed`` opens the group now (rank 0 joins it
-    while every engine does)."""
+    rank's node address, ``bucket_bytes`` per bucket, each bucket's bytes in one broadcast with ``flatten``;
+    ``distributed`` opens the group now (rank 0 joins it while every engine does)."""
     owned = None
     if client is None:
         targets = route(update.transport, update.engine_urls, rank, world_size)
@@ -130,6 +131,7 @@ async def connect(
                 num_engine_ranks=group.num_engine_ranks or len(update.engine_urls) or 1,
                 master_address=group.master_address or _node_address(),
                 bucket_bytes=group.bucket_bytes or bucket_bytes,
+                flatten=group.flatten or flatten,
             )
         resolved = dataclasses.replace(
             update, targets=tuple(targets), payload=payload_kind(lora, named), group=group

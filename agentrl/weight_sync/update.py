@@ -47,6 +47,7 @@ class BroadcastGroup:
     master_port: int | None = None  # its port (None: one rank 0 binds first)
     backend: str | None = None  # nccl or gloo (None: NCCL from a GPU, else gloo)
     bucket_bytes: int | None = None  # tensors per broadcast call (None: trainer.weight_sync_bucket_mb)
+    flatten: bool = False  # a bucket as one broadcast of its bytes (trainer.weight_sync_flatten)
 
 
 @dataclass(frozen=True)
