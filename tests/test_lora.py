@@ -214,8 +214,12 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> No
     offset_rollout_logprobs(trajs, lp)
     metrics = tr.train_step(trajs)
     trained = peft_state_dict(tr.module, tr.arch, cfg.lora, tr.ps)
+    # the merged weights on rank 0; the other rank takes part in both gathers and keeps nothing
+    merged = tr.hf_state_dict("cpu" if rank == 0 else None)
+    assert rank == 0 or merged == {}, f"rank {rank} kept {len(merged)} tensors"
     if rank == 0:
-        torch.save({"init": init, "logprobs": lp, "metrics": metrics, "trained": trained}, out)
+        saved = {"init": init, "logprobs": lp, "metrics": metrics, "trained": trained}
+        torch.save({**saved, "merged": merged}, out)
     tr.shutdown()
 
 
@@ -236,6 +240,9 @@ def test_tp2_matches_tp1(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-5, abs=1e-6), key
     for name, a in one["trained"].items():
         torch.testing.assert_close(a, two["trained"][name], atol=1e-5, rtol=0)
+    assert one["merged"].keys() == two["merged"].keys()
+    for name, a in one["merged"].items():
+        torch.testing.assert_close(a, two["merged"][name], atol=1e-5, rtol=0)
 
 
 def test_checkpoint_resumes_the_adapters(tiny_model_dir: Path, tmp_path: Path) -> None:
