@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import math
 import os
 import socket
 import threading
@@ -221,10 +222,9 @@ def flattens(specs: list[tuple[torch.dtype, list[int]]]) -> bool:
     bytes must start at a multiple of its element size, or its slice cannot be viewed as its dtype."""
     offset = 0
     for dtype, shape in specs:
-        size = torch.empty((), dtype=dtype).element_size()
-        if offset % size:
+        if offset % dtype.itemsize:
             return False
-        offset += size * _numel(shape)
+        offset += _nbytes(dtype, shape)
     return True
 
 
@@ -235,11 +235,12 @@ def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def unflatten_bucket(flat: torch.Tensor, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
     """The tensors of :func:`flatten_bucket`'s layout, as views of ``flat`` (``(dtype, shape)`` each)."""
-    if bucket_bytes(specs) != flat.numel():
-        raise ValueError(f"a flattened bucket of {flat.numel()} bytes holds tensors of {bucket_bytes(specs)}")
+    total = bucket_bytes(specs)
+    if total != flat.numel():
+        raise ValueError(f"a flattened bucket of {flat.numel()} bytes holds tensors of {total}")
     out, offset = [], 0
     for dtype, shape in specs:
-        nbytes = torch.empty((), dtype=dtype).element_size() * _numel(shape)
+        nbytes = _nbytes(dtype, shape)
         out.append(flat[offset : offset + nbytes].view(dtype).view(shape))
         offset += nbytes
     return out
@@ -247,11 +248,8 @@ def unflatten_bucket(flat: torch.Tensor, specs: list[tuple[torch.dtype, list[int
 
 def bucket_bytes(specs: list[tuple[torch.dtype, list[int]]]) -> int:
     """The bytes of a flattened bucket of these tensors."""
-    return sum(torch.empty((), dtype=d).element_size() * _numel(s) for d, s in specs)
+    return sum(_nbytes(dtype, shape) for dtype, shape in specs)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for x in shape:
-        n *= int(x)
-    return n
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    return dtype.itemsize * math.prod(int(x) for x in shape)

@@ -426,6 +426,9 @@ def gather_hf_state_dict(
     keep = device is not None
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
+    # where this rank holds what it gathers: on ``device``; without one, what the other pipeline stages
+    # need from it, on the CPU, or else nothing
+    hold = device if keep else ("cpu" if pp > 1 else None)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     local = {
         k: v.detach()
@@ -447,13 +450,13 @@ def gather_hf_state_dict(
                 held = [torch.empty_like(part) for _ in range(ep)]
                 dist.all_gather(held, part.contiguous(), group=ps.get_expert_model_parallel_group())
                 for e, x in enumerate(held):
-                    if keep or pp > 1:
-                        shards.setdefault((pp_rank, r, e), {})[name] = x.to(device or "cpu")
+                    if hold is not None:
+                        shards.setdefault((pp_rank, r, e), {})[name] = x.to(hold)
             continue
         for r, part in enumerate(parts):
-            if keep or pp > 1:
+            if hold is not None:
                 key = (pp_rank, r) if ep == 1 else (pp_rank, r, 0)
-                shards.setdefault(key, {})[name] = part.to(device or "cpu")
+                shards.setdefault(key, {})[name] = part.to(hold)
     if pp > 1:
         gathered: list[Any] = [None] * pp
         dist.all_gather_object(
