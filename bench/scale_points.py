@@ -383,7 +383,7 @@ POINTS: list[Point] = [
         4,
         1.667,
         "s",
-        "ae2ef79, 4x H200, the run's summary (not yet on a results page)",
+        "ae2ef79, 4x H200, multi-gpu.md",
         _weak_scaling(1.330, 4),
         why="the record gives the DP4 wait (0.42 s) and sync (0.28 s) but no breakdown of the one-GPU "
         "run of the same call; the 0.34 s the model lacks is the hand-overs of four pairs at once and "
