@@ -103,6 +103,27 @@ def input_length(t: Trajectory) -> int:
     return len(t.prompt_ids) + len(t.response_ids) - 1
 
 
+def response_logprobs(lp: torch.Tensor, row: int, t: Trajectory) -> list[float]:
+    """``t``'s response tokens in row ``row`` of a micro-batch's logprobs ``[b, s]`` (position ``i`` holds
+    the logprob of token ``i + 1``)."""
+    p, r = len(t.prompt_ids), len(t.response_ids)
+    return lp[row, p - 1 : p - 1 + r].tolist()
+
+
+def recorded_by_position(
+    trajectories: list[Trajectory], usable: list[Trajectory], recorded: list[tuple[MicroBatch, torch.Tensor]]
+) -> dict[int, list[float]]:
+    """The logprobs a step recorded for its micro-batches (rows index ``usable``), as each trajectory's
+    response-token logprobs keyed by its position in ``trajectories``, the batch ``usable`` came from."""
+    position = {id(t): i for i, t in enumerate(trajectories)}
+    out: dict[int, list[float]] = {}
+    for mb, lp in recorded:
+        lp = lp.float().cpu()
+        for row, i in enumerate(mb.traj_index):
+            out[position[id(usable[i])]] = response_logprobs(lp, row, usable[i])
+    return out
+
+
 def select_usable(trajectories: list[Trajectory], sft: bool = False) -> tuple[list[Trajectory], int]:
     """The trajectories a step trains on, validated, and how many were dropped: failed ones, ones with
     an empty prompt and, unless ``sft``, unrewarded ones. Raises ``ValueError`` when none is usable."""

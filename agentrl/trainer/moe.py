@@ -38,11 +38,16 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentrl.models.moe import MoESpec, decode_routed_experts
+from agentrl.trainer.batch import input_length
+
+if TYPE_CHECKING:
+    from agentrl.trainer.batch import MicroBatch
+    from agentrl.types import Trajectory
 
 
 def transformer_kwargs(moe: MoESpec, ep: int = 1, aux_loss_coef: float | None = None) -> dict[str, Any]:
@@ -344,6 +349,27 @@ def routed_tensor(
     return out
 
 
+def attach_routing(
+    mb: MicroBatch,
+    rows: list[Trajectory],
+    moe: MoESpec,
+    num_layers: int,
+    replay: bool,
+    device: torch.device,
+) -> None:
+    """A micro-batch of a MoE model gets its padding mask (padding stays out of the load-balancing loss;
+    packed rows have none) and, with routing ``replay``, the engine's recorded experts of its ``rows``
+    (``[b, s, layers, k]``, :func:`routed_tensor`)."""
+    lengths = [input_length(t) for t in rows]
+    b, s = mb.tokens.shape[0], mb.tokens.shape[1]
+    if mb.packed is None:
+        ends = torch.tensor(lengths + [0] * (b - len(rows)))
+        mb.padding_mask = (torch.arange(s)[None, :] >= ends[:, None]).to(device)
+    if replay:
+        records = [t.routed_experts for t in rows]
+        mb.routed_experts = routed_tensor(records, lengths, (b, s), num_layers, moe.topk).to(device)
+
+
 # ---- load-balancing loss ----------------------------------------------------------------------------
 def set_aux_loss_scale(scale: float, device: torch.device) -> None:
     """The factor the load-balancing loss's gradient gets in the next backward passes (megatron's
@@ -372,6 +398,7 @@ def pop_aux_loss(num_forwards: int) -> float | None:
 
 __all__ = [
     "RouterReplay",
+    "attach_routing",
     "check_moe_tensors",
     "expert_layout",
     "hf_moe_names",

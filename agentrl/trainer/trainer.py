@@ -54,6 +54,8 @@ from agentrl.trainer.batch import (
     input_length,
     make_micro_batch,
     plan_mini_batches,
+    recorded_by_position,
+    response_logprobs,
     response_mask,
     select_usable,
     split_micro_batches,
@@ -80,7 +82,7 @@ from agentrl.trainer.lora import merge_into_hf, peft_state_dict, save_peft_dir
 from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
 from agentrl.trainer.mcore_compat import apply_cpu_patches
 from agentrl.trainer.model import ModelArch, gather_hf_state_dict, save_hf_dir
-from agentrl.trainer.moe import pop_aux_loss, routed_tensor, set_aux_loss_scale
+from agentrl.trainer.moe import attach_routing, pop_aux_loss, set_aux_loss_scale
 from agentrl.trainer.offload import TrainerOffload
 from agentrl.trainer.optim import MicroLoss, build_optimizer
 from agentrl.types import Trajectory
@@ -225,32 +227,17 @@ class MegatronTrainer:
         ):
             mb = make_micro_batch(trajectories, idx, zero, self.pad_id, pack=c.pack_sequences).to(self.device)
             self._attach_routing(mb, trajectories)
-            lp, _ = self.logprobs.of(self.model, mb)
+            lp = self.logprobs.of(self.model, mb)[0].float().cpu()
             for row, i in enumerate(idx):
-                p, r = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
-                out[i] = lp[row, p - 1 : p - 1 + r].float().cpu().tolist()
+                out[i] = response_logprobs(lp, row, trajectories[i])
         return out
 
     def _attach_routing(self, mb: MicroBatch, trajectories: list[Trajectory]) -> None:
-        """MoE models: ``mb``'s padding mask (padding stays out of the load-balancing loss) and, with routing
-        replay, the engine's recorded experts of its rows (``[b, s, layers, k]``)."""
-        moe = self.arch.moe
-        if moe is None:
-            return
-        rows = [trajectories[i] for i in mb.traj_index]
-        if mb.packed is None:
-            lengths = torch.tensor([input_length(t) for t in rows] + [0] * (mb.tokens.shape[0] - len(rows)))
-            cols = torch.arange(mb.tokens.shape[1])
-            mb.padding_mask = (cols[None, :] >= lengths[:, None]).to(self.device)
-        if not self.replay_routing:
-            return
-        mb.routed_experts = routed_tensor(
-            [t.routed_experts for t in rows],
-            [input_length(t) for t in rows],
-            (mb.tokens.shape[0], mb.tokens.shape[1]),
-            self.arch.num_layers,
-            moe.topk,
-        ).to(self.device)
+        """MoE models: ``mb``'s padding mask and, with routing replay, its rows' recorded experts."""
+        if self.arch.moe is not None:
+            rows = [trajectories[i] for i in mb.traj_index]
+            moe, layers = self.arch.moe, self.arch.num_layers
+            attach_routing(mb, rows, moe, layers, self.replay_routing, self.device)
 
     def _logprobs_no_grad(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         if self.cfg.pp > 1:
@@ -431,15 +418,8 @@ class MegatronTrainer:
     ) -> list[list[float] | None]:
         """Per trajectory of the batch (None for the ones not trained), the recorded logprobs of its
         response tokens; every rank's share, gathered (collective)."""
-        position = {id(t): i for i, t in enumerate(trajectories)}
-        mine: dict[int, list[float]] = {}
-        if self.tp_rank == 0:  # tensor-parallel ranks hold the same full logprobs
-            for mb, lp in recorded:
-                lp = lp.float().cpu()
-                for row, i in enumerate(mb.traj_index):
-                    t = usable[i]
-                    p, r = len(t.prompt_ids), len(t.response_ids)
-                    mine[position[id(t)]] = lp[row, p - 1 : p - 1 + r].tolist()
+        # tensor-parallel ranks hold the same full logprobs: the first of them tells
+        mine = recorded_by_position(trajectories, usable, recorded) if self.tp_rank == 0 else {}
         parts: list[Any] = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(parts, mine)
