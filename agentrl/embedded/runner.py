@@ -45,7 +45,6 @@ from agentrl.embedded.modes import RunnerModes, resolve_modes
 from agentrl.embedded.slot_copy import copy_slots
 from agentrl.models.decoder import (
     DecoderOps,
-    Experts,
     LayerWeights,
     lm_head,
     post_attention,
@@ -86,41 +85,6 @@ def refuse_unservable(cfg) -> None:
         raise ValueError(f"the embedded engine's MLP is SwiGLU; {cfg.hidden_act!r} is not served")
 
 
-def _layer_weights(layer: torch.nn.Module, moe: MoESpec | None) -> LayerWeights:
-    """The tensors of one HF decoder layer by name (the module's own parameters: in-place weight updates
-    reach them); a mixture-of-experts MLP as transformers' fused experts."""
-    a, m = layer.self_attn, layer.mlp
-    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    attention = dict(
-        input_norm=layer.input_layernorm.weight,
-        q=a.q_proj.weight,
-        q_bias=a.q_proj.bias,
-        k=a.k_proj.weight,
-        k_bias=a.k_proj.bias,
-        v=a.v_proj.weight,
-        v_bias=a.v_proj.bias,
-        q_norm=None if q_norm is None else q_norm.weight,
-        k_norm=None if k_norm is None else k_norm.weight,
-        o=a.o_proj.weight,
-        o_bias=a.o_proj.bias,
-        mlp_norm=layer.post_attention_layernorm.weight,
-    )
-    if moe is not None:
-        experts = Experts(
-            m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj, moe.topk, moe.norm_topk_prob
-        )
-        return LayerWeights(**attention, experts=experts)
-    return LayerWeights(
-        **attention,
-        gate=m.gate_proj.weight,
-        gate_bias=m.gate_proj.bias,
-        up=m.up_proj.weight,
-        up_bias=m.up_proj.bias,
-        down=m.down_proj.weight,
-        down_bias=m.down_proj.bias,
-    )
-
-
 @dataclass
 class ExtendBatch:
     """A prefill step: row ``r`` adds ``tokens[r]`` at positions ``start[r]..`` of slot ``slots[r]``."""
@@ -158,7 +122,7 @@ class ModelRunner:
         self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self.moe = MoESpec.from_hf_config(cfg.to_dict())
-        self.weights = [_layer_weights(layer, self.moe) for layer in self.layers]
+        self.weights = [LayerWeights.of_hf_layer(layer, self.moe) for layer in self.layers]
         self.device = next(model.parameters()).device
         if quantization is not None:  # weights_region: where the fp8 copies live (released with the weights)
             with weights_region() if weights_region is not None else contextlib.nullcontext():

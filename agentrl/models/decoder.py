@@ -31,11 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from agentrl import batch_invariant as bi
+
+if TYPE_CHECKING:
+    from agentrl.models.moe import MoESpec
 
 Tensor = torch.Tensor
 
@@ -106,6 +110,42 @@ class LayerWeights:
             raise ValueError("LayerWeights: give gate and up, or gate_up fused, and down; or experts alone")
         if _given(self.q_norm) != _given(self.k_norm):
             raise ValueError("LayerWeights: q_norm and k_norm come together")
+
+    @classmethod
+    def of_hf_layer(cls, layer: torch.nn.Module, moe: MoESpec | None = None) -> LayerWeights:
+        """The tensors of one Hugging Face decoder layer (``self_attn``, ``mlp`` and the two norms), the
+        module's own parameters, so in-place weight updates reach them; a mixture-of-experts MLP
+        (``moe``) as transformers' fused experts."""
+        a, m = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        attention = dict(
+            input_norm=layer.input_layernorm.weight,
+            q=a.q_proj.weight,
+            q_bias=a.q_proj.bias,
+            k=a.k_proj.weight,
+            k_bias=a.k_proj.bias,
+            v=a.v_proj.weight,
+            v_bias=a.v_proj.bias,
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            o=a.o_proj.weight,
+            o_bias=a.o_proj.bias,
+            mlp_norm=layer.post_attention_layernorm.weight,
+        )
+        if moe is not None:
+            experts = Experts(
+                m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj, moe.topk, moe.norm_topk_prob
+            )
+            return cls(**attention, experts=experts)
+        return cls(
+            **attention,
+            gate=m.gate_proj.weight,
+            gate_bias=m.gate_proj.bias,
+            up=m.up_proj.weight,
+            up_bias=m.up_proj.bias,
+            down=m.down_proj.weight,
+            down_bias=m.down_proj.bias,
+        )
 
 
 def _given(*tensors: Tensor | None) -> list[bool]:
