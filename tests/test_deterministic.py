@@ -150,7 +150,7 @@ async def _run(tok: Any, timing_seed: int, steps: int = 5) -> tuple[list[list[Tr
         batch = await orch.buffer.get_batch(timeout=30)
         batches.append(batch)
         await orch.pause_for_update()  # waits until batch v + η is complete: nothing is running then
-        assert not orch._groups
+        assert not orch.ledger.running
         engine.version += 1
         await orch.resume_after_update(engine.version)
     await orch.stop()

@@ -123,9 +123,9 @@ async def _interrupted(
         lockstep = orch.lockstep
         await _until(lambda: len(lockstep.open_uids()) == orch.cfg.batch_size)
         last = lockstep.open_uids()[-1]
-        GatedEnv.let_through = {orch._groups[last].draw.task["id"]}
+        GatedEnv.let_through = {orch.ledger.running[last].draw.task["id"]}
         await _until(lambda: last in {g.uid for _, g in lockstep._done})
-        assert lockstep.open_uids()[-1] == last and len(orch._groups) == orch.cfg.batch_size - 1
+        assert lockstep.open_uids()[-1] == last and len(orch.ledger.running) == orch.cfg.batch_size - 1
     else:
         await asyncio.sleep(random.Random(timing_seed).random() * 0.03)  # some random moment
     state = json.loads(json.dumps(orch.state_dict()))

@@ -59,7 +59,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer import Group, NoProgressError, StalenessController, TrajectoryBuffer
@@ -76,6 +75,7 @@ from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.dataset import DatasetCursor, Draw
 from agentrl.rollout.episode import EpisodeRunner, Restart
 from agentrl.rollout.heap import freeze_setup_heap
+from agentrl.rollout.ledger import DrawLedger, GroupRun
 from agentrl.rollout.lockstep import LockstepSchedule, RolloutSchedule
 from agentrl.rollout.loop_monitor import LoopMonitor
 from agentrl.rollout.metrics import RolloutMetrics
@@ -89,16 +89,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FAILED_EPISODES_KEPT = 256  # a shard keeps at most this many failed episodes between two takes
-
-# Outcomes of a draw (what accounting() counts).
-TRAINED = "trained"
-
-
-@dataclass
-class _GroupRun:
-    draw: Draw
-    start_version: int
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
 class Orchestrator:
@@ -155,9 +145,8 @@ class Orchestrator:
         buffer.on_taken.append(self._on_taken)
         buffer.on_refused.append(self._on_refused)
 
-        self._pending: deque[Draw] = deque()  # re-drawn before the cursor (resume, refused groups)
-        self._groups: dict[str, _GroupRun] = {}  # running
-        self._buffered: dict[str, Draw] = {}  # accepted into the buffer, not yet handed to the trainer
+        # where every drawn task is: running, buffered, pending re-draw (agentrl.rollout.ledger)
+        self.ledger = DrawLedger(self.cursor, config.record_outcomes)
         self._episode_slots = 0  # episodes reserved by running groups (concurrency cap)
         # which batch a draw joins, when it starts and reaches the buffer (agentrl.rollout.lockstep)
         self.schedule = (
@@ -180,14 +169,10 @@ class Orchestrator:
         self._paused = False
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
-        self.drawn = 0
-        self.trained = 0
-        self.outcomes: list[tuple[str, str]] = []  # (uid, outcome) when config.record_outcomes
         # (uid, sample index, attempt, error text) of every failed attempt, when config.record_outcomes
         self.failed_attempts: list[tuple[str, int, int, str]] = []
         # the failed training episodes since the driver last took them (episode dumps show them, marked)
         self.failed_episodes: deque[Trajectory] = deque(maxlen=FAILED_EPISODES_KEPT)
-        self.trained_uids: set[str] = set()
         self._verifier_checked = False
         # a run that can never form a batch stops with the reason (agentrl.rollout.progress)
         self.watch = ProgressWatch.defaults(
@@ -203,6 +188,19 @@ class Orchestrator:
     @property
     def version(self) -> int:
         return self.controller.version
+
+    @property
+    def drawn(self) -> int:
+        return self.ledger.drawn
+
+    @property
+    def trained(self) -> int:
+        return self.ledger.trained
+
+    @property
+    def outcomes(self) -> list[tuple[str, str]]:
+        """(uid, ``"trained"`` or ``"dropped:<reason>"``) of every draw, when ``record_outcomes``."""
+        return self.ledger.outcomes
 
     @property
     def lockstep(self) -> LockstepSchedule | None:
@@ -254,7 +252,7 @@ class Orchestrator:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
-        tasks = [g.task for g in self._groups.values() if g.task is not None]
+        tasks = [g.task for g in self.ledger.running.values() if g.task is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -266,19 +264,8 @@ class Orchestrator:
         await self.buffer.set_exhausted(True)
 
     # ================================================================ admission
-    def _next_draw(self) -> Draw | None:
-        if self._pending:
-            return self._pending.popleft()
-        d = self.cursor.next()
-        if d is not None:
-            self.drawn += 1
-        return d
-
-    def _has_work(self) -> bool:
-        return bool(self._pending) or not self.cursor.exhausted
-
     async def _admission_loop(self) -> None:
-        ctl, n = self.controller, self.cfg.group_episodes
+        ctl, n, ledger = self.controller, self.cfg.group_episodes, self.ledger
         while not self._stopping:
             ctl.changed.clear()  # cleared before checking: no wake-up is lost (single event loop)
             blocked = (
@@ -288,24 +275,24 @@ class Orchestrator:
                 or ctl.capacity() <= 0
                 or not self.schedule.may_start(ctl.version)
             )
-            draw = None if blocked else self._next_draw()
+            draw = None if blocked else ledger.next_draw()
             if draw is None:
-                if not blocked and not self._groups and not self._has_work():
+                if not blocked and not ledger.running and not ledger.has_work():
                     await self.buffer.set_exhausted(True)  # nothing left: get_batch must not hang
                 await ctl.changed.wait()
                 continue
             if not ctl.try_start():  # cannot happen after capacity() > 0; keep the draw
-                self._pending.appendleft(draw)
+                ledger.pending.appendleft(draw)
                 continue
             self._episode_slots += n
             self.schedule.start(draw.uid)
-            g = _GroupRun(draw, ctl.version)
-            self._groups[draw.uid] = g
+            g = GroupRun(draw, ctl.version)
+            ledger.running[draw.uid] = g
             g.task = asyncio.create_task(self._run_group(g), name=f"group-{draw.uid}")
 
     # ================================================================ groups
-    async def _run_group(self, g: _GroupRun) -> None:
-        uid = g.draw.uid
+    async def _run_group(self, g: GroupRun) -> None:
+        uid, ledger = g.draw.uid, self.ledger
         try:
             members = await asyncio.gather(*(self._run_member(g, i) for i in range(self.cfg.group_size)))
             trajs = [t for rows in members for t in rows]
@@ -314,23 +301,23 @@ class Orchestrator:
                 await self._drop(g.draw, reason, trajs)
                 return
             self.watch.kept()
-            self._buffered[uid] = g.draw
+            ledger.buffered[uid] = g.draw
             if await self.schedule.deliver(Group(uid, kept, g.start_version), self.buffer):
                 return  # accepted (the buffer told the controller), or held for its batch
             # Rule 2 of agentrl.buffer: it would be trained too stale (a straggler, or an over-sampled
             # surplus). Hand the task back to be re-run from scratch once admission allows.
-            del self._buffered[uid]
+            del ledger.buffered[uid]
             g.draw.stale_requeues += 1
             self.m.count("stale_group_requeues")
             if g.draw.stale_requeues > self.cfg.max_stale_restarts:
                 await self._drop(g.draw, "stale")
                 return
-            self._pending.appendleft(g.draw)
+            ledger.pending.appendleft(g.draw)
             self.controller.finish(accepted=False)
         except asyncio.CancelledError:
             if self._stopping:  # stays in flight: re-drawn on resume
-                self._buffered.pop(uid, None)
-                self._pending.append(g.draw)
+                ledger.buffered.pop(uid, None)
+                ledger.pending.append(g.draw)
                 self.controller.finish(accepted=False)
             raise
         except Exception as err:  # a bug in this file or a user callback; never kill the loop
@@ -338,7 +325,7 @@ class Orchestrator:
             self.m.failure("internal")
             await self._drop(g.draw, f"internal:{type(err).__name__}")
         finally:
-            self._groups.pop(uid, None)
+            ledger.running.pop(uid, None)
             self._episode_slots -= self.cfg.group_episodes
             self.controller.notify()
 
@@ -375,8 +362,7 @@ class Orchestrator:
         self.schedule.dropped(draw.uid)  # lockstep: the batch takes the next draw in its place
         self.m.drop(reason)
         self.controller.finish(accepted=False)  # frees its capacity: dropping never deadlocks
-        if self.cfg.record_outcomes:
-            self.outcomes.append((draw.uid, f"dropped:{reason}"))
+        self.ledger.dropped(draw.uid, reason)
         n = self.m.dropped[reason]
         if reason.startswith(("failed", "internal")) and n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: bounded
             errors = sorted({t.error for t in trajs if t.status == Status.FAILED and t.error})
@@ -396,19 +382,14 @@ class Orchestrator:
 
     def _on_taken(self, groups: list[Group]) -> None:
         for grp in groups:
-            self._buffered.pop(grp.uid, None)
-            self.trained += 1
-            if grp.uid in self.trained_uids:  # would be a duplicate; loud, it must never happen
+            if not self.ledger.taken(grp.uid):  # a duplicate; loud, it must never happen
                 log.error("group %s handed to the trainer twice", grp.uid)
                 self.m.count("duplicate_groups")
-            self.trained_uids.add(grp.uid)
-            if self.cfg.record_outcomes:
-                self.outcomes.append((grp.uid, TRAINED))
 
     def _on_refused(self, grp: Group) -> None:
         # Rule 3 fired (should not happen): re-run the task; it is still in flight.
-        draw = self._buffered.pop(grp.uid, None) or Draw(grp.uid, {})
-        self._pending.appendleft(draw)
+        draw = self.ledger.buffered.pop(grp.uid, None) or Draw(grp.uid, {})
+        self.ledger.pending.appendleft(draw)
         self.m.count("refused_stale_requeued")
         self.buffer.mark_producing()
         self.controller.notify()
@@ -425,7 +406,7 @@ class Orchestrator:
             return await self.agents.run(draw, i, sampling, m, train)
         return [await self.episodes.run(draw, i, sampling, m, train)]
 
-    async def _run_member(self, g: _GroupRun, i: int) -> list[Trajectory]:
+    async def _run_member(self, g: GroupRun, i: int) -> list[Trajectory]:
         """Sample ``i`` of the group: its episode, re-run (fresh env) while it fails and retries are left."""
         attempt = stale = 0
         while True:
@@ -474,7 +455,7 @@ class Orchestrator:
             lambda: (
                 self._stopping
                 or self.schedule.caught_up(self.version)
-                or (not self._groups and not self._has_work())
+                or (not self.ledger.running and not self.ledger.has_work())
             )
         )
         self._paused = True
@@ -519,7 +500,7 @@ class Orchestrator:
         sem = asyncio.Semaphore(concurrency or self.cfg.max_concurrency)
 
         async def one(idx: int, task: dict[str, Any]) -> Trajectory:
-            g = _GroupRun(Draw(f"eval:{idx}", task), self.controller.version)
+            g = GroupRun(Draw(f"eval:{idx}", task), self.controller.version)
             async with sem:
                 attempt = 0
                 while True:
@@ -532,21 +513,9 @@ class Orchestrator:
 
     # ================================================================ accounting, metrics, state
     def accounting(self) -> dict[str, int]:
-        """drawn == trained + dropped + in_flight, always (in_flight = running + buffered + pending)."""
-        dropped = sum(self.m.dropped.values())
-        # a finished group waiting to enter the buffer is in both maps: it counts once, as buffered
-        running = sum(u not in self._buffered for u in self._groups)
-        buffered, pending = len(self._buffered), len(self._pending)
-        return {
-            "drawn": self.drawn,
-            "trained": self.trained,
-            "dropped": dropped,
-            "running": running,
-            "buffered": buffered,
-            "pending": pending,
-            "in_flight": running + buffered + pending,
-            "balanced": int(self.drawn == self.trained + dropped + running + buffered + pending),
-        }
+        """drawn == trained + dropped + in_flight, always (in_flight = running + buffered + pending;
+        :meth:`agentrl.rollout.ledger.DrawLedger.counts`)."""
+        return self.ledger.counts(sum(self.m.dropped.values()))
 
     def stats(self, reset_window: bool = True) -> dict[str, float]:
         """Rollout metrics (rates since the last call), accounting and buffer/staleness figures, and the
@@ -572,30 +541,13 @@ class Orchestrator:
             self.sink.log(stats, step)
         return stats
 
-    def _in_flight(self) -> list[Draw]:
-        """Every draw in flight, in the order its group would have reached the trainer: taken by a batch
-        being formed or waiting to enter the buffer, queued in the buffer, the open batch of the lockstep
-        schedule in draw order, running, pending. A resumed run re-draws them in this order, so a
-        deterministic run forms the same batches, in the same order, again."""
-        draws = {**{d.uid: d for d in self._pending}, **{u: g.draw for u, g in self._groups.items()}}
-        draws.update(self._buffered)
-        queued = self.buffer.queued_uids()
-        open_batch = self.schedule.open_uids()
-        ahead = [u for u in self._buffered if u not in set(queued) | set(open_batch)]
-        order = [*ahead, *queued, *open_batch, *self._groups, *(d.uid for d in self._pending)]
-        return [draws[u] for u in dict.fromkeys(order) if u in draws]
-
     def state_dict(self) -> dict[str, Any]:
-        """Cursor, every task in flight (in the order of :meth:`_in_flight`), counters."""
-        in_flight = self._in_flight()
+        """The version, the cursor, every task in flight (in the order their groups would have reached
+        the trainer: :meth:`agentrl.rollout.ledger.DrawLedger.in_flight`), counters and metrics."""
+        queued, open_batch = self.buffer.queued_uids(), self.schedule.open_uids()
         return {
             "version": self.controller.version,
-            "cursor": self.cursor.state_dict(),
-            "pending": [
-                {"uid": d.uid, "task": d.task, "stale_requeues": d.stale_requeues} for d in in_flight
-            ],
-            "drawn": self.drawn,
-            "trained": self.trained,
+            **self.ledger.state_dict(queued, open_batch),
             "metrics": self.m.state_dict(),
         }
 
@@ -603,14 +555,7 @@ class Orchestrator:
         """Restore before :meth:`start`; ``version`` is the trainer's resumed policy version."""
         if self._loop_task is not None:
             raise RuntimeError("load_state_dict must be called before start()")
-        self.cursor.load_state_dict(state["cursor"])
-        self._pending = deque(
-            Draw(p["uid"], p["task"], int(p.get("stale_requeues", 0))) for p in state.get("pending", [])
-        )
-        self._groups.clear()
-        self._buffered.clear()
-        self.drawn = int(state.get("drawn", 0))
-        self.trained = int(state.get("trained", 0))
+        self.ledger.load_state_dict(state)
         self.m.load_state_dict(state.get("metrics", {}))
         self.controller.on_resume(int(state["version"] if version is None else version))
         self.schedule.resume(self.controller.version)  # lockstep: batches restart at the resumed version
