@@ -165,7 +165,13 @@ class NamespaceCluster:
         return [pid for host in (self.hosts.b, self.hosts.a) for pid in host.stop_processes()]
 
 
-def _start_cluster() -> NamespaceCluster:
+# Ray gives a starting node's raylet 30 s to register; a loaded 2-core machine can miss that, and the
+# head's `ray start` then exits. A head that exited while starting is started once more; a cluster that
+# does not form for any other reason fails at once.
+HEAD_STARTS = 2
+
+
+def _start_cluster(attempt: int = 1) -> NamespaceCluster:
     hosts = TwoHosts()
     temp_dir = Path(tempfile.mkdtemp(prefix="agentrl-mh-", dir=os.environ.get("RAY_TMPDIR", "/tmp")))
     env = {
@@ -179,10 +185,17 @@ def _start_cluster() -> NamespaceCluster:
         cluster.start_node("head")
         cluster.start_node("worker")  # it waits for the head's GCS to answer
         cluster.alive_nodes(2)
+        return cluster
+    except AssertionError:
+        head_exited = cluster.nodes["head"].poll() is not None
+        _remove(cluster)
+        if not head_exited or attempt == HEAD_STARTS:
+            raise
     except BaseException:
         _remove(cluster)
         raise
-    return cluster
+    print(f"the head node exited while starting (attempt {attempt}); starting the cluster again")
+    return _start_cluster(attempt + 1)
 
 
 def _remove(cluster: NamespaceCluster) -> None:
