@@ -155,6 +155,9 @@ def main() -> None:
             load_run_config(args.config, cmds[run.name][cmds[run.name].index(str(args.config)) + 1 :])
         except ConfigError as err:
             sys.exit(f"{run.name}: {err}")
+    taken = [str(args.out / run.name) for run in runs if (args.out / run.name).exists()]
+    if taken:  # a run appends to its metrics.jsonl: an earlier run's rows would mix into the figures
+        sys.exit(f"already there (remove them or give another --out): {', '.join(taken)}")
     results: dict[str, dict[str, Any]] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     for run in runs:

@@ -53,6 +53,12 @@ def test_a_bad_override_is_refused_before_any_run(tmp_path: Path) -> None:
     assert "train_async.py" not in done.stderr  # refused before the first command
 
 
+def test_an_earlier_run_in_the_output_is_not_mixed_in(tmp_path: Path) -> None:
+    (tmp_path / "colocated_dp2").mkdir()
+    done = _dry_run(tmp_path, "--gpus", "0,1")
+    assert done.returncode != 0 and "colocated_dp2" in done.stderr and "already there" in done.stderr
+
+
 def test_one_gpu_plans_the_baseline_alone() -> None:
     runs = bench.plan(["3"], batch=16, group=8, concurrency=256, pool=0.2, disaggregated=True)
     assert [(r.name, r.gpus, r.trajectories) for r in runs] == [("one_gpu", ["3"], 128)]
