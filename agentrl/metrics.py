@@ -354,6 +354,9 @@ async def engine_metrics(client: Any) -> dict[str, float]:
         vals = [float(i[key]) for i in infos if isinstance(i.get(key), int | float)]
         if vals:
             out[f"engine/{key}"] = sum(vals)
+    if "engine/busy_s" in out:  # when the counters were read, and over how many engines they are summed
+        out["engine/read_time"] = time.time()
+        out["engine/engines"] = float(sum(isinstance(i.get("busy_s"), int | float) for i in infos))
     return out
 
 
@@ -385,10 +388,16 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
         if wall > 0:
             out[name] = sum(r[key] * r["time/step_s"] for r in rows) / wall
     busy = [r for r in steps if "engine/busy_s" in r]
-    if len(busy) > 1:  # the engines' own device time (summed over engines) against the loop's wall time
-        span = sum(r["time/step_s"] for r in busy[1:])
-        delta = {k: busy[-1][k] - busy[0].get(k, 0.0) for k in busy[-1] if k.startswith("engine/")}
-        out["engine_device_busy_frac"] = delta["engine/busy_s"] / span
+    if len(busy) > 1:  # the engines' own device time (a mean over them) over the wall time between reads
+        first, last = busy[0], busy[-1]
+        if "engine/read_time" in first and "engine/read_time" in last:
+            span = last["engine/read_time"] - first["engine/read_time"]
+        else:
+            span = sum(r["time/step_s"] for r in busy[1:])
+        delta = {k: last[k] - first.get(k, 0.0) for k in last if k.startswith("engine/")}
+        out["engine_device_busy_frac"] = (
+            delta["engine/busy_s"] / span / max(last.get("engine/engines", 1.0), 1.0)
+        )
         if delta.get("engine/decode_steps"):
             out["engine_decode_steps_per_step"] = delta["engine/decode_steps"] / (len(busy) - 1)
             out["engine_rows_per_decode_step"] = (

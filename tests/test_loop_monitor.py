@@ -181,3 +181,28 @@ def test_without_timings_keeps_what_deterministic_runs_agree_on() -> None:
         "trainer/policy_version": 3,
         "retrieval/workers": 2,
     }
+
+
+def test_engine_busy_fraction_is_over_the_time_between_reads_and_a_mean_over_engines() -> None:
+    """The engines' busy seconds between two reads of their counters, over the wall time between those
+    reads (not the steps' own time, which leaves out what ran between a read and the next step's start),
+    a mean over the engines that reported them."""
+    from agentrl.metrics import step_time_summary
+
+    def row(step: int, busy: float, read_time: float) -> dict[str, float]:
+        return {
+            "step": step,
+            "time/step_s": 0.3,
+            "engine/busy_s": busy,
+            "engine/read_time": read_time,
+            "engine/engines": 2.0,
+        }
+
+    out = step_time_summary([row(1, 10.0, 100.0), row(2, 10.6, 100.5)])
+    assert out["engine_device_busy_frac"] == pytest.approx(0.6 / 0.5 / 2)
+    # rows from before the reads were timed: the steps' own time, and the sum over engines
+    old = [
+        {k: v for k, v in r.items() if k.startswith(("step", "time/", "engine/busy"))}
+        for r in (row(1, 1.0, 0), row(2, 1.15, 0))
+    ]
+    assert step_time_summary(old)["engine_device_busy_frac"] == pytest.approx(0.15 / 0.3)

@@ -450,6 +450,7 @@ class NativeAPI:
                 if self.engine.prefix_cache is None
                 else self.engine.prefix_cache.num_slots,
                 **self.engine.stats,
+                **self.engine.scheduler.busy_so_far(),  # a step under way counts so far
                 **self.engine.memory_info(),
                 **self.engine.memory_state(),
             }

@@ -96,6 +96,7 @@ class Scheduler(VerifySteps):
         self.active: list[EngineRequest] = []  # index = slot
         self.epoch = 0
         self.step_lock = asyncio.Lock()  # held by a step; taken by weight updates and cache flushes
+        self._running_step: tuple[str, float] | None = None  # (kind, start) of the step on the device
         self._retract = False
         self._since_prefill = 0
         self._draft_misses = 0  # proposals in a row that gave no row a draft
@@ -186,7 +187,11 @@ class Scheduler(VerifySteps):
                 try:
                     async with self.step_lock:
                         t_step = time.perf_counter()
-                        ids, lps, steps = await self.on_device(self._execute, *step)
+                        self._running_step = (step[0], t_step)
+                        try:
+                            ids, lps, steps = await self.on_device(self._execute, *step)
+                        finally:
+                            self._running_step = None
                         # device busy time: what an idle fraction of the engine itself is measured against,
                         # in all and per step kind (prefill / decode), to show where an engine's time goes
                         took = time.perf_counter() - t_step
@@ -210,6 +215,18 @@ class Scheduler(VerifySteps):
             self.fatal = err
             self._fail(list(self.active) + list(self.waiting), err)
             raise
+
+    def busy_so_far(self) -> dict[str, float]:
+        """The device busy seconds, in all and of each step kind, up to now: the finished steps' and the
+        running step's time so far. Two reads then bound the engine's busy time between them, however
+        long a step that spans one of them runs."""
+        out = {k: v for k, v in self.stats.items() if k.endswith("busy_s")}
+        if self._running_step is not None:
+            kind, started = self._running_step
+            elapsed = time.perf_counter() - started
+            out["busy_s"] = out.get("busy_s", 0.0) + elapsed
+            out[f"{kind}_busy_s"] = out.get(f"{kind}_busy_s", 0.0) + elapsed
+        return out
 
     def _control(self) -> None:
         """Apply aborts and a pending retraction between steps."""
