@@ -8,7 +8,8 @@ each run's step goes.
 Each run is ``python train_async.py --config examples/search_r1/config_gpu.yaml`` (SmolLM2-135M, the
 embedded engine) with the same warm start (the bootstrap cache, built by the first run and read by the
 others), world, seeds, step count and engine KV pool (``--pool``, of a GPU's free memory), and the one-GPU
-run's batch for each GPU that generates:
+run's batch and requests in flight for each GPU that generates (the config's ``rollout.batch_size`` and
+``rollout.max_concurrency``, after the overrides given for every run):
 
 - **one GPU**: the config on the first GPU alone (``CUDA_VISIBLE_DEVICES``), the baseline;
 - **colocated, DP N**: engine i and trainer rank i on GPU i, a rollout shard per engine, N times the
@@ -82,18 +83,11 @@ def plan(
     return runs
 
 
-def command(run: Run, config: Path, out: Path, cache: Path, steps: int, extra: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        str(ROOT / "train_async.py"),
-        "--config",
-        str(config),
-        f"output_dir={out / run.name}",
-        f"bootstrap.cache_dir={cache}",
-        f"steps={steps}",
-        *run.overrides,
-        *extra,
-    ]
+def run_overrides(run: Run, out: Path, cache: Path, steps: int, extra: list[str]) -> list[str]:
+    """The config overrides of ``run``: its output, the shared warm start, the step count, the overrides
+    given for every run, then the run's own (which set its layout and scale its batch)."""
+    common = [f"output_dir={out / run.name}", f"bootstrap.cache_dir={cache}", f"steps={steps}"]
+    return [*common, *extra, *run.overrides]
 
 
 def figures(run: Run, out: Path, wall_s: float) -> dict[str, Any]:
@@ -103,21 +97,18 @@ def figures(run: Run, out: Path, wall_s: float) -> dict[str, Any]:
     if not steps:
         raise RuntimeError(f"{run.name}: no step past the first in {out / run.name / 'metrics.jsonl'}")
     spent = sum(r["time/step_s"] for r in steps)
-    mean = {
-        key.removeprefix("time/"): sum(r[key] for r in steps if key in r) / sum(key in r for r in steps)
-        for key in sorted({k for r in steps for k in r if k.startswith("time/")})
-    }
-    loads = {
-        key.replace("/", "_"): sum(r[key] for r in steps if key in r) / sum(key in r for r in steps)
-        for key in LOADS
-        if any(key in r for r in steps)
-    }
+
+    def mean(key: str) -> float:  # over the steps that report it
+        return sum(r[key] for r in steps if key in r) / sum(key in r for r in steps)
+
+    times = sorted({k for r in steps for k in r if k.startswith("time/")})
+    loads = {key.replace("/", "_"): mean(key) for key in LOADS if any(key in r for r in steps)}
     summary = json.loads((out / run.name / "summary.json").read_text())
     return {
         "gpus": len(run.gpus),
         "trajectories_per_step": run.trajectories,
         "trajectories_per_s": run.trajectories * len(steps) / spent,
-        "step_s": mean,
+        "step_s": {key.removeprefix("time/"): mean(key) for key in times},
         **loads,
         "em_curve": {int(r["step"]): r[EXACT_MATCH] for r in rows if EXACT_MATCH in r},
         "em_after": summary.get("em_after"),
@@ -131,28 +122,32 @@ def main() -> None:
     ap.add_argument("--gpus", help="the GPUs to use, e.g. 0,1,2,3 (default: CUDA_VISIBLE_DEVICES, else all)")
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=16, help="groups a step for each GPU that generates")
-    ap.add_argument("--group", type=int, default=8, help="the config's rollout.group_size")
-    ap.add_argument("--concurrency", type=int, default=256, help="requests in flight for each engine")
     ap.add_argument("--pool", type=float, default=0.2, help="engine.mem_fraction of the colocated runs")
     ap.add_argument("--disaggregated", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("runs/bench_search_r1_scaling"))
     ap.add_argument("--cache", type=Path, default=Path(".cache/search_r1"), help="the shared warm start")
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("overrides", nargs="*", help="more config overrides, for every run")
+    ap.add_argument(
+        "overrides", nargs="*", help="config overrides for every run (rollout.batch_size: the batch a GPU)"
+    )
     args = ap.parse_args()
     gpus = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") or _all_gpus()).split(",")
     gpus = [g for g in gpus if g]
     args.out, args.cache = args.out.resolve(), args.cache.resolve()  # the runs start in the repository root
     if not gpus:
         sys.exit("no GPU: give --gpus, set CUDA_VISIBLE_DEVICES, or run where nvidia-smi lists one")
-    runs = plan(gpus, args.batch, args.group, args.concurrency, args.pool, args.disaggregated)
-    cmds = {
-        run.name: command(run, args.config, args.out, args.cache, args.steps, args.overrides) for run in runs
+    try:  # the one-GPU run's batch, group size and requests in flight: each generating GPU's
+        rollout = load_run_config(args.config, args.overrides).rollout
+    except ConfigError as err:
+        sys.exit(str(err))
+    batch, group, concurrency = rollout.batch_size, rollout.group_size, rollout.max_concurrency
+    runs = plan(gpus, batch, group, concurrency, args.pool, args.disaggregated)
+    overrides = {
+        run.name: run_overrides(run, args.out, args.cache, args.steps, args.overrides) for run in runs
     }
     for run in runs:  # every run's config is valid before the first one starts
         try:
-            load_run_config(args.config, cmds[run.name][cmds[run.name].index(str(args.config)) + 1 :])
+            load_run_config(args.config, overrides[run.name])
         except ConfigError as err:
             sys.exit(f"{run.name}: {err}")
     taken = [str(args.out / run.name) for run in runs if (args.out / run.name).exists()]
@@ -162,16 +157,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for run in runs:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(run.gpus)}
-        print(
-            f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {' '.join(cmds[run.name])}", file=sys.stderr
-        )
+        cmd = [
+            sys.executable,
+            str(ROOT / "train_async.py"),
+            "--config",
+            str(args.config),
+            *overrides[run.name],
+        ]
+        print(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {' '.join(cmd)}", file=sys.stderr)
         if args.dry_run:
             continue
         t0, log_path = time.monotonic(), args.out / f"{run.name}.log"
         with log_path.open("w") as log:
-            rc = subprocess.run(
-                cmds[run.name], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
-            ).returncode
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
         if rc != 0:
             sys.exit(f"{run.name} exited {rc}: {log_path}")
         results[run.name] = figures(run, args.out, time.monotonic() - t0)
