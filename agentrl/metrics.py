@@ -390,13 +390,10 @@ def step_time_summary(history: list[dict[str, float]]) -> dict[str, float]:
     busy = [r for r in steps if "engine/busy_s" in r]
     if len(busy) > 1:  # the engines' own device time (a mean over them) over the wall time between reads
         first, last = busy[0], busy[-1]
-        if "engine/read_time" in first and "engine/read_time" in last:
-            span = last["engine/read_time"] - first["engine/read_time"]
-        else:
-            span = sum(r["time/step_s"] for r in busy[1:])
         delta = {k: last[k] - first.get(k, 0.0) for k in last if k.startswith("engine/")}
+        # engine_metrics stamps every read that has busy_s, with the count of engines it sums
         out["engine_device_busy_frac"] = (
-            delta["engine/busy_s"] / span / max(last.get("engine/engines", 1.0), 1.0)
+            delta["engine/busy_s"] / delta["engine/read_time"] / last["engine/engines"]
         )
         if delta.get("engine/decode_steps"):
             out["engine_decode_steps_per_step"] = delta["engine/decode_steps"] / (len(busy) - 1)

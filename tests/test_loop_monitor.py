@@ -200,9 +200,3 @@ def test_engine_busy_fraction_is_over_the_time_between_reads_and_a_mean_over_eng
 
     out = step_time_summary([row(1, 10.0, 100.0), row(2, 10.6, 100.5)])
     assert out["engine_device_busy_frac"] == pytest.approx(0.6 / 0.5 / 2)
-    # rows from before the reads were timed: the steps' own time, and the sum over engines
-    old = [
-        {k: v for k, v in r.items() if k.startswith(("step", "time/", "engine/busy"))}
-        for r in (row(1, 1.0, 0), row(2, 1.15, 0))
-    ]
-    assert step_time_summary(old)["engine_device_busy_frac"] == pytest.approx(0.15 / 0.3)
