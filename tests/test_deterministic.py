@@ -245,6 +245,9 @@ def _deterministic_runs(
 
 # the config's run without overrides, by bootstrap cache: the first of the session, for later comparisons
 _PLAIN: dict[Path, Result] = {}
+# the tests that run the plain config share a pytest-xdist worker (tests/conftest.py), this module's first:
+# a later one compares against the plain run the pair test made
+PLAIN_RUN_GROUP = pytest.mark.xdist_group("deterministic_plain_run")
 
 
 def _against_the_plain_run(
@@ -273,6 +276,7 @@ def _same_bytes(wa: dict[str, Any], wb: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@PLAIN_RUN_GROUP
 def test_two_seeded_runs_are_bit_identical(tmp_path: Path, search_r1_cache: Path) -> None:
     (wa, ma), (wb, mb) = _deterministic_pair(tmp_path, search_r1_cache)
     _same_bytes(wa, wb)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_deterministic import PLAIN_RUN_GROUP
 
 from agentrl.embedded.engine import EmbeddedEngine
 from agentrl.embedded.sampling import RequestSampling
@@ -530,6 +531,7 @@ async def test_rejection_acceptance_in_the_engine_emits_target_logprobs(peaked_m
 
 
 @pytest.mark.slow
+@PLAIN_RUN_GROUP
 def test_a_deterministic_run_with_speculation_is_the_run_without_it(
     tmp_path: Path, search_r1_cache: Path
 ) -> None:
