@@ -185,7 +185,7 @@ def engine_starter(
     network = network or Network(secret=cfg.engine.api_key)
     e, exactness = cfg.engine, cfg.exactness
     if e.backend == "embedded":
-        from agentrl.embedded.server import start_embedded_server
+        from agentrl.embedded.launch import start_embedded_server
 
         # requests without a sampling_seed take seeds from the engine's generator: one of its own per
         # engine, or a group's samples spread over the engines would draw alike

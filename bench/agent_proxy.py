@@ -135,7 +135,7 @@ CASES: dict[str, tuple[dict[str, int], int]] = {
 def case(scratch: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
     import urllib.request
 
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
     from agentrl.models.tiny import build_tiny_model
 
     shape, tokens = CASES[name]

@@ -190,7 +190,7 @@ class Engine:
     """The embedded engine subprocess, killable and restartable on its port."""
 
     def __init__(self, weights: Path) -> None:
-        from agentrl.embedded.server import start_embedded_server
+        from agentrl.embedded.launch import start_embedded_server
 
         self.start = start_embedded_server
         self.server = start_embedded_server(weights, max_batch_size=64)

@@ -136,7 +136,7 @@ async def memory(phase: str, client: Any, engine_pid: int) -> dict[str, Any]:
 
 
 async def one_shape(name: str, model_dir: Path, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
     from agentrl.engine.client import EngineClient
     from agentrl.weight_sync import WeightUpdate
 

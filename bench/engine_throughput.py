@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.account import speculation_account, where_time_went
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams

@@ -132,7 +132,7 @@ async def _engine_syncs(
     and push apart), the version it then serves, and its generation speed before and after."""
     import httpx
 
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
     from agentrl.engine.client import EngineClient
     from agentrl.weight_sync import WeightUpdate
 

@@ -137,7 +137,7 @@ def serve(
 ) -> tuple[dict[str, dict[str, Any]], dict[int, list[list[int]]]]:
     """One server (speculating when ``spec``): its warm-up, then a window per concurrency; the figures and
     each window's response tokens."""
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
 
     extra = shlex.split(a.server_args) + (shlex.split(a.spec_args) if spec else [])
     server = start_embedded_server(

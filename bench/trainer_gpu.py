@@ -106,7 +106,7 @@ def hf_baseline(
 async def weight_sync(
     trainer, model_dir: Path, engine_device: str, dtype: str, work: Path, tokens_check: int
 ) -> dict:
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
     from agentrl.engine.client import EngineClient
     from agentrl.engine.types import SamplingParams
     from agentrl.types import Trajectory

@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.envs import AgentEnv, make_env

@@ -20,7 +20,7 @@ from _trainer_helpers import start_broadcaster
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentrl.embedded.server import EmbeddedServer, start_embedded_server
+from agentrl.embedded.launch import EmbeddedServer, start_embedded_server
 from agentrl.engine._proc import ServerStartError
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.types import SamplingParams

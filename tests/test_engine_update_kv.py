@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.embedded.server import EmbeddedServer, start_embedded_server
+from agentrl.embedded.launch import EmbeddedServer, start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 

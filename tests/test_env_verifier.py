@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrl.config import ConfigError
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs import make_env

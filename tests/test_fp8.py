@@ -340,7 +340,7 @@ def test_the_server_serves_fp8_and_reports_the_quantization_time(tiny_model_dir:
     import json
     import urllib.request
 
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
 
     with start_embedded_server(tiny_model_dir, max_batch_size=2, extra_args=["--quantization", "fp8"]) as srv:
         with urllib.request.urlopen(srv.url + "/get_server_info", timeout=30) as resp:

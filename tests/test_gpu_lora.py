@@ -37,7 +37,7 @@ import torch
 from _trainer_helpers import dist_env, make_trajectories, offset_rollout_logprobs
 
 from agentrl.cluster import free_port
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.models.tiny import SMOLLM2_135M

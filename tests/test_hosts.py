@@ -176,7 +176,7 @@ async def test_disk_sync_needs_a_file_system_both_nodes_see(tmp_path: Path) -> N
 
 # ---- keys on the wire ----------------------------------------------------------------------------------
 def test_embedded_engine_off_loopback_requires_its_key(tiny_model_dir: Path) -> None:
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
 
     with pytest.raises(ValueError, match="not loopback: an api_key is needed"):
         start_embedded_server(tiny_model_dir, host="0.0.0.0")

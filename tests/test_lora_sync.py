@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from _trainer_helpers import make_trajectories, offset_rollout_logprobs
 
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from agentrl.buffer import Group, NoProgressError, StalenessController, TrajectoryBuffer
 from agentrl.cluster import free_port
 from agentrl.config import ConfigError
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.envs.search import SearchEnv

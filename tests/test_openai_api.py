@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.chat import ChatTokenizer
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.openai_api import parse_tool_calls
 from agentrl.engine.openai_stream import StableText

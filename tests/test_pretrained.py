@@ -78,7 +78,7 @@ def test_fp32_logits_equal_the_gguf_model(smollm2: Path, hf_model) -> None:
 async def test_engine_logprobs_equal_a_teacher_forced_forward(smollm2: Path, hf_model) -> None:
     from transformers import AutoTokenizer
 
-    from agentrl.embedded.server import start_embedded_server
+    from agentrl.embedded.launch import start_embedded_server
     from agentrl.engine.client import EngineClient
     from agentrl.engine.types import SamplingParams
 

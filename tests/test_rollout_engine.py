@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import GenerateResult, SamplingParams
 from agentrl.rollout import ChatTokenizer, Orchestrator, RolloutConfig

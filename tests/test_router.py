@@ -22,7 +22,7 @@ import sglang_router  # noqa: F401  (a test dependency: missing, the import fail
 from transformers import AutoTokenizer
 
 from agentrl.config import ConfigError, build_config
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.launcher import SGLangRouterConfig, SGLangRouterLauncher
 from agentrl.engine.types import SamplingParams

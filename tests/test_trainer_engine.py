@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
 from agentrl.types import Trajectory

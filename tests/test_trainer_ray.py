@@ -10,7 +10,7 @@ import httpx
 import pytest
 from _trainer_helpers import make_trajectories
 
-from agentrl.embedded.server import start_embedded_server
+from agentrl.embedded.launch import start_embedded_server
 from agentrl.trainer.config import TrainerConfig
 from agentrl.weight_sync import WeightUpdate
 
