@@ -108,7 +108,6 @@ def start_embedded_server(
     proc = ServerProcess(argv, log_path, env=env, scratch_dir=workdir)  # removed when it stops
     t0 = time.monotonic()
     proc.wait_until(port_file.exists, timeout, "listening")
-    bound = int(port_file.read_text())
-    h = f"[{host}]" if ":" in host else host
-    proc.wait_healthy(f"http://{h}:{bound}/health", timeout=max(1.0, timeout - (time.monotonic() - t0)))
-    return EmbeddedServer(proc, host, bound, api_key)
+    server = EmbeddedServer(proc, host, int(port_file.read_text()), api_key)
+    proc.wait_healthy(f"{server.url}/health", timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    return server
