@@ -64,8 +64,9 @@ _SGLANG_RECEIVE_FIT = (
 )
 _KV_FIT = "one engine's KV pool, 1x H200 of a 4x host, a269f59 (multi-gpu.md)"
 _SGLANG_IPC_FIT = (
-    "SGLang's in-memory syncs in the 2-GPU steps: 7B 0.398 s (15.2 GB, 339 tensors, 77005c6) and 12 of "
-    "30B-A3B's layers 1.912 s (16.2 GB, 4,719 tensors, 05ba71c), 2x H200"
+    "SGLang's in-memory syncs in whole steps: 7B from a TP2 trainer 0.398 s (15.2 GB, 339 tensors, 77005c6, "
+    "2x H200), 12 of 30B-A3B's layers from an EP2 trainer 1.912 s (16.2 GB, 4,719 tensors, 05ba71c, 2x "
+    "H200) and 14 of 7B's layers from a one-GPU trainer 0.112 s (8.7 GB, 171 tensors, 3bdc701, 1x H200)"
 )
 
 
@@ -142,7 +143,10 @@ class ScaleInputs:
     ipc_fixed_s: float = _fig(0.0207, "fit", _IPC_FIT + ": fixed cost a sync")
     tensor_s: float = _fig(95e-6, "fit", _IPC_FIT + ": a HF tensor's naming, packing and copy")
     ipc_copy_passes: float = _fig(6, "assumption", "gather, pack, copy in place: each a read and a write")
-    sglang_ipc_s_per_gb: float = _fig(15.84e-3, "fit", _SGLANG_IPC_FIT + ": packing and loading, a GB")
+    ipc_assembly_s_per_gb: float = _fig(
+        26.7e-3, "fit", _SGLANG_IPC_FIT + ": assembling an engine's shard from a split trainer, a GB gathered"
+    )
+    sglang_ipc_s_per_gb: float = _fig(3.81e-3, "fit", _SGLANG_IPC_FIT + ": packing and loading, a GB")
     sglang_ipc_tensor_s: float = _fig(341.7e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, a tensor")
     sglang_receive_fixed_s: float = _fig(2.57e-3, "fit", _SGLANG_RECEIVE_FIT + ": fixed cost a sync")
     sglang_receive_s_per_gb: float = _fig(4.18e-3, "fit", _SGLANG_RECEIVE_FIT + ": a GB received")
@@ -426,7 +430,7 @@ def sync_s(
     sglang = _engine(engine) == "sglang"
     if transport == "ipc":
         shard, m = nbytes / engine_gpus, trainer_split
-        in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / inp.nvlink_broadcast
+        in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / GB * inp.ipc_assembly_s_per_gb
         across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
         if sglang:
             load = shard / GB * inp.sglang_ipc_s_per_gb + shape.hf_tensors * inp.sglang_ipc_tensor_s
@@ -446,6 +450,9 @@ def sync_s(
     return push + per_tensor + nbytes / link + receive
 
 
+OFFLOADS = ("ahead", "serial", "none")
+
+
 def handover_s(
     shape: Shape,
     gpus: int,
@@ -454,17 +461,28 @@ def handover_s(
     inp: ScaleInputs,
     tp: int = 1,
     cpu_adam: bool = False,
+    offload: str = "ahead",
+    hidden: float = 0.0,
 ) -> float:
     """Colocated turns a step: the trainer's state out and back, the engine's weights saved and
     restored, the KV pool released and mapped again. The trainer's state counts its weights and
     gradients (the host-copy rate is fit to an offload at that count) and its optimizer shard, which
     with ``cpu_adam`` is in host memory already. ``tp``: the trainer's model copy split by tensor
-    parallelism, as in :func:`train_s`."""
+    parallelism, as in :func:`train_s`. ``offload`` (``colocation.trainer_offload``): ahead, the
+    platform's default, moves the trainer's state out beside the next generation and back while the
+    batch's last episodes generate, so only what ``hidden`` seconds of generation do not cover is in the
+    step; serial, every move in the step (the platform before 3fc7d3c, whose offload held the next
+    generation back); none, the trainer's state stays on the GPUs."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload: one of {OFFLOADS}, not {offload!r}")
     m = tp if tp > 1 else model_parallel(shape, gpus, inp) or gpus
     optimizer = 0.0 if cpu_adam else inp.optimizer_bytes * shape.params / gpus
     trainer_state = (2 + inp.grad_bytes) * shape.params / m + optimizer
     engine_weights = 2.0 * shape.params / engine_gpus if inp.engine_weights_backup else 0.0
-    host = 2 * (trainer_state + engine_weights) / inp.host_copy_bytes_per_s
+    trainer_moves = 0.0 if offload == "none" else 2 * trainer_state / inp.host_copy_bytes_per_s
+    if offload == "ahead":
+        trainer_moves = max(trainer_moves - hidden, 0.0)
+    host = trainer_moves + 2 * engine_weights / inp.host_copy_bytes_per_s
     kv = (
         inp.kv_release_fixed_s
         + inp.kv_release_s_per_gb * kv_gb
@@ -505,7 +523,7 @@ def predict(shape: Shape, hosts: int, placement: str, w: Workload, inp: ScaleInp
             "rollout": rollout,
             "train": train,
             "sync": sync_s(shape, "ipc", inp, model_parallel(shape, gpus, inp) or gpus, eg),
-            "handover": handover_s(shape, gpus, eg, kv_gb, inp),
+            "handover": handover_s(shape, gpus, eg, kv_gb, inp, hidden=rollout),
         }
         step, split = sum(parts.values()), None
     else:
@@ -543,7 +561,8 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
     """What a prediction rests on beyond measured ground."""
     if shape.name == "qwen2.5-7b":
         notes = [
-            "whole 7B steps measured on 2 GPUs only: colocated with a TP2 trainer, 1+1 async with CPU Adam"
+            "whole 7B steps measured on 2 and 4 GPUs (TP2 trainers; 1+1 with CPU Adam) and one with 14 of "
+            "its 28 layers on 1 GPU (no split, GPU Adam); none past one host"
         ]
     else:
         notes = ["no whole RL step measured at this size"]
@@ -556,7 +575,10 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
             f"applied to {shape.hf_tensors:,}"
         )
     else:
-        notes.append("trainer MFU fit on one TP2 step of 2 GPUs, applied to data-parallel ranks of one GPU")
+        notes.append(
+            "trainer MFU fit on one TP2 step of 2 GPUs; a one-GPU rank with no split checked at 14 of 7B's "
+            "layers (within 4%), not past one GPU"
+        )
     if engine_gpus > 1:
         notes.append("an engine spread over several GPUs: not measured")
     if hosts > 1:

@@ -51,7 +51,8 @@ def _update_tokens_per_s(parts: dict[str, float], gpus: int, inp: ScaleInputs, w
 def _colocated_7b(inp: ScaleInputs, gpus: int = 2) -> dict[str, float]:
     """The colocated 7B step's parts on ``gpus`` GPUs: an SGLang engine a GPU (256 / ``gpus`` rows each, a
     0.25 memory fraction) in turns with a TP2 trainer (DP ``gpus`` / 2), each copy of the trainer handing
-    its weights over in memory to the engines on its GPUs. They sum."""
+    its weights over in memory to the engines on its GPUs. They sum: both runs predate 3fc7d3c, whose
+    trainer offload held the next generation back."""
     shape = SHAPES["qwen2.5-7b"]
     inp = dataclasses.replace(inp, **SGLANG)
     kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * shape.params / GB
@@ -59,7 +60,7 @@ def _colocated_7b(inp: ScaleInputs, gpus: int = 2) -> dict[str, float]:
         "rollout": rollout_s(shape, W_7B.batch(gpus), gpus, 1, W_7B, inp),
         "train": sum(_train_7b(inp, gpus, tp=2).values()),
         "sync": sync_s(shape, "ipc", inp, trainer_split=2),
-        "handover": handover_s(shape, gpus, 1, kv_gb, inp, tp=2),
+        "handover": handover_s(shape, gpus, 1, kv_gb, inp, tp=2, offload="serial"),
     }
 
 
@@ -99,20 +100,50 @@ def _train_moe(inp: ScaleInputs) -> dict[str, float]:
 
 def _colocated_moe(inp: ScaleInputs) -> dict[str, float]:
     """The colocated MoE step's parts on 2 GPUs: 2 SGLang engines (one a GPU, 128 rows each, a 0.3
-    memory fraction) in turns with a trainer over both GPUs with CPU Adam, weights handed over in memory."""
+    memory fraction) in turns with a trainer over both GPUs with CPU Adam, weights handed over in memory;
+    measured before 3fc7d3c, so the hand-overs are in the step."""
     inp = dataclasses.replace(inp, **SGLANG)
     kv_gb = 0.3 * inp.gpu_memory / GB - 2.0 * MOE_12.params / GB
     return {
         "rollout": rollout_s(MOE_12, W_MOE.batch(2), 2, 1, W_MOE, inp),
         "train": sum(_train_moe(inp).values()),
         "sync": sync_s(MOE_12, "ipc", inp, trainer_split=2),
-        "handover": handover_s(MOE_12, 2, 1, kv_gb, inp, cpu_adam=True),
+        "handover": handover_s(MOE_12, 2, 1, kv_gb, inp, cpu_adam=True, offload="serial"),
+    }
+
+
+# The measured one-GPU step: 14 of Qwen2.5-7B's 28 layers (4.35B parameters), the 7B configs' workload
+# (examples/scale/config_7b_2gpu.yaml with scale.num_layers=14 engine.num_engines=1 trainer.tp=1
+# trainer_world_size=1): responses of 1,020 tokens on average
+HALF_7B = dataclasses.replace(SHAPES["qwen2.5-7b"], name="qwen2.5-7b, 14 layers", layers=14)
+W_HALF = Workload(trajectories=256, prompt_tokens=512, response_tokens=1020)
+
+
+def _train_half(inp: ScaleInputs) -> dict[str, float]:
+    """The one-GPU step's training: the whole model on one GPU with GPU Adam, no split."""
+    seq = W_HALF.prompt_tokens + W_HALF.response_tokens
+    return train_s(HALF_7B, W_HALF.batch(1) * seq, 1, seq, inp)
+
+
+def _colocated_half(inp: ScaleInputs, offload: str = "ahead") -> dict[str, float]:
+    """The one-GPU step's parts: one SGLang engine (256 rows, a 0.25 memory fraction) in turns with the
+    trainer, weights handed over in memory; the trainer's state moves beside the generation (``ahead``,
+    the default) or stays on the GPU (``none``)."""
+    inp = dataclasses.replace(inp, **SGLANG)
+    kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * HALF_7B.params / GB
+    rollout = rollout_s(HALF_7B, W_HALF.batch(1), 1, 1, W_HALF, inp)
+    return {
+        "rollout": rollout,
+        "train": sum(_train_half(inp).values()),
+        "sync": sync_s(HALF_7B, "ipc", inp),
+        "handover": handover_s(HALF_7B, 1, 1, kv_gb, inp, offload=offload, hidden=rollout),
     }
 
 
 _SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
 _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
 _SCALE_4 = "98c3a8b, 4x H200, gpus-and-scaling.md"
+_SCALE_1 = "3bdc701, 1x H200, gpus-and-scaling.md"
 # the 2+2 run's sync: a trainer rank that pushed nothing still copied the whole gathered model to the host
 _SYNC_BUG = (
     "the run's sync was 14.6 s, of which the broadcast 2.6 s: the other trainer rank copied the 15 GB it "
@@ -275,5 +306,71 @@ STEP_POINTS: list[Point] = [
         "tok/s",
         _SCALE_4,
         lambda inp: _async_7b_2_2(inp)["update"],
+    ),
+    Point(
+        "14 of 7B's layers, step colocated on 1 GPU: 1 SGLang engine in turns with a one-GPU trainer, its "
+        "state offloaded beside the generation (steps 3-8)",
+        1,
+        29.58,
+        "s",
+        _SCALE_1,
+        lambda inp: sum(_colocated_half(inp).values()),
+    ),
+    Point(
+        "the same step with the trainer's state kept on the GPU (colocation.trainer_offload=none, steps 2-5)",
+        1,
+        28.81,
+        "s",
+        _SCALE_1,
+        lambda inp: sum(_colocated_half(inp, "none").values()),
+    ),
+    Point(
+        "SGLang tok/s in the 1-GPU step, 256 in flight (256 x 1,020 over the 9.98 s wait, steps 3-8)",
+        1,
+        round(256 * 1019.8 / 9.985),
+        "tok/s",
+        _SCALE_1,
+        lambda inp: W_HALF.batch(1) * W_HALF.response_tokens / _colocated_half(inp)["rollout"],
+    ),
+    Point(
+        "trainer tok/s, 14 of 7B's layers, 1 GPU with GPU Adam, no split, in the 1-GPU step (steps 3-8)",
+        1,
+        21_522,
+        "tok/s",
+        _SCALE_1,
+        lambda inp: _update_tokens_per_s(_train_half(inp), 1, inp, W_HALF),
+    ),
+    Point(
+        "in-memory sync in the 1-GPU step: a one-GPU trainer to 1 SGLang engine (8.7 GB, 171 tensors; "
+        "steps 3-8)",
+        1,
+        0.1123,
+        "s",
+        _SCALE_1,
+        lambda inp: _colocated_half(inp)["sync"],
+        "fit",
+    ),
+    Point(
+        "the same sync with the trainer's state kept on the GPU",
+        1,
+        0.0887,
+        "s",
+        _SCALE_1,
+        lambda inp: _colocated_half(inp, "none")["sync"],
+        why="the run with the default offload took 0.112 s for the same sync, its packing 0.026-0.038 s a "
+        "step against 0.015-0.022 s here: the offload empties the trainer's CUDA cache every step, so the "
+        "packing buffers are likely allocated anew (not timed apart); the model has one cost for both",
+    ),
+    Point(
+        "trainer state back from host memory in the 1-GPU step (61 GB: bf16 weights, fp32 main weights, "
+        "Adam moments; steps 2-8)",
+        1,
+        1.362,
+        "s",
+        _SCALE_1,
+        lambda inp: (2 + inp.grad_bytes + inp.optimizer_bytes) * HALF_7B.params / inp.host_copy_bytes_per_s,
+        why="the host-copy rate is fit on SmolLM2's 2.4 GB offload (0.073 s), where fixed costs weigh, "
+        "and counts the gradients, which are freed, not copied; this onload moved 61 GB at 45 GB/s. With "
+        "the default offload the moves hide behind the generation, so the step's prediction does not use it",
     ),
 ]
