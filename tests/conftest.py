@@ -6,8 +6,9 @@ starts: servers, engines, Ray workers, ``train_async.py``; removed when pytest e
 leaves anything in it fails (:func:`_no_temp_leftovers`), so a leak is found even while other jobs share
 the machine's temp dir.
 pytest's ``tmp_path`` and Ray's session files stay in the machine's temp dir (``PYTEST_DEBUG_TEMPROOT``,
-``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``, see
-:func:`agentrl.cluster.start_ray`).
+``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``) and none start ahead of need
+(``RAY_enable_worker_prestart``, ``RAY_prestart_worker_first_driver``), also for the tests that call
+``ray.init`` themselves (see :func:`agentrl.cluster.start_ray`).
 
 GPUs: ``@pytest.mark.gpus(N)`` says a test needs N distinct GPUs; it skips, saying so, where fewer are
 visible (``gpus(2, at_least=1)``: it wants two and runs its one-GPU variant on one). Under
@@ -90,6 +91,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["RAY_TMPDIR"] = f"{os.environ['RAY_TMPDIR']}/ray_{_WORKER}"
         Path(os.environ["RAY_TMPDIR"]).mkdir(exist_ok=True)
     os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_enable_worker_prestart", "0")
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 

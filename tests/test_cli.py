@@ -107,11 +107,14 @@ def test_the_working_directory_names_user_code(tmp_path: Path, monkeypatch: pyte
 
 def test_a_ray_worker_on_another_host_imports_the_user_module(tmp_path: Path) -> None:
     """What the run hands Ray on a cluster: a worker imports ./unit_env.py even where the driver's files are
-    not (here: the file is moved away once Ray has started, as on a host that does not share them)."""
+    not (here: the file is moved away once Ray has started, as on a host that does not share them). The
+    local instance starts no idle workers ahead of need."""
     (tmp_path / "unit_env.py").write_text(USER_ENV)
     code = textwrap.dedent(
         """
         import os
+        import time
+        import psutil
         import ray
         from agentrl.cluster import start_ray, user_code_env
 
@@ -120,8 +123,13 @@ def test_a_ray_worker_on_another_host_imports_the_user_module(tmp_path: Path) ->
             import unit_env
             return unit_env.__file__
 
+        for name in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+            os.environ.pop(name, None)  # the suite's own setting (tests/conftest.py): start_ray's here
         start_ray(num_cpus=1, runtime_env=user_code_env(["unit_env:UnitEnv"], upload=True))
         os.rename("unit_env.py", "elsewhere.txt")
+        time.sleep(3)  # where Ray prestarts idle workers, they would have started by now
+        mine = psutil.Process().children(recursive=True)
+        print("IDLE WORKERS", sum(p.name().startswith("ray::IDLE") for p in mine))
         try:
             print("IMPORTED", ray.get(where.remote(), timeout=120))
         finally:
@@ -130,6 +138,7 @@ def test_a_ray_worker_on_another_host_imports_the_user_module(tmp_path: Path) ->
     )
     proc = _job([sys.executable, "-c", code], tmp_path, timeout=300)
     assert "IMPORTED" in proc.stdout, proc.stderr[-3000:]
+    assert "IDLE WORKERS 0" in proc.stdout, proc.stdout[-3000:]
     assert "py_modules" in proc.stdout and str(tmp_path) not in proc.stdout  # Ray's copy, not the file
 
 
