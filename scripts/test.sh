@@ -56,4 +56,6 @@ xdist=()
 if [ "$workers" -gt 1 ]; then
     xdist=(-n "$workers" --dist loadgroup)
 fi
-python -m pytest -q "${xdist[@]}" "$@"
+# the slowest tests by wall time and by CPU time (the suite is CPU-bound: a test's wall time on two busy
+# cores says as much about what ran beside it)
+python -m pytest -q "${xdist[@]}" --durations=25 --cpu-durations=25 "$@"

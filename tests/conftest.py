@@ -35,6 +35,8 @@ import pytest
 
 from agentrl.testing.gpus import TEST_GPUS_ENV, TEST_PHASE_ENV, gpus_of_worker, parse_layout
 
+pytest_plugins = ["_cpu_durations"]  # --cpu-durations N
+
 _LAYOUT = parse_layout(os.environ.get(TEST_GPUS_ENV, ""))  # each worker's GPUs (scripts/gpu_test.sh)
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _LAYOUT and _WORKER:  # before torch is imported, let alone CUDA initialized
