@@ -8,7 +8,8 @@ the machine's temp dir.
 pytest's ``tmp_path`` and Ray's session files stay in the machine's temp dir (``PYTEST_DEBUG_TEMPROOT``,
 ``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``) and none start ahead of need
 (``RAY_enable_worker_prestart``, ``RAY_prestart_worker_first_driver``), also for the tests that call
-``ray.init`` themselves (see :func:`agentrl.cluster.start_ray`).
+``ray.init`` themselves (see :func:`agentrl.cluster.start_ray`). OpenMP's idle threads sleep instead of
+spinning (``OMP_WAIT_POLICY=PASSIVE``): the suite runs more torch processes than there are cores.
 
 GPUs: ``@pytest.mark.gpus(N)`` says a test needs N distinct GPUs; it skips, saying so, where fewer are
 visible (``gpus(2, at_least=1)``: it wants two and runs its one-GPU variant on one). Under
@@ -37,6 +38,12 @@ from agentrl.testing.gpus import TEST_GPUS_ENV, TEST_PHASE_ENV, gpus_of_worker, 
 
 pytest_plugins = ["_cpu_durations"]  # --cpu-durations N
 
+# OpenMP threads that finish a parallel region wait for the next one asleep, not spinning: the suite keeps
+# more torch processes busy than the machine has cores, and a spinning thread waits for a partner the OS
+# has descheduled. On 2 vCPU with two busy processes beside it, the speculative-rollout bench took 160 s
+# and 158 CPU-s spinning, 36 s and 27 CPU-s without (libgomp reads this when torch loads it: set before
+# anything imports torch, and inherited by every process the tests start)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _LAYOUT = parse_layout(os.environ.get(TEST_GPUS_ENV, ""))  # each worker's GPUs (scripts/gpu_test.sh)
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _LAYOUT and _WORKER:  # before torch is imported, let alone CUDA initialized
