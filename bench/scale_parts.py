@@ -453,6 +453,17 @@ def sync_s(
 OFFLOADS = ("ahead", "serial", "none")
 
 
+def trainer_state_bytes(
+    shape: Shape, gpus: int, inp: ScaleInputs, tp: int = 1, cpu_adam: bool = False
+) -> float:
+    """What one trainer rank moves to host memory and back when it makes room for the engine: its bf16
+    weights and gradients (the host-copy rate is fit to an offload at that count) and its optimizer
+    shard, which with ``cpu_adam`` is in host memory already. ``tp`` as in :func:`train_s`."""
+    m = tp if tp > 1 else model_parallel(shape, gpus, inp) or gpus
+    optimizer = 0.0 if cpu_adam else inp.optimizer_bytes * shape.params / gpus
+    return (2 + inp.grad_bytes) * shape.params / m + optimizer
+
+
 def handover_s(
     shape: Shape,
     gpus: int,
@@ -464,20 +475,16 @@ def handover_s(
     offload: str = "ahead",
     hidden: float = 0.0,
 ) -> float:
-    """Colocated turns a step: the trainer's state out and back, the engine's weights saved and
-    restored, the KV pool released and mapped again. The trainer's state counts its weights and
-    gradients (the host-copy rate is fit to an offload at that count) and its optimizer shard, which
-    with ``cpu_adam`` is in host memory already. ``tp``: the trainer's model copy split by tensor
-    parallelism, as in :func:`train_s`. ``offload`` (``colocation.trainer_offload``): ahead, the
-    platform's default, moves the trainer's state out beside the next generation and back while the
-    batch's last episodes generate, so only what ``hidden`` seconds of generation do not cover is in the
-    step; serial, every move in the step (the platform before 3fc7d3c, whose offload held the next
-    generation back); none, the trainer's state stays on the GPUs."""
+    """Colocated turns a step: the trainer's state out and back (:func:`trainer_state_bytes`), the
+    engine's weights saved and restored, the KV pool released and mapped again. ``offload``
+    (``colocation.trainer_offload``): ahead, the platform's default, moves the trainer's state out beside
+    the next generation and back while the batch's last episodes generate, so only what ``hidden``
+    seconds of generation do not cover is in the step; serial, every move in the step (the platform
+    before 3fc7d3c, whose offload held the next generation back); none, the trainer's state stays on the
+    GPUs."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload: one of {OFFLOADS}, not {offload!r}")
-    m = tp if tp > 1 else model_parallel(shape, gpus, inp) or gpus
-    optimizer = 0.0 if cpu_adam else inp.optimizer_bytes * shape.params / gpus
-    trainer_state = (2 + inp.grad_bytes) * shape.params / m + optimizer
+    trainer_state = trainer_state_bytes(shape, gpus, inp, tp, cpu_adam)
     engine_weights = 2.0 * shape.params / engine_gpus if inp.engine_weights_backup else 0.0
     trainer_moves = 0.0 if offload == "none" else 2 * trainer_state / inp.host_copy_bytes_per_s
     if offload == "ahead":

@@ -17,6 +17,7 @@ from scale_parts import (
     engine_tokens_per_s,
     prefill_s,
     sync_s,
+    trainer_state_bytes,
 )
 from scale_steps import MOE_12, STEP_POINTS, Point
 
@@ -58,9 +59,7 @@ def _trainer_tp2(inp: ScaleInputs) -> float:
 
 def _offload(gpus: int) -> Any:
     def predict(inp: ScaleInputs) -> float:
-        shape = SHAPES["smollm2-135m"]
-        state = (2 + inp.grad_bytes) * shape.params + inp.optimizer_bytes * shape.params / gpus
-        return state / inp.host_copy_bytes_per_s
+        return trainer_state_bytes(SHAPES["smollm2-135m"], gpus, inp) / inp.host_copy_bytes_per_s
 
     return predict
 

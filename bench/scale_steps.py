@@ -9,7 +9,17 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scale_parts import GB, SHAPES, ScaleInputs, Workload, handover_s, rollout_s, sync_s, train_s
+from scale_parts import (
+    GB,
+    SHAPES,
+    ScaleInputs,
+    Workload,
+    handover_s,
+    rollout_s,
+    sync_s,
+    train_s,
+    trainer_state_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -368,7 +378,7 @@ STEP_POINTS: list[Point] = [
         1.362,
         "s",
         _SCALE_1,
-        lambda inp: (2 + inp.grad_bytes + inp.optimizer_bytes) * HALF_7B.params / inp.host_copy_bytes_per_s,
+        lambda inp: trainer_state_bytes(HALF_7B, 1, inp) / inp.host_copy_bytes_per_s,
         why="the host-copy rate is fit on SmolLM2's 2.4 GB offload (0.073 s), where fixed costs weigh, "
         "and counts the gradients, which are freed, not copied; this onload moved 61 GB at 45 GB/s. With "
         "the default offload the moves hide behind the generation, so the step's prediction does not use it",
