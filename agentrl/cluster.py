@@ -37,6 +37,8 @@ LOOPBACK = "127.0.0.1"
 NODE = "node"  # a host value: the routable address of the node the server starts on
 NODE_ADDRESS_ENV = "AGENTRL_NODE_ADDRESS"  # set on a node (its ray start's environment): its address
 RUN_SECRET_ENV = "AGENTRL_RUN_SECRET"  # set for the driver: the run's secret (else one is generated)
+# a local Ray instance starts no idle workers ahead of need (start_ray)
+NO_PRESTART_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 API_KEY_ENV = "AGENTRL_API_KEY"  # how a server the run starts gets its key (not on its command line)
 Listen = Literal["auto", "loopback", "node"]
 
@@ -144,15 +146,15 @@ def start_ray(
     A local instance starts no idle workers ahead of need. Ray prestarts some when the first driver
     connects, but every actor of a run asks for the job's runtime environment and takes a worker of its
     own, so on a 2 vCPU machine the idle ones only cost CPU while the run starts (about 3 of a small run's
-    45 CPU-seconds). ``RAY_enable_worker_prestart`` and ``RAY_prestart_worker_first_driver`` set in the
-    environment still win; a cluster that is joined keeps its own settings.
+    45 CPU-seconds). The variables of :data:`NO_PRESTART_ENV` set in the environment still win; a
+    cluster that is joined keeps its own settings.
     """
     import ray
 
     os.environ.setdefault("RAY_worker_niceness", "0")
     if address in (None, "local"):
-        os.environ.setdefault("RAY_enable_worker_prestart", "0")
-        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+        for name, value in NO_PRESTART_ENV.items():
+            os.environ.setdefault(name, value)
     ray.init(
         # None would join the cluster a `ray start` on this machine last recorded (even a dead one)
         address=address or "local",

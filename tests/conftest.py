@@ -7,8 +7,8 @@ leaves anything in it fails (:func:`_no_temp_leftovers`), so a leak is found eve
 the machine's temp dir.
 pytest's ``tmp_path`` and Ray's session files stay in the machine's temp dir (``PYTEST_DEBUG_TEMPROOT``,
 ``RAY_TMPDIR``). Ray workers run at normal priority (``RAY_worker_niceness``) and none start ahead of need
-(``RAY_enable_worker_prestart``, ``RAY_prestart_worker_first_driver``), also for the tests that call
-``ray.init`` themselves (see :func:`agentrl.cluster.start_ray`). OpenMP's idle threads sleep instead of
+(:data:`agentrl.cluster.NO_PRESTART_ENV`), also for the tests that call ``ray.init`` themselves (see
+:func:`agentrl.cluster.start_ray`). OpenMP's idle threads sleep instead of
 spinning (``OMP_WAIT_POLICY=PASSIVE``): the suite runs more torch processes than there are cores.
 
 GPUs: ``@pytest.mark.gpus(N)`` says a test needs N distinct GPUs; it skips, saying so, where fewer are
@@ -49,6 +49,7 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _LAYOUT and _WORKER:  # before torch is imported, let alone CUDA initialized
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus_of_worker(_WORKER, _LAYOUT))
 
+from agentrl.cluster import NO_PRESTART_ENV  # noqa: E402
 from agentrl.models.tiny import build_tiny_model  # noqa: E402
 from agentrl.testing.processes import pid_alive  # noqa: E402
 from agentrl.weight_sync import SGLANG_PEER_ENV  # noqa: E402
@@ -100,8 +101,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["RAY_TMPDIR"] = f"{os.environ['RAY_TMPDIR']}/ray_{_WORKER}"
         Path(os.environ["RAY_TMPDIR"]).mkdir(exist_ok=True)
     os.environ.setdefault("RAY_worker_niceness", "0")
-    os.environ.setdefault("RAY_enable_worker_prestart", "0")
-    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    for _name, _value in NO_PRESTART_ENV.items():
+        os.environ.setdefault(_name, _value)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 

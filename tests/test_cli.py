@@ -116,14 +116,14 @@ def test_a_ray_worker_on_another_host_imports_the_user_module(tmp_path: Path) ->
         import time
         import psutil
         import ray
-        from agentrl.cluster import start_ray, user_code_env
+        from agentrl.cluster import NO_PRESTART_ENV, start_ray, user_code_env
 
         @ray.remote
         def where():
             import unit_env
             return unit_env.__file__
 
-        for name in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+        for name in NO_PRESTART_ENV:
             os.environ.pop(name, None)  # the suite's own setting (tests/conftest.py): start_ray's here
         start_ray(num_cpus=1, runtime_env=user_code_env(["unit_env:UnitEnv"], upload=True))
         os.rename("unit_env.py", "elsewhere.txt")
