@@ -65,6 +65,7 @@ class Handover:
         self.phases: dict[str, float] = {}
         self._offloading: asyncio.Future[float] | None = None  # the trainer's offload, under way
         self._onloading: asyncio.Future[float] | None = None  # its onload, started ahead of the batch
+        self._offload_alloc_s = 0.0  # of the last offload, seconds making new host buffers
         self._wait_from = time.monotonic()
 
     async def start(self) -> None:
@@ -90,6 +91,7 @@ class Handover:
             t0 = time.monotonic()
             self.phases["time/trainer_offload_s"] = await self._offloading
             self.phases["time/trainer_offload_wait_s"] = time.monotonic() - t0
+            self.phases["time/trainer_offload_host_alloc_s"] = self._offload_alloc_s
         moves = []
         if self.release != "none":
             release = self.control.release_memory_occupation(RELEASE_TAGS[self.release])
@@ -120,7 +122,7 @@ class Handover:
         parts = await self._sync_parts()
         if self.offload:
             await self.trainer.release_cached_memory()
-            self._offloading = asyncio.ensure_future(_seconds(self.trainer.offload()))
+            self._offloading = asyncio.ensure_future(self._offload())
         if self.release != "none":
             await self._timed("engine_resume_kv", self.control.resume_memory_occupation(["kv_cache"]))
         self.phases["time/sync_s"] = time.monotonic() - t0
@@ -151,6 +153,13 @@ class Handover:
             except Exception as err:
                 print(f"trainer offload or onload failed: {err}", file=sys.stderr)
         self._offloading = self._onloading = None
+
+    async def _offload(self) -> float:
+        """The trainer's offload; its seconds, and in ``phases`` those spent making host buffers."""
+        t0 = time.monotonic()
+        figures = await self.trainer.offload()
+        self._offload_alloc_s = float(figures.get("offload_host_alloc_s", 0.0))
+        return time.monotonic() - t0
 
     async def _timed(self, key: str, call: Awaitable[Any]) -> Any:
         t0 = time.monotonic()

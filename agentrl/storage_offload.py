@@ -3,7 +3,9 @@
 When an engine and a trainer take turns on one GPU, each frees what it holds while the other works.
 :class:`StorageOffload` does it at the level of storages: ``offload()`` copies each storage to host
 memory (pinned on a GPU, when its content must survive) and shrinks the storage to zero bytes;
-``onload()`` grows it back and copies the content in (or zeroes it when the content was dropped). Every
+``onload()`` grows it back and copies the content in (or zeroes it when the content was dropped). The host
+buffers are exact-size ones from a :class:`agentrl.host_buffers.HostBuffers` pool, kept for the next
+offload. Every
 tensor, view and ``nn.Parameter`` that shares a storage keeps working afterwards: megatron's parameters,
 which are views into one contiguous buffer, come back with that buffer. What changes is the device
 address of the memory (the caching allocator picks new blocks), so a CUDA graph that captured the old
@@ -21,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from agentrl.host_buffers import HostBuffers
 
 __all__ = ["HostCopy", "OffloadStats", "StorageOffload", "unique_storages"]
 
@@ -62,12 +66,16 @@ class StorageOffload:
 
     ``keep``: whether the content survives (weights, optimizer state) or is dropped and zeroed on
     :meth:`onload` (a KV cache, whose entries are recomputed). The storages are collected when the object
-    is built; tensors created later are not covered.
+    is built; tensors created later are not covered. ``host``: the pool the host copies come from and go
+    back to (one of its own by default; share one to keep buffers across offload objects).
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor | None], keep: bool = True) -> None:
+    def __init__(
+        self, tensors: Iterable[torch.Tensor | None], keep: bool = True, host: HostBuffers | None = None
+    ) -> None:
         self.storages = unique_storages(tensors)
         self.keep = keep
+        self.host = host if host is not None else HostBuffers()
         self.sizes = [s.nbytes() for s in self.storages]
         self._host: list[torch.Tensor | None] = []
         self.offloaded = False
@@ -83,14 +91,14 @@ class StorageOffload:
         if self.offloaded:
             return OffloadStats()
         t0 = time.perf_counter()
-        self._host = []
-        for s in self.storages:
-            host = None
-            if self.keep:
-                pin = s.device.type == "cuda"
-                host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                host.copy_(_bytes_view(s), non_blocking=pin)
-            self._host.append(host)
+        self._host = [None] * len(self.storages)
+        if self.keep:
+            for pin in (False, True):  # host memory for every storage first: new buffers are made together
+                mine = [i for i, s in enumerate(self.storages) if (s.device.type == "cuda") == pin]
+                bufs = self.host.take_all([self.sizes[i] for i in mine], pin)
+                for i, buf in zip(mine, bufs, strict=True):
+                    self._host[i] = buf
+                    buf.copy_(_bytes_view(self.storages[i]), non_blocking=pin)
         self._sync()  # the copies must be done before the memory goes
         for s in self.storages:
             s.resize_(0)
@@ -110,7 +118,10 @@ class StorageOffload:
                 view.zero_()
             else:
                 view.copy_(host, non_blocking=s.device.type == "cuda")
-        self._sync()  # the pinned buffers may go once the copies are done
+        self._sync()  # the host buffers are free once the copies are done
+        for s, host in zip(self.storages, self._host, strict=True):
+            if host is not None:
+                self.host.give(host, s.device.type == "cuda")
         self._host = []
         self.offloaded = False
         self.last = OffloadStats(len(self.storages), self.nbytes, time.perf_counter() - t0)
@@ -121,21 +132,20 @@ class StorageOffload:
 
 
 class HostCopy:
-    """The bytes of a fixed set of storages, saved to host memory (pinned on a GPU, allocated once and
-    kept) and written back, the storages themselves untouched: for memory that something else frees and
-    maps again at the same addresses (CUDA virtual memory, :mod:`agentrl.embedded.memory`)."""
+    """The bytes of a fixed set of storages, saved to host memory (pinned on a GPU, exact-size buffers
+    allocated once and kept) and written back, the storages themselves untouched: for memory that
+    something else frees and maps again at the same addresses (CUDA virtual memory,
+    :mod:`agentrl.embedded.memory`)."""
 
     def __init__(self, tensors: Iterable[torch.Tensor | None]) -> None:
         self.storages = unique_storages(tensors)
+        self.host = HostBuffers()
         self._host: list[torch.Tensor] = []
 
     def save(self) -> None:
         """Copy the storages' bytes to host memory (the copies are done when this returns)."""
         if not self._host:
-            self._host = [
-                torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=s.device.type == "cuda")
-                for s in self.storages
-            ]
+            self._host = [self.host.take(s.nbytes(), s.device.type == "cuda") for s in self.storages]
         for s, host in zip(self.storages, self._host, strict=True):
             host.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
         _synchronize(self.storages)

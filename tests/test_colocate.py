@@ -24,6 +24,7 @@ from agentrl.embedded.engine import EmbeddedEngine, RequestSampling
 from agentrl.embedded.native_api import build_app
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
+from agentrl.host_buffers import HostBuffers
 from agentrl.storage_offload import HostCopy, StorageOffload
 from agentrl.weight_sync import WeightUpdate
 
@@ -53,6 +54,33 @@ def test_storage_offload_frees_and_restores_shared_storages_bit_for_bit() -> Non
     assert torch.equal(dropped_buf, torch.zeros(10))  # not kept: zeros, never stale bits
     lin(torch.ones(2, 8)).sum().backward()  # the parameters still train
     assert lin.weight.grad is not None
+
+
+def test_host_buffers_are_exact_sized_and_kept_across_offloads() -> None:
+    """The host copies are of each storage's exact size, come from the pool given (one shared by two
+    offload objects) and are reused by the next offload of the same sizes: no new host memory after the
+    first. A size the pool has not seen gets a new buffer."""
+    pool = HostBuffers()
+    a, b = torch.randn(1000), torch.randn(333)
+    first = StorageOffload([a, b], host=pool)
+    first.offload()
+    bufs = [t.data_ptr() for t in first._host if t is not None]
+    assert [t.numel() for t in first._host if t is not None] == [4000, 1332]  # not rounded up
+    assert pool.held_bytes == 5332 and pool.pinned_bytes == 0  # nothing pinned on the CPU
+    first.onload()
+    second = StorageOffload([a, b], host=pool)  # a new object over the same state (the trainer's way)
+    second.offload()
+    assert [t.data_ptr() for t in second._host if t is not None] == bufs
+    assert pool.held_bytes == 5332
+    second.onload()
+    c = torch.randn(10)
+    third = StorageOffload([a, b, c], host=pool)
+    third.offload()
+    assert pool.held_bytes == 5332 + 40
+    third.onload()
+    assert pool.take_all([4000, 40, 4000], pin=False)[1].numel() == 40  # in the order asked
+    pool.close()
+    assert pool.held_bytes == 0
 
 
 def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:

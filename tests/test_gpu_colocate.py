@@ -6,8 +6,9 @@
   the copy fallback (the graphs captured again).
 * Weights handed over as CUDA IPC handles equal the ones loaded from disk, bit for bit, in every
   parameter (two engine processes, the same trainer weights after a step).
-* The trainer's offload frees its state on the device and the next step runs after the onload; CPU Adam
-  keeps the optimizer state off the GPU.
+* The trainer's offload frees its state on the device and the next step runs after the onload; its host
+  copies are pinned at their exact sizes and kept for the next offload (and pinned host buffers of any
+  size copy exactly). CPU Adam keeps the optimizer state off the GPU.
 * A process that used the memory saver in process exits with status 0 (its pools' last frees at exit).
 """
 
@@ -23,6 +24,7 @@ import torch
 from agentrl.embedded.launch import start_embedded_server
 from agentrl.engine.client import EngineClient
 from agentrl.engine.types import SamplingParams
+from agentrl.host_buffers import HostBuffers
 from agentrl.weight_sync import WeightUpdate
 
 pytestmark = pytest.mark.gpu
@@ -143,12 +145,42 @@ def test_trainer_offload_frees_its_state_on_gpu(tiny_model_dir: Path) -> None:
         print(f"trainer offload: {moved}")
         assert moved["offload_gb"] > 0
         assert moved["gpu_mem_allocated_gb"] <= resident - 0.9 * moved["offload_gb"]
+        state = trainer._offload.state
+        assert moved["offload_host_gb"] * 2**30 == state.nbytes  # exact sizes, no power-of-two rounding
+        assert all(h is not None and h.is_pinned() for h in state._host)
         back = trainer.onload()
         assert back["gpu_mem_allocated_gb"] >= resident - 0.01
         metrics = trainer.train_step(_batch(trainer.arch.vocab_size, 1, 0))
         assert metrics["loss"] == metrics["loss"]  # a finite step after the onload
+        again = trainer.offload()  # the same host buffers: nothing new to pin
+        assert again["offload_host_alloc_s"] == 0.0 and again["offload_host_gb"] == moved["offload_host_gb"]
+        trainer.onload()
     finally:
         trainer.shutdown()
+
+
+def test_host_buffers_pin_exact_sizes_outside_torchs_cache() -> None:
+    """Pinned host buffers of sizes that are not powers of two: registered in place (their own pages,
+    exact size, not torch's pinned-memory cache), and asynchronous copies through them are exact."""
+    pool = HostBuffers()
+    sizes = [3 * 2**20 + 17, 300 * 2**20 + 4096]  # 300 MB: several touch chunks
+    bufs = pool.take_all(sizes, pin=True)
+    assert [b.numel() for b in bufs] == sizes and all(b.is_pinned() for b in bufs)
+    assert pool.pinned_bytes == sum(sizes) and pool._registered == bufs
+    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda") for n in sizes]
+    for b, s in zip(bufs, src, strict=True):
+        b.copy_(s, non_blocking=True)
+    torch.cuda.synchronize()
+    back = [torch.empty_like(s) for s in src]
+    for b, d in zip(bufs, back, strict=True):
+        d.copy_(b, non_blocking=True)
+    torch.cuda.synchronize()
+    assert all(torch.equal(s, d) for s, d in zip(src, back, strict=True))
+    for b in bufs:
+        pool.give(b, pin=True)
+    assert pool.take(sizes[1], pin=True).data_ptr() == bufs[1].data_ptr()
+    pool.close()
+    assert pool._registered == []
 
 
 def _trained_gpu_bytes(model_dir: Path, offload: bool, steps: int) -> tuple[int, int, dict]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from agentrl.host_buffers import HostBuffers
 from agentrl.storage_offload import StorageOffload
 
 __all__ = ["TrainerOffload", "trainer_state_tensors"]
@@ -78,10 +79,12 @@ class TrainerOffload:
         optimizer: Any,
         device: torch.device,
         extra: list[torch.nn.Module] | None = None,
+        host: HostBuffers | None = None,
     ) -> None:
         self.device = device
+        self.host = host if host is not None else HostBuffers()
         kept, grads = trainer_state_tensors(model, optimizer, extra or [])
-        self.state = StorageOffload([t for t in kept if t.device == device], keep=True)
+        self.state = StorageOffload([t for t in kept if t.device == device], keep=True, host=self.host)
         held = {s.data_ptr() for s in self.state.storages}
         grads = [t for t in grads if t.device == device and t.untyped_storage().data_ptr() not in held]
         self.grads = StorageOffload(grads, keep=False)  # freed, and zeros when they come back
@@ -91,12 +94,18 @@ class TrainerOffload:
         return self.state.offloaded
 
     def offload(self) -> dict[str, float]:
-        """Move the state to host memory, free it and the gradients on the device (no-op if done)."""
+        """Move the state to host memory, free it and the gradients on the device (no-op if done). The
+        figures add the seconds spent making new host buffers (``offload_host_alloc_s``: the first
+        offload, and the first after the optimizer's state appears) and the host memory they hold."""
+        alloc = self.host.alloc_seconds
         stats = self.state.offload()
         grads = self.grads.offload()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the driver, where the engine's process can take it
-        return self._report("offload", stats.bytes + grads.bytes, stats.seconds + grads.seconds)
+        out = self._report("offload", stats.bytes + grads.bytes, stats.seconds + grads.seconds)
+        out["offload_host_alloc_s"] = self.host.alloc_seconds - alloc
+        out["offload_host_gb"] = self.host.held_bytes / 2**30
+        return out
 
     def onload(self) -> dict[str, float]:
         """Bring the state back and the gradient memory (zeroed) (no-op if it is on the device)."""

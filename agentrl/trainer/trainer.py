@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from agentrl.buffer import check_staleness
 from agentrl.exactness import Exactness
+from agentrl.host_buffers import HostBuffers
 from agentrl.trainer.batch import (
     MicroBatch,
     MiniBatch,
@@ -198,6 +199,7 @@ class MegatronTrainer:
         # rank 0's figures of its last weight push (the transport's, plus gather_seconds; empty before one)
         self.last_sync_stats: dict[str, float] = {}
         self._offload: TrainerOffload | None = None  # the state while it is off the device
+        self._host_buffers = HostBuffers()  # its host memory, kept from one offload to the next
         # compiled layers: compile now, not in the first train step (not with pipelines or experts,
         # whose forward runs through other paths)
         warm = cfg.compile_layers and self.device.type == "cuda" and cfg.pp == 1 and self.arch.moe is None
@@ -441,7 +443,9 @@ class MegatronTrainer:
         training, weight syncs and checkpoints refuse to run. Returns bytes, seconds and GPU memory."""
         if self._offload is None or not self._offload.offloaded:  # collected now: Adam state appears late
             extra = [self.ref_model] if self.ref_model is not None else []
-            self._offload = TrainerOffload(self.model, self.optim.optimizer, self.device, extra)
+            self._offload = TrainerOffload(
+                self.model, self.optim.optimizer, self.device, extra, host=self._host_buffers
+            )
         return self._offload.offload()
 
     def release_cached_memory(self) -> None:
