@@ -100,9 +100,8 @@ def test_a_lease_is_held_until_released_and_reused_after(lock_dir) -> None:
 
 async def test_a_run_the_sandbox_killed_is_an_error_result(lock_dir) -> None:
     async with ProcessSandbox(uid_base=KILLED_BASE, uid_count=UID_COUNT, memory_mb=128) as box:
-        tool = python_tool(box, timeout=1.0)
-        slow = await tool.invoke({"code": "import time; time.sleep(30)"})
-        fine = await tool.invoke({"code": "raise SystemExit(3)"})
+        slow = await python_tool(box, timeout=1.0).invoke({"code": "import time; time.sleep(30)"})
+        fine = await python_tool(box, timeout=60).invoke({"code": "raise SystemExit(3)"})
     assert slow.is_error and "SandboxRunKilled" in slow.content and "timeout" in slow.content
     assert not fine.is_error and "[exit code 3]" in fine.content
     async with ProcessSandbox(uid_base=KILLED_BASE, uid_count=UID_COUNT) as box:

@@ -214,13 +214,15 @@ def test_format_docs_matches_search_r1():
 # ---- python ---------------------------------------------------------------------------------------
 async def test_python_tool_runs_in_a_sandbox():
     async with ProcessSandbox() as sb:
-        t = python_tool(sb, timeout=2)
+        # a generous limit where the code finishes (a busy machine can take seconds to start Python),
+        # a short one where it never does
+        t, short = python_tool(sb, timeout=60), python_tool(sb, timeout=2)
         assert t.schema["function"]["parameters"]["required"] == ["code"]
         r = await t.invoke({"code": "print(sum(range(10)))"})
         assert (r.content, r.is_error) == ("45", False) or r.content.strip() == "45"
         r = await t.invoke({"code": "1/0"})
         assert "ZeroDivisionError" in r.content and "[exit code 1]" in r.content
-        r = await t.invoke({"code": "while True: pass"})
+        r = await short.invoke({"code": "while True: pass"})
         assert "[killed: timeout" in r.content
         r = await t.invoke({"code": 5})
         assert r.is_error and "code: Input should be a valid string" in r.content
