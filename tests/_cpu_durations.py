@@ -7,6 +7,10 @@ processes and workers), from its setup to the end of its teardown. The processes
 every 0.2 s, so a process's last fraction of a second before it exits, and one that lives less than
 that, may be missed; a process started before the test (a module-scoped fixture's server) counts with
 what it used during the test. Under pytest-xdist the figures reach the controller with the reports.
+
+It also says when each worker ran tests: its first test's start and last test's end (from the run's
+first start) and the seconds its tests took, so a worker left idle at the end (the other still running a
+long test) shows.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 _METER = pytest.StashKey["_Meter"]()
 _PROPERTY = "cpu_s"
 _SECONDS: dict[str, float] = {}  # nodeid -> CPU-seconds, where the reports arrive
+_SPANS: dict[str, list[float]] = {}  # worker -> [its first start, its last stop, seconds in its tests]
 INTERVAL_S = 0.2
 
 
@@ -94,6 +99,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    gateway = getattr(getattr(report, "node", None), "gateway", None)  # pytest-xdist's worker
+    span = _SPANS.setdefault(gateway.id if gateway is not None else "main", [report.start, report.stop, 0.0])
+    span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
+    span[2] += report.stop - report.start
     if report.when == "teardown":
         for name, value in report.user_properties:
             if name == _PROPERTY:
@@ -109,3 +118,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for nodeid, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:n]:
         terminalreporter.write_line(f"{seconds:8.1f} CPU-s  {nodeid}")
     terminalreporter.write_line(f"{total:8.0f} CPU-s in all the tests measured")
+    for line in worker_lines(_SPANS):
+        terminalreporter.write_line(line)
+
+
+def worker_lines(spans: dict[str, list[float]]) -> list[str]:
+    """One line a worker: when it ran tests (seconds from the run's first start) and how long they took."""
+    if not spans:
+        return []
+    t0, end = min(s[0] for s in spans.values()), max(s[1] for s in spans.values())
+    return [
+        f"{name}: tests from {first - t0:.0f} s to {last - t0:.0f} s, {busy:.0f} s in them, "
+        f"{end - last:.0f} s before the end"
+        for name, (first, last, busy) in sorted(spans.items())
+    ]
