@@ -31,12 +31,15 @@ _TOUCH_THREADS = max(1, min(8, os.cpu_count() or 1))
 class HostBuffers:
     """A pool of host buffers (uint8 tensors) by exact size (see the module docstring). ``take`` a
     buffer for ``nbytes``, ``give`` it back when its content is no longer needed; the pool keeps every
-    buffer until :meth:`close` (or until it is garbage-collected)."""
+    pinned buffer until :meth:`close` (or until it is garbage-collected). A pageable buffer (the bytes
+    of a CPU device) is let go when given back, as host memory that device already counts, unless
+    ``keep_pageable``."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_pageable: bool = False) -> None:
+        self.keep_pageable = keep_pageable
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._registered: list[torch.Tensor] = []  # kept alive until unregistered
-        self.held_bytes = 0  # every buffer the pool made, taken or free
+        self.held_bytes = 0  # every buffer the pool made and holds, taken or free
         self.pinned_bytes = 0  # of them, pinned
         self.alloc_seconds = 0.0  # spent allocating and pinning new buffers
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
@@ -71,7 +74,10 @@ class HostBuffers:
 
     def give(self, buf: torch.Tensor, pin: bool) -> None:
         """Hand ``buf`` (from a take with the same ``pin``) back for a later take of its size."""
-        self._free.setdefault((buf.numel(), pin), []).append(buf)
+        if pin or self.keep_pageable:
+            self._free.setdefault((buf.numel(), pin), []).append(buf)
+        else:
+            self.held_bytes -= buf.numel()
 
     def close(self) -> None:
         """Unregister the pinned buffers and drop every buffer (none may be in use)."""

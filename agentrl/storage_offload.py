@@ -4,8 +4,8 @@ When an engine and a trainer take turns on one GPU, each frees what it holds whi
 :class:`StorageOffload` does it at the level of storages: ``offload()`` copies each storage to host
 memory (pinned on a GPU, when its content must survive) and shrinks the storage to zero bytes;
 ``onload()`` grows it back and copies the content in (or zeroes it when the content was dropped). The host
-buffers are exact-size ones from a :class:`agentrl.host_buffers.HostBuffers` pool, kept for the next
-offload. Every
+buffers are exact-size ones from a :class:`agentrl.host_buffers.HostBuffers` pool, which keeps the pinned
+ones for the next offload. Every
 tensor, view and ``nn.Parameter`` that shares a storage keeps working afterwards: megatron's parameters,
 which are views into one contiguous buffer, come back with that buffer. What changes is the device
 address of the memory (the caching allocator picks new blocks), so a CUDA graph that captured the old

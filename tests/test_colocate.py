@@ -59,8 +59,9 @@ def test_storage_offload_frees_and_restores_shared_storages_bit_for_bit() -> Non
 def test_host_buffers_are_exact_sized_and_kept_across_offloads() -> None:
     """The host copies are of each storage's exact size, come from the pool given (one shared by two
     offload objects) and are reused by the next offload of the same sizes: no new host memory after the
-    first. A size the pool has not seen gets a new buffer."""
-    pool = HostBuffers()
+    first. A size the pool has not seen gets a new buffer. (Pageable buffers are kept only when asked, as
+    here: on the CPU the pool lets them go by default.)"""
+    pool = HostBuffers(keep_pageable=True)
     a, b = torch.randn(1000), torch.randn(333)
     first = StorageOffload([a, b], host=pool)
     first.offload()
@@ -81,6 +82,11 @@ def test_host_buffers_are_exact_sized_and_kept_across_offloads() -> None:
     assert pool.take_all([4000, 40, 4000], pin=False)[1].numel() == 40  # in the order asked
     pool.close()
     assert pool.held_bytes == 0
+    default = StorageOffload([a, b])  # its own pool, which keeps no pageable buffer after the onload
+    default.offload()
+    assert default.host.held_bytes == 5332
+    default.onload()
+    assert default.host.held_bytes == 0 and default.host._free == {}
 
 
 def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:
