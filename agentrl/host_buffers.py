@@ -1,10 +1,11 @@
 """Host memory for bytes that leave a device and come back: buffers of exactly the size asked for, pinned
-when the bytes come from a GPU, kept once given back and handed out again for the same size.
+when the bytes come from a GPU, the pinned ones kept once given back and handed out again for the same
+size.
 
 Why not ``torch.empty(n, pin_memory=True)``: torch's pinned-memory cache rounds every block up to a power
-of two, so a trainer's 17.4 GB of fp32 main weights pins 32 GB, and a 61 GB training state can hold
-about 100 GB of a host's memory locked; it also pins a block's pages in one thread, the first time, in
-the step that asked for it. Here a buffer is allocated pageable at its exact size, its pages are touched
+of two, so a 7B's 271 MB fp32 MLP weight pins 512 MB and a training state can hold up to twice its size
+of a host's memory locked; it also pins a block's pages in one thread, the first time, in the step that
+asked for it. Here a buffer is allocated pageable at its exact size, its pages are touched
 by several threads at once, and CUDA then registers the range (``cudaHostRegister``): the copies to and
 from it run at pinned speed without a staging copy. Where registering fails (a driver without it) the
 buffer comes from torch's cache instead, with a warning.
@@ -105,8 +106,9 @@ class HostBuffers:
 def _touch(bufs: list[torch.Tensor]) -> None:
     """Fault in every page of ``bufs`` with several threads (the register call would do it in one)."""
     chunks = [b[i : i + TOUCH_CHUNK] for b in bufs for i in range(0, b.numel(), TOUCH_CHUNK)]
-    if len(chunks) == 1:
-        chunks[0].zero_()
+    if len(chunks) <= 1:
+        for chunk in chunks:
+            chunk.zero_()
         return
     with ThreadPoolExecutor(min(_TOUCH_THREADS, len(chunks))) as pool:
         list(pool.map(torch.Tensor.zero_, chunks))  # torch lets the GIL go while it writes
