@@ -5,27 +5,38 @@ size.
 Why not ``torch.empty(n, pin_memory=True)``: torch's pinned-memory cache rounds every block up to a power
 of two, so a 7B's 271 MB fp32 MLP weight pins 512 MB and a training state can hold up to twice its size
 of a host's memory locked; it also pins a block's pages in one thread, the first time, in the step that
-asked for it. Here a buffer is allocated pageable at its exact size, its pages are touched
-by several threads at once, and CUDA then registers the range (``cudaHostRegister``): the copies to and
-from it run at pinned speed without a staging copy. Where registering fails (a driver without it) the
-buffer comes from torch's cache instead, with a warning.
+asked for it. Here a buffer is allocated pageable at its exact size, marked for transparent huge pages
+(``madvise(MADV_HUGEPAGE)``: 2 MB pages, 512 times fewer page faults and page-table entries to pin, where
+the kernel's ``transparent_hugepage`` setting is ``madvise`` or ``always``), its pages are touched by several
+threads at once, and CUDA then registers the range (``cudaHostRegister``): the copies to and from it run
+at pinned speed without a staging copy. Where registering fails (a driver without it) the buffer comes
+from torch's cache instead, with a warning.
+
+Measured by ``bench/host_pinning.py`` (1x H200 141 GB, 16 CPU cores, 35 GB in 130 buffers): torch's cache
+50.2 s (69.8 GB locked), exact buffers in 4 KB pages 3.35 s, in huge pages 1.82 s; the copies to and
+from the GPU ran at the same 55 GB/s in all three.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-__all__ = ["HostBuffers"]
+__all__ = ["HostBuffers", "advise_huge_pages"]
 
 log = logging.getLogger(__name__)
 
 TOUCH_CHUNK = 256 * 2**20  # bytes one thread faults in at a time
+HUGE_PAGE = 2 * 2**20
+MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 _TOUCH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -64,6 +75,8 @@ class HostBuffers:
             t0 = time.perf_counter()
             new = [torch.empty(sizes[i], dtype=torch.uint8) for i in missing]
             if pin:
+                for buf in new:
+                    advise_huge_pages(buf)
                 _touch(new)
                 new = [self._register(buf) for buf in new]
             for i, buf in zip(missing, new, strict=True):
@@ -101,6 +114,31 @@ class HostBuffers:
             buf.numel() / 1e9,
         )
         return torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+
+
+def advise_huge_pages(buf: torch.Tensor) -> bool:
+    """Ask the kernel for transparent huge pages on the 2 MB-aligned inside of ``buf``'s memory (before its
+    pages are touched); whether it agreed. A no-op answering False off Linux or for a buffer too small to
+    hold one aligned huge page."""
+    start = buf.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = (start + buf.numel() * buf.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if last <= first or _madvise is None:
+        return False
+    return _madvise(first, last - first, MADV_HUGEPAGE) == 0
+
+
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise: Any = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
 def _touch(bufs: list[torch.Tensor]) -> None:

@@ -24,7 +24,7 @@ from agentrl.embedded.engine import EmbeddedEngine, RequestSampling
 from agentrl.embedded.native_api import build_app
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
-from agentrl.host_buffers import HostBuffers
+from agentrl.host_buffers import HostBuffers, advise_huge_pages
 from agentrl.storage_offload import HostCopy, StorageOffload
 from agentrl.weight_sync import WeightUpdate
 
@@ -87,6 +87,32 @@ def test_host_buffers_are_exact_sized_and_kept_across_offloads() -> None:
     assert default.host.held_bytes == 5332
     default.onload()
     assert default.host.held_bytes == 0 and default.host._free == {}
+
+
+def _anon_huge_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_large_host_buffers_ask_for_huge_pages() -> None:
+    """A buffer to be pinned is marked for transparent huge pages before its pages are touched: where the
+    kernel grants them on request (``madvise`` or ``always``), touching 64 MB maps at least half of it in
+    2 MB pages. A buffer too small to hold one aligned huge page is left alone."""
+    assert advise_huge_pages(torch.empty(100, dtype=torch.uint8)) is False
+    big = torch.empty(64 * 2**20, dtype=torch.uint8)
+    advised = advise_huge_pages(big)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text() if thp.exists() else "[never]"
+    if "[madvise]" in mode or "[always]" in mode:
+        assert advised
+        before = _anon_huge_bytes()
+        big.zero_()
+        assert _anon_huge_bytes() - before >= 32 * 2**20
+    else:  # the kernel has them off: the advice is refused or changes nothing, and nothing fails
+        big.zero_()
+        assert isinstance(advised, bool)
 
 
 def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:
