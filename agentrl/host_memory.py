@@ -61,10 +61,11 @@ def host_bytes(cfg: RunConfig, model_dir: str | Path) -> HostMemory:
     """The run's host memory by part for the model in ``model_dir`` (zero where a part is off or the
     trainer is not on GPUs)."""
     from agentrl.run_checks import engine_on_gpu, trainer_on_gpu
-    from agentrl.trainer.arch import ModelArch
 
     if not trainer_on_gpu(cfg):
         return HostMemory()
+    from agentrl.trainer.arch import ModelArch
+
     arch = ModelArch.from_hf_dir(model_dir)
     total = arch.num_params()
     experts = arch.num_layers * arch.moe.total_ffn_params(arch.hidden_size) if arch.moe else 0

@@ -74,6 +74,33 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class _ScalarWriter:
+    """TensorBoard scalars through the ``tensorboard`` package's own event writer (no torch: the driver
+    does not load it for its metrics)."""
+
+    def __init__(self, writer: Any, event: Any, summary: Any) -> None:
+        self._writer, self._event, self._summary = writer, event, summary
+
+    @classmethod
+    def open(cls, logdir: Path) -> _ScalarWriter | None:
+        """A writer of event files under ``logdir``, or None where tensorboard is not installed."""
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:  # tensorboard not installed: JSONL alone
+            return None
+        return cls(EventFileWriter(str(logdir)), Event, Summary)
+
+    def add_scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(wall_time=wall_time, step=int(step), summary=summary))
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
 class MetricsLogger:
     """JSONL (always) + TensorBoard (when installed) + wandb (when configured) logger."""
 
@@ -90,14 +117,7 @@ class MetricsLogger:
         # one write call per row on an append-only descriptor: a reader of a live run sees whole lines,
         # and at most a last line still without its newline (read_metrics leaves that one out)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-                self._tb = SummaryWriter(str(self.out_dir / "tb"))
-            except Exception:  # tensorboard not installed: JSONL alone
-                self._tb = None
+        self._tb = _ScalarWriter.open(self.out_dir / "tb") if tensorboard else None
         self._wandb = None if wandb is None else _start_wandb(wandb, self.out_dir, run_config)
         self.history: list[dict[str, float]] = []
 
@@ -113,7 +133,7 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in row.items():
                 if k not in ("step", "time"):
-                    self._tb.add_scalar(k, v, step)
+                    self._tb.add_scalar(k, v, step, row["time"])
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
 
@@ -131,7 +151,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.flush()
             self._tb.close()
             self._tb = None
         if self._fd is not None:

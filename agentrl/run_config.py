@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from agentrl.cluster import Listen
 from agentrl.config import ConfigModel
-from agentrl.embedded.speculative import SpeculativeConfig
+from agentrl.embedded.speculative_config import SpeculativeConfig
 from agentrl.engine.sglang_config import SGLangConfig
 from agentrl.exactness import Exactness
 from agentrl.metrics import MetricsConfig

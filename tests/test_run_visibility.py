@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import io
+import json
+
+import pytest
 
 from agentrl.metrics import ProgressLine, batch_metrics
 from agentrl.rollout.metrics import RolloutMetrics
@@ -96,3 +99,32 @@ def test_the_metrics_of_a_live_run_read_as_whole_rows(tmp_path) -> None:
     assert [r["a"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 2.0]
     logger.close()
     logger.close()  # idempotent
+
+
+def test_tensorboard_gets_every_numeric_metric_without_torch(tmp_path) -> None:
+    """The scalars reach TensorBoard's event files, one per metric and step with the row's time, and the
+    logger loads no torch for them (the driver imports none for its metrics)."""
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    code = (
+        "import sys\n"
+        "from agentrl.metrics import MetricsLogger\n"
+        f"logger = MetricsLogger({str(tmp_path)!r})\n"
+        "assert logger.tensorboard_enabled\n"
+        "logger.log({'reward/mean': 0.25, 'time/step_s': 1.5}, 1)\n"
+        "logger.log({'reward/mean': 0.5}, 2)\n"
+        "logger.close()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["reward/mean", "time/step_s"]
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("time/step_s")] == [(1, 1.5)]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert events.Scalars("reward/mean")[0].wall_time == pytest.approx(rows[0]["time"])

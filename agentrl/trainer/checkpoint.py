@@ -10,7 +10,8 @@ Layout under ``ckpt_dir`` (``<output_dir>/checkpoints``):
 - ``latest``: names the newest complete step dir; written last, atomically, so a kill never leaves a
   torn "latest" (:func:`latest_checkpoint`).
 
-Loading needs the same world and parallel layout.
+Loading needs the same world and parallel layout. The driver's part (the rollout state, ``latest``) needs
+no torch, which only the trainer's functions import.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-import torch.distributed as dist
-
-from agentrl.trainer.distributed import rng_state, set_rng_state
-
 if TYPE_CHECKING:
+    import torch
+
     from agentrl.trainer.optim import TrainerOptimizer
 
 
@@ -48,6 +46,11 @@ def save_checkpoint(
 ) -> Path:
     """Write this rank's file of step ``progress.step`` (collective: every rank calls it), then rank 0
     points ``latest`` at it. Returns the step dir."""
+    import torch
+    import torch.distributed as dist
+
+    from agentrl.trainer.distributed import rng_state
+
     root = Path(ckpt_dir)
     d = step_dir(root, progress.step)
     d.mkdir(parents=True, exist_ok=True)
@@ -107,6 +110,11 @@ def load_checkpoint(
 ) -> TrainerCounters:
     """Restore what :func:`save_checkpoint` wrote (``path``: a step dir or the root) into ``module``,
     ``optimizer`` and the RNGs (collective); returns the saved counters."""
+    import torch
+    import torch.distributed as dist
+
+    from agentrl.trainer.distributed import set_rng_state
+
     p = Path(path)
     if (p / "latest").is_file():
         p = p / (p / "latest").read_text().strip()
@@ -123,6 +131,8 @@ def load_checkpoint(
 
 def load_local_state(module: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
     """Copy ``shard`` into ``module`` in place; every parameter must be covered (extra_state may not)."""
+    import torch
+
     own = module.state_dict()
     missing = [k for k in own if k not in shard and not k.endswith("_extra_state")]
     unexpected = [k for k in shard if k not in own]

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from agentrl.config import ConfigModel
-from agentrl.trainer.losses import LossConfig
+from agentrl.trainer.loss_config import LossConfig
 
 
 class MoEConfig(ConfigModel):

@@ -21,7 +21,8 @@ the trainer never imports it. The driver hands a :class:`WeightUpdate` to every 
 (``MegatronTrainer.connect_engines``), which builds its side with :meth:`WeightUpdate.connect`.
 """
 
-from agentrl.weight_sync.registry import CONNECTORS, RankSync, connect
+from typing import TYPE_CHECKING, Any
+
 from agentrl.weight_sync.rules import SGLANG_PEER_ENV, check_transport, trainer_env
 from agentrl.weight_sync.update import (
     IN_MEMORY,
@@ -36,6 +37,22 @@ from agentrl.weight_sync.update import (
     route,
     sync_phases,
 )
+
+if TYPE_CHECKING:
+    from agentrl.weight_sync.registry import CONNECTORS, RankSync, connect
+
+# the transports' implementations (torch, the engines' client) load on first use, so that the driver and a
+# run's config, which need only the record and the rules, start without torch
+_REGISTRY = ("CONNECTORS", "RankSync", "connect")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY:
+        from agentrl.weight_sync import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONNECTORS",

@@ -17,9 +17,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # disk: an HF (or PEFT) dir the engines load; tensor: in memory to engines on the trainer's machine (CUDA
 # IPC handles, shared memory on the CPU); distributed: a broadcast over a process group shared with the
