@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostBuffers", "advise_huge_pages"]
+__all__ = ["HostBuffers", "advise_huge_pages", "touch_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class HostBuffers:
             if pin:
                 for buf in new:
                     advise_huge_pages(buf)
-                _touch(new)
+                touch_pages(new)
                 new = [self._register(buf) for buf in new]
             for i, buf in zip(missing, new, strict=True):
                 out[i] = buf
@@ -141,14 +141,15 @@ def _libc_madvise() -> Any:
 _madvise: Any = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
-def _touch(bufs: list[torch.Tensor]) -> None:
-    """Fault in every page of ``bufs`` with several threads (the register call would do it in one)."""
+def touch_pages(bufs: list[torch.Tensor], threads: int = _TOUCH_THREADS) -> None:
+    """Fault in every page of ``bufs`` with up to ``threads`` threads (the register call would do it in
+    one)."""
     chunks = [b[i : i + TOUCH_CHUNK] for b in bufs for i in range(0, b.numel(), TOUCH_CHUNK)]
     if len(chunks) <= 1:
         for chunk in chunks:
             chunk.zero_()
         return
-    with ThreadPoolExecutor(min(_TOUCH_THREADS, len(chunks))) as pool:
+    with ThreadPoolExecutor(min(threads, len(chunks))) as pool:
         list(pool.map(torch.Tensor.zero_, chunks))  # torch lets the GIL go while it writes
 
 

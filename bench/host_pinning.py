@@ -25,7 +25,6 @@ import mmap
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,19 +67,13 @@ def _copies(torch: Any, bufs: list[Any], gpu: Any) -> dict[str, float]:
 
 def _exact(torch: Any, sizes: list[int], threads: int, huge: bool) -> tuple[list[Any], dict[str, Any]]:
     """Buffers made as HostBuffers makes them, each part timed; ``huge``: madvise before the touch."""
-    from agentrl.host_buffers import TOUCH_CHUNK, advise_huge_pages
+    from agentrl.host_buffers import advise_huge_pages, touch_pages
 
     bufs, alloc_s = _timed(lambda: [torch.empty(n, dtype=torch.uint8) for n in sizes])
     advised = 0
     if huge:
         advised = sum(advise_huge_pages(b) for b in bufs)
-    chunks = [b[i : i + TOUCH_CHUNK] for b in bufs for i in range(0, b.numel(), TOUCH_CHUNK)]
-
-    def touch() -> None:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(torch.Tensor.zero_, chunks))
-
-    _, touch_s = _timed(touch)
+    _, touch_s = _timed(lambda: touch_pages(bufs, threads))
     cudart = torch.cuda.cudart()
 
     def register() -> None:
