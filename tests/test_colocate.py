@@ -24,7 +24,7 @@ from agentrl.embedded.engine import EmbeddedEngine, RequestSampling
 from agentrl.embedded.native_api import build_app
 from agentrl.engine.client import EngineClient, EngineRequestError
 from agentrl.engine.named_tensors import pack_named_tensors, unpack_named_tensors
-from agentrl.host_buffers import HostBuffers, advise_huge_pages
+from agentrl.host_buffers import HUGE_PAGE, HostBuffers, advise_huge_pages
 from agentrl.storage_offload import HostCopy, StorageOffload
 from agentrl.weight_sync import WeightUpdate
 
@@ -89,30 +89,38 @@ def test_host_buffers_are_exact_sized_and_kept_across_offloads() -> None:
     assert default.host.held_bytes == 0 and default.host._free == {}
 
 
-def _anon_huge_bytes() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags on the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_large_host_buffers_ask_for_huge_pages() -> None:
     """A buffer to be pinned is marked for transparent huge pages before its pages are touched: where the
-    kernel grants them on request (``madvise`` or ``always``), touching 64 MB maps at least half of it in
-    2 MB pages. A buffer too small to hold one aligned huge page is left alone."""
+    kernel grants them on request (``madvise`` or ``always``), the mapping of its aligned inside carries
+    the kernel's huge-page flag (``hg``), so its faults take 2 MB pages whenever free ones exist (whether
+    they do depends on the host's fragmentation, not on the buffer). A buffer too small to hold one
+    aligned huge page is left alone."""
     assert advise_huge_pages(torch.empty(100, dtype=torch.uint8)) is False
     big = torch.empty(64 * 2**20, dtype=torch.uint8)
+    inside = -(-big.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    assert "hg" not in _vm_flags(inside)
     advised = advise_huge_pages(big)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     mode = thp.read_text() if thp.exists() else "[never]"
     if "[madvise]" in mode or "[always]" in mode:
         assert advised
-        before = _anon_huge_bytes()
-        big.zero_()
-        assert _anon_huge_bytes() - before >= 32 * 2**20
+        assert "hg" in _vm_flags(inside) and "hg" in _vm_flags(inside + 32 * 2**20)
     else:  # the kernel has them off: the advice is refused or changes nothing, and nothing fails
-        big.zero_()
         assert isinstance(advised, bool)
+    big.zero_()
 
 
 def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:
