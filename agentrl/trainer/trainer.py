@@ -81,7 +81,7 @@ from agentrl.trainer.distributed import (
 )
 from agentrl.trainer.lora import merge_into_hf, peft_state_dict, save_peft_dir
 from agentrl.trainer.losses import Denominators, MetricSums, policy_loss
-from agentrl.trainer.mcore_compat import apply_cpu_patches
+from agentrl.trainer.mcore_compat import apply_cpu_patches, import_megatron
 from agentrl.trainer.model import ModelArch, gather_hf_state_dict, save_hf_dir
 from agentrl.trainer.moe import attach_routing, pop_aux_loss, set_aux_loss_scale
 from agentrl.trainer.offload import TrainerOffload
@@ -112,13 +112,17 @@ class MegatronTrainer:
     ``store``: where the ranks meet (see :func:`~agentrl.trainer.distributed.init_distributed`)."""
 
     def __init__(self, cfg: TrainerConfig, deterministic: bool = False, store: Any = None) -> None:
-        from megatron.core import parallel_state as ps
-
         if deterministic and cfg.lora is not None:  # the run config refuses it at load; so does the class
             raise ValueError(LORA_NOT_EXACT.format(field="deterministic"))
         self.cfg = cfg
         self.deterministic = deterministic
         self.device = resolve_device(cfg)
+        self.compile_kernels = (
+            self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
+        )
+        import_megatron(defer_compile=not self.compile_kernels)  # (mcore_compat, point 6)
+        from megatron.core import parallel_state as ps
+
         if self.device.type == "cpu":
             apply_cpu_patches()
         if self.device.type == "cpu" and cfg.pp > 1:
@@ -157,9 +161,6 @@ class MegatronTrainer:
             self.device.type == "cuda" if grouped == "auto" else grouped
         )
 
-        self.compile_kernels = (
-            self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
-        )
         exactness = Exactness.resolve(deterministic, cfg.true_on_policy)
         kernels = exactness.trainer_kernels(on_gpu=self.device.type == "cuda")
         self.logprobs = build_logprobs(cfg, self.arch, ps, kernels, self.compile_kernels)
