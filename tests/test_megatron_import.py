@@ -1,20 +1,15 @@
-"""How the trainer loads megatron-core (agentrl.trainer.mcore_compat, point 6): with its kernels not
-compiled (the CPU default), a trainer rank never loads inductor's code generators, which megatron's
-import-time ``torch.compile`` decorations would load (1-2 CPU-seconds per rank; dynamo itself loads
-anyway, with the first optimizer's param group); a deferred decoration compiles
-once, on the first call, with the options it was given, and a call from inside a graph being traced runs
-the plain function."""
+"""How the trainer loads megatron-core (agentrl.trainer.mcore_compat, point 6). Compiling no kernels (the
+CPU default), a trainer rank loads megatron-core without the ``torch.compile`` decorations of its fused
+kernels, so it never loads inductor's code generators (1-2 CPU-seconds per rank) and the kernels are the
+plain functions; with ``compile_kernels`` on, megatron-core loads as it is."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from agentrl.trainer.mcore_compat import _compiled_on_first_call
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,72 +18,50 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+import torch
+
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.trainer import MegatronTrainer
 
-tr = MegatronTrainer(TrainerConfig(model_path=sys.argv[1], lr=1e-3, micro_batch_size=2, device="cpu"))
+compile_kernels = sys.argv[2] == "on"
+cfg = TrainerConfig(
+    model_path=sys.argv[1], lr=1e-3, micro_batch_size=2, device="cpu", compile_kernels=compile_kernels
+)
+tr = MegatronTrainer(cfg)
 import megatron.core.jit
-import torch
+from megatron.core.fusions.fused_bias_swiglu import swiglu
 
+if not compile_kernels:  # the plain function (compiled, it would compile C++ on its first call here)
+    x = torch.randn(4, 6)
+    a, b = torch.chunk(x, 2, -1)
+    assert torch.equal(swiglu(x), torch.nn.functional.silu(a) * b)
 print(sorted(m for m in ("torch._inductor.compile_fx", "torch._inductor.codegen") if m in sys.modules))
-print(megatron.core.jit.jit_fuser is torch.compile, torch.compile.__module__)
+print(megatron.core.jit.jit_fuser is torch.compile, hasattr(swiglu, "_torchdynamo_orig_callable"))
+print(torch.compile.__module__)
 tr.shutdown()
 """
 
 
-def test_a_cpu_trainer_rank_loads_no_compiler(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("kernels", "loaded", "compiled"),
+    [
+        ("off", "[]", "False False"),
+        ("on", "['torch._inductor.codegen', 'torch._inductor.compile_fx']", "True True"),
+    ],
+    ids=["kernels_off", "kernels_on"],
+)
+def test_a_trainer_rank_compiles_megatrons_kernels_only_when_asked(
+    tiny_model_dir: Path, kernels: str, loaded: str, compiled: str
+) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", TRAINER_ON_CPU, str(tiny_model_dir)],
+        [sys.executable, "-c", TRAINER_ON_CPU, str(tiny_model_dir), kernels],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    loaded, compile_after = out.stdout.split("\n")[:2]
-    assert loaded == "[]", f"the trainer loaded {loaded}"
-    # megatron's kernels hold the deferred decoration; torch.compile is torch's own again
-    assert compile_after == "False torch"
-
-
-def _counting_compile() -> tuple[list[dict[str, Any]], Any]:
-    calls: list[dict[str, Any]] = []
-
-    def compile_fn(fn: Any, **options: Any) -> Any:
-        calls.append(options)
-        return lambda *a, **k: fn(*a, **k) * 10  # marks a call that went through the "compiled" fn
-
-    return calls, compile_fn
-
-
-def test_a_deferred_kernel_compiles_once_on_its_first_call() -> None:
-    calls, compile_fn = _counting_compile()
-    deferred = _compiled_on_first_call(compile_fn)
-
-    @deferred
-    def double(x: int) -> int:
-        """Doubles."""
-        return 2 * x
-
-    @deferred(mode="max-autotune")
-    def triple(x: int) -> int:
-        return 3 * x
-
-    assert calls == [] and double.__name__ == "double" and double.__doc__ == "Doubles."
-    assert [double(1), double(2), triple(1)] == [20, 40, 30]
-    assert calls == [{}, {"mode": "max-autotune"}]  # once each, with its options
-    deferred(torch.nn.Linear(2, 2))
-    assert len(calls) == 3  # a module is handed to the compiler at once
-
-
-def test_a_deferred_kernel_inside_a_traced_graph_runs_the_plain_function() -> None:
-    calls, compile_fn = _counting_compile()
-
-    @_compiled_on_first_call(compile_fn)
-    def scaled(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    outer = torch.compile(lambda x: scaled(x) + 1, backend="eager", fullgraph=True)
-    assert torch.equal(outer(torch.ones(3)), torch.full((3,), 3.0))  # one graph, no break
-    assert calls == []
-    assert torch.equal(scaled(torch.ones(3)), torch.full((3,), 20.0)) and len(calls) == 1
+    lines = out.stdout.split("\n")
+    assert lines[0] == loaded  # inductor's code generators, loaded by the compile decorations only
+    assert lines[1] == compiled  # megatron's jit_fuser and its SwiGLU: compiled, or the plain function
+    assert lines[2] == "torch"  # torch.compile is torch's own after the import either way

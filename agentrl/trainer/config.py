@@ -152,8 +152,9 @@ class TrainerConfig(ConfigModel):
     )
     compile_kernels: bool | None = Field(
         None,
-        description="torch.compile the log-softmax / entropy math (logprobs.py) and megatron's SwiGLU "
-        "(its bias_activation_fusion). None: on CUDA (compiling on CPU takes longer than it saves)",
+        description="torch.compile the log-softmax / entropy math (logprobs.py) and megatron-core's fused "
+        "kernels (its SwiGLU as bias_activation_fusion, the MoE router's expert-bias update); off, those "
+        "run as plain torch code. None: on CUDA (compiling on CPU takes longer than it saves)",
     )
     compile_layers: bool = Field(
         False,

@@ -36,20 +36,17 @@ data-parallel gradient all-reduce and its own micro-batch loop (pipeline size 1)
    allocates no CUDA stream (see :mod:`agentrl.trainer.moe`).
 
 6. Loading (:func:`import_megatron`): megatron-core decorates its fused kernels (bias-GeLU, GeGLU,
-   SwiGLU, the MoE router's scores...) with ``torch.compile`` as its modules load, and that decoration
-   loads inductor's code generators: 1-2 CPU-seconds in every trainer process, also where none of those
-   kernels runs (``compile_kernels`` off, the CPU default). Loaded with ``defer_compile``, each kernel
-   is compiled on its first call instead, as it would have been anyway (``torch.compile`` compiles
-   lazily); a call inside a graph dynamo is tracing runs the plain function, which dynamo inlines as it
-   inlines a compiled one.
+   SwiGLU, the MoE router's expert-bias update...) with ``torch.compile`` as its modules load, and that
+   decoration loads inductor's code generators: 1-2 CPU-seconds in every trainer process. The trainer
+   loads megatron-core with those decorations left out when it compiles no kernels (``compile_kernels``
+   off, the CPU default): the kernels run as the plain torch code they are written in, and a MoE step on
+   the CPU no longer traces the router's update with dynamo. With ``compile_kernels`` on, megatron-core
+   loads as it is.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,42 +96,24 @@ def apply_moe_patches() -> None:
         moe_utils.te_general_gemm = None
 
 
-def import_megatron(defer_compile: bool) -> None:
-    """Load megatron-core (point 6 above); with ``defer_compile`` its fused kernels are compiled on their
-    first call rather than as it loads. Once megatron-core is loaded, a no-op."""
+def import_megatron(compile_kernels: bool) -> None:
+    """Load megatron-core (point 6 above): its fused kernels compiled by ``torch.compile`` only with
+    ``compile_kernels``. Once megatron-core is loaded, a no-op."""
     if "megatron.core.jit" in sys.modules:
         return
-    if not defer_compile:
+    if compile_kernels:
         import megatron.core.jit
 
         return
     real = torch.compile
-    torch.compile = _compiled_on_first_call(real)  # type: ignore[assignment]
+    torch.compile = _plain  # type: ignore[assignment]
     try:  # megatron.core.jit binds its jit_fuser to torch.compile as it loads
         import megatron.core.jit  # noqa: F401
     finally:
         torch.compile = real  # type: ignore[assignment]
 
 
-def _compiled_on_first_call(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile`` whose decoration of a plain function compiles nothing until the first call."""
-
-    def deferred(model: Any = None, **options: Any) -> Any:
-        if model is None:  # used as @torch.compile(**options)
-            return functools.partial(deferred, **options)
-        if not inspect.isfunction(model):
-            return compile_fn(model, **options)
-        compiled: Any = None
-
-        @functools.wraps(model)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            nonlocal compiled
-            if torch.compiler.is_compiling():
-                return model(*args, **kwargs)
-            if compiled is None:
-                compiled = compile_fn(model, **options)
-            return compiled(*args, **kwargs)
-
-        return run
-
-    return deferred
+def _plain(model: Any = None, **options: Any) -> Any:
+    """``torch.compile``'s signature, compiling nothing: the function itself (or, called with options
+    only, a decorator that returns it)."""
+    return (lambda fn: fn) if model is None else model

@@ -120,7 +120,7 @@ class MegatronTrainer:
         self.compile_kernels = (
             self.device.type == "cuda" if cfg.compile_kernels is None else cfg.compile_kernels
         )
-        import_megatron(defer_compile=not self.compile_kernels)  # (mcore_compat, point 6)
+        import_megatron(self.compile_kernels)  # (mcore_compat, point 6)
         from megatron.core import parallel_state as ps
 
         if self.device.type == "cpu":
