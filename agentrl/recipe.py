@@ -139,13 +139,11 @@ def plot_run(
 ) -> None:
     """Train reward (batch mean) and every held-out figure against step, as a PNG; ``panel(ax, rows)``
     draws a second panel from the training rows (e.g. what the policy does)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a figure of its own: no pyplot state, no GUI backend
 
     rows = [r for r in history if "batch/reward" in r]
-    fig, axes = plt.subplots(1, 2 if panel else 1, figsize=(12 if panel else 7, 4), squeeze=False)
+    fig = Figure(figsize=(12 if panel else 7, 4))
+    axes = fig.subplots(1, 2 if panel else 1, squeeze=False)
     ax = axes[0][0]
     ax.plot([r["step"] for r in rows], [r["batch/reward"] for r in rows], label="train reward (batch mean)")
     for key in dict.fromkeys(k for _, m in evals for k in m):
@@ -161,7 +159,6 @@ def plot_run(
         panel(axes[0][1], rows)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def summary_rows(result: dict[str, Any], history: History, out: Path, plot: str) -> list[tuple[str, str]]:
