@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-from agentrl.trainer.hf_checkpoint import hf_to_mcore, mcore_to_hf_dir
-
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="agentrl.convert", description=__doc__.split("\n\n")[0])
@@ -29,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--hf-template", required=True, help="HF dir to copy config and tokenizer files from")
     b.add_argument("--out", required=True, help="output HF dir")
     args = parser.parse_args(argv)
+    # torch and megatron-core load only for a conversion, never for --help or a usage error
+    from agentrl.trainer.hf_checkpoint import hf_to_mcore, mcore_to_hf_dir
+
     if args.cmd == "hf-to-mcore":
         out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.vocab_divisible_by, args.ep)
     else:

@@ -1,7 +1,8 @@
 """The driver (``train_async.py``) starts without torch: it loads a run's config, writes its metrics and
 the rollout's state, and checks a CPU run's host memory with none of torch, transformers or
 megatron-core loaded. Those load in the processes that compute (the trainer, the engine, the rollout's
-tokenizer), each of which pays for them once; the driver paid about 3 CPU-seconds more per run."""
+tokenizer), each of which pays for them once; the driver paid about 3 CPU-seconds more per run. The
+checkpoint converter's command line answers ``--help`` and usage errors without them too."""
 
 from __future__ import annotations
 
@@ -47,3 +48,25 @@ def test_the_driver_loads_no_torch(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "", f"the driver imported {out.stdout.strip()}"
+
+
+HELP = """
+import runpy
+import sys
+
+sys.argv = ["agentrl.convert", *sys.argv[1:]]
+try:
+    runpy.run_module("agentrl.convert", run_name="__main__")
+except SystemExit as err:
+    print("exit", err.code)
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron"})))
+"""
+
+
+def test_the_converters_help_and_usage_errors_load_no_torch() -> None:
+    """``python -m agentrl.convert`` loads torch and megatron-core for a conversion only."""
+    for argv, code in ((["hf-to-mcore", "--help"], "0"), (["hf-to-mcore"], "2")):
+        out = subprocess.run(
+            [sys.executable, "-c", HELP, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert out.stdout.splitlines()[-2:] == [f"exit {code}", ""], (argv, out.stdout, out.stderr)
