@@ -154,7 +154,8 @@ class TrainerConfig(ConfigModel):
         None,
         description="torch.compile the log-softmax / entropy math (logprobs.py) and megatron-core's fused "
         "kernels (its SwiGLU as bias_activation_fusion, the MoE router's expert-bias update); off, those "
-        "run as plain torch code. None: on CUDA (compiling on CPU takes longer than it saves)",
+        "run as plain torch code (megatron-core's, as the process first loads it). None: on CUDA "
+        "(compiling on CPU takes longer than it saves)",
     )
     compile_layers: bool = Field(
         False,

@@ -41,7 +41,8 @@ data-parallel gradient all-reduce and its own micro-batch loop (pipeline size 1)
    loads megatron-core with those decorations left out when it compiles no kernels (``compile_kernels``
    off, the CPU default): the kernels run as the plain torch code they are written in, and a MoE step on
    the CPU no longer traces the router's update with dynamo. With ``compile_kernels`` on, megatron-core
-   loads as it is.
+   loads as it is. Either way the first load of the process decides: a process that imported
+   megatron-core before its first trainer keeps megatron's own decorations.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ def apply_moe_patches() -> None:
 
 def import_megatron(compile_kernels: bool) -> None:
     """Load megatron-core (point 6 above): its fused kernels compiled by ``torch.compile`` only with
-    ``compile_kernels``. Once megatron-core is loaded, a no-op."""
-    if "megatron.core.jit" in sys.modules:
-        return
-    if compile_kernels:
+    ``compile_kernels``. The kernels are decorated once per process, as megatron-core first loads: where
+    it is loaded already (by a trainer built before, or by the caller's own import), they stay as that
+    load made them and this is a no-op."""
+    if compile_kernels or "megatron.core.jit" in sys.modules:
         import megatron.core.jit
 
         return
