@@ -59,14 +59,18 @@ try:
     runpy.run_module("agentrl.convert", run_name="__main__")
 except SystemExit as err:
     print("exit", err.code)
-print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron"})))
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))))
 """
 
 
 def test_the_converters_help_and_usage_errors_load_no_torch() -> None:
-    """``python -m agentrl.convert`` loads torch and megatron-core for a conversion only."""
+    """``python -m agentrl.convert`` loads torch, transformers and megatron-core for a conversion only."""
     for argv, code in ((["hf-to-mcore", "--help"], "0"), (["hf-to-mcore"], "2")):
         out = subprocess.run(
-            [sys.executable, "-c", HELP, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", f"HEAVY = {HEAVY!r}\n{HELP}", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.stdout.splitlines()[-2:] == [f"exit {code}", ""], (argv, out.stdout, out.stderr)
