@@ -244,6 +244,8 @@ SHAPES: dict[str, Shape] = {
         Shape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True),
         Shape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, True, qkv_bias=True),
         Shape("qwen3-moe-1b", 20, 1024, 16, 4, 64, 0, 151936, True, 16, 2, 768, qk_norm=True),
+        Shape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, True, qkv_bias=True),
+        Shape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, True, qkv_bias=True),
         Shape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, qkv_bias=True),
         Shape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 0, 151936, False, 128, 8, 768, qk_norm=True),
         Shape("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 0, 151936, False, 128, 8, 1536, qk_norm=True),

@@ -42,10 +42,33 @@ def test_shapes_have_the_published_sizes() -> None:
     # active matmul parameters leave out the input embedding: 3.3B - 0.31B, 22B - 0.62B
     assert sm.SHAPES["qwen3-30b-a3b"].active_matmul_params == pytest.approx(3.03e9, rel=0.01)
     assert sm.SHAPES["qwen3-235b-a22b"].active_matmul_params == pytest.approx(21.5e9, rel=0.01)
+    # Qwen2.5's model cards: 1.54B and 3.09B
+    assert sm.SHAPES["qwen2.5-1.5b"].params == pytest.approx(1.54e9, rel=0.005)
+    assert sm.SHAPES["qwen2.5-3b"].params == pytest.approx(3.09e9, rel=0.005)
     # HF tensors: SmolLM2's checkpoint has 272; a Qwen3-MoE layer has 128 x 3 expert tensors
     assert sm.SHAPES["smollm2-135m"].hf_tensors == 272
     assert sm.SHAPES["qwen2.5-7b"].hf_tensors == 339
     assert sm.SHAPES["qwen3-30b-a3b"].hf_tensors == 48 * (4 + 2 + 3 * 128 + 1 + 2) + 3
+
+
+def test_the_models_shapes_are_the_random_models_the_runs_build() -> None:
+    """Each shape the scale recipe builds and the model also names has the model's parameter count and
+    the norms' weights, which the model leaves out (two a layer, the final one, Qwen3's q/k norms)."""
+    import torch
+    import transformers
+
+    from agentrl.models.tiny import FULL_SHAPES, shape_config
+
+    shared = sorted(set(FULL_SHAPES) & set(sm.SHAPES))
+    assert {"qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-30b-a3b"} <= set(shared)
+    for name in shared:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(shape_config(name))
+        shape = sm.SHAPES[name]
+        norms = (2 * shape.layers + 1) * shape.hidden + (
+            2 * shape.head_dim * shape.layers if shape.qk_norm else 0
+        )
+        assert sum(p.numel() for p in model.parameters()) == shape.params + norms, name
 
 
 def test_decode_step_is_the_larger_of_reads_and_matmuls_and_host_costs() -> None:

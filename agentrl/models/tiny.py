@@ -84,6 +84,34 @@ QWEN25_05B = dict(
     tie_word_embeddings=True,
 )
 
+# Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12 query / 2 key-value heads; tied embeddings)
+QWEN25_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+# Qwen2.5-3B's shape (36 layers, hidden 2048, 16 query / 2 key-value heads; tied embeddings)
+QWEN25_3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 # Qwen2.5-7B's shape (28 layers, hidden 3584, 28 query / 4 key-value heads, an untied LM head; the
 # Instruct model's 32,768-token context)
 QWEN25_7B = dict(
@@ -155,6 +183,8 @@ QWEN3_30B_A3B = dict(
 # The named full-size shapes the GPU benchmarks build with random weights: name -> (family, shape)
 FULL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
+    "qwen2.5-1.5b": ("qwen2", QWEN25_15B),
+    "qwen2.5-3b": ("qwen2", QWEN25_3B),
     "qwen2.5-7b": ("qwen2", QWEN25_7B),
     "qwen3-moe-1b": ("qwen3_moe", QWEN3_MOE_1B),
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
