@@ -65,8 +65,9 @@ _SGLANG_RECEIVE_FIT = (
 _KV_FIT = "one engine's KV pool, 1x H200 of a 4x host, a269f59 (multi-gpu.md)"
 _SGLANG_IPC_FIT = (
     "SGLang's in-memory syncs in whole steps: 7B from a TP2 trainer 0.398 s (15.2 GB, 339 tensors, 77005c6, "
-    "2x H200), 12 of 30B-A3B's layers from an EP2 trainer 1.912 s (16.2 GB, 4,719 tensors, 05ba71c, 2x "
-    "H200) and 14 of 7B's layers from a one-GPU trainer 0.112 s (8.7 GB, 171 tensors, 3bdc701, 1x H200)"
+    "2x H200), 12 of 30B-A3B's layers from an EP2 trainer 1.912 s (16.2 GB, 4,719 tensors, 4,608 of them "
+    "experts, 05ba71c, 2x H200), 14 of 7B's layers from a one-GPU trainer 0.112 s (8.7 GB, 171 tensors, "
+    "3bdc701, 1x H200) and the whole 3B shape from one 0.1245 s (6.2 GB, 434 tensors, 36c8cd8, 1x H200)"
 )
 
 
@@ -144,10 +145,17 @@ class ScaleInputs:
     tensor_s: float = _fig(95e-6, "fit", _IPC_FIT + ": a HF tensor's naming, packing and copy")
     ipc_copy_passes: float = _fig(6, "assumption", "gather, pack, copy in place: each a read and a write")
     ipc_assembly_s_per_gb: float = _fig(
-        26.7e-3, "fit", _SGLANG_IPC_FIT + ": assembling an engine's shard from a split trainer, a GB gathered"
+        27.85e-3,
+        "fit",
+        _SGLANG_IPC_FIT + ": assembling an engine's shard from a split trainer, a GB gathered",
     )
-    sglang_ipc_s_per_gb: float = _fig(3.81e-3, "fit", _SGLANG_IPC_FIT + ": packing and loading, a GB")
-    sglang_ipc_tensor_s: float = _fig(341.7e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, a tensor")
+    sglang_ipc_s_per_gb: float = _fig(8.08e-3, "fit", _SGLANG_IPC_FIT + ": packing and loading, a GB")
+    sglang_ipc_tensor_s: float = _fig(
+        124.2e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, a tensor outside the experts"
+    )
+    sglang_ipc_expert_tensor_s: float = _fig(
+        330.1e-6, "fit", _SGLANG_IPC_FIT + ": packing and loading, an expert's tensor"
+    )
     sglang_receive_fixed_s: float = _fig(2.57e-3, "fit", _SGLANG_RECEIVE_FIT + ": fixed cost a sync")
     sglang_receive_s_per_gb: float = _fig(4.18e-3, "fit", _SGLANG_RECEIVE_FIT + ": a GB received")
     sglang_receive_expert_tensor_s: float = _fig(
@@ -435,7 +443,9 @@ def sync_s(
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / GB * inp.ipc_assembly_s_per_gb
         across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
         if sglang:
-            load = shard / GB * inp.sglang_ipc_s_per_gb + shape.hf_tensors * inp.sglang_ipc_tensor_s
+            experts = shape.layers * shape.experts * 3  # gate, up and down projections, one tensor an expert
+            load = shard / GB * inp.sglang_ipc_s_per_gb + experts * inp.sglang_ipc_expert_tensor_s
+            load += (shape.hf_tensors - experts) * inp.sglang_ipc_tensor_s
         else:
             load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
         return inp.ipc_fixed_s + in_host + across + load
@@ -573,6 +583,8 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
             "whole 7B steps measured on 2 and 4 GPUs (TP2 trainers; 1+1 with CPU Adam) and one with 14 of "
             "its 28 layers on 1 GPU (no split, GPU Adam); none past one host"
         ]
+    elif shape.name in ("qwen2.5-3b", "qwen2.5-1.5b"):
+        notes = ["whole steps of this shape measured on 1 GPU only (no split, GPU Adam); none past one GPU"]
     else:
         notes = ["no whole RL step measured at this size"]
     if shape.experts:
@@ -586,7 +598,7 @@ def extrapolated(shape: Shape, hosts: int, engine_gpus: int) -> list[str]:
     else:
         notes.append(
             "trainer MFU fit on one TP2 step of 2 GPUs; a one-GPU rank with no split checked at 14 of 7B's "
-            "layers (within 4%), not past one GPU"
+            "layers and the whole 3B and 1.5B shapes (within 4-8%), not past one GPU"
         )
     if engine_gpus > 1:
         notes.append("an engine spread over several GPUs: not measured")

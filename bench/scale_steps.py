@@ -13,6 +13,7 @@ from scale_parts import (
     GB,
     SHAPES,
     ScaleInputs,
+    Shape,
     Workload,
     handover_s,
     rollout_s,
@@ -129,35 +130,57 @@ HALF_7B = dataclasses.replace(SHAPES["qwen2.5-7b"], name="qwen2.5-7b, 14 layers"
 W_HALF = Workload(trajectories=256, prompt_tokens=512, response_tokens=1020)
 
 
-def _train_half(inp: ScaleInputs) -> dict[str, float]:
-    """The one-GPU step's training: the whole model on one GPU with GPU Adam, no split."""
-    seq = W_HALF.prompt_tokens + W_HALF.response_tokens
-    return train_s(HALF_7B, W_HALF.batch(1) * seq, 1, seq, inp)
+# The whole Qwen2.5-3B and 1.5B shapes on one GPU, the same command with scale.shape (36c8cd8): responses
+# of 1,021 and 1,020 tokens on average
+W_3B = Workload(trajectories=256, prompt_tokens=512, response_tokens=1021)
+W_15B = Workload(trajectories=256, prompt_tokens=512, response_tokens=1020)
 
 
-def _colocated_half(inp: ScaleInputs, offload: str = "ahead") -> dict[str, float]:
-    """The one-GPU step's parts: one SGLang engine (256 rows, a 0.25 memory fraction) in turns with the
+def _train_one(shape: Shape, w: Workload, inp: ScaleInputs) -> dict[str, float]:
+    """A one-GPU step's training: the whole model on one GPU with GPU Adam, no split."""
+    seq = w.prompt_tokens + w.response_tokens
+    return train_s(shape, w.batch(1) * seq, 1, seq, inp)
+
+
+def _colocated_one(shape: Shape, w: Workload, inp: ScaleInputs, offload: str = "ahead") -> dict[str, float]:
+    """A one-GPU step's parts: one SGLang engine (256 rows, a 0.25 memory fraction) in turns with the
     trainer, weights handed over in memory; the trainer's state moves beside the generation (``ahead``,
     the default) or stays on the GPU (``none``)."""
     inp = dataclasses.replace(inp, **SGLANG)
-    kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * HALF_7B.params / GB
-    rollout = rollout_s(HALF_7B, W_HALF.batch(1), 1, 1, W_HALF, inp)
+    kv_gb = 0.25 * inp.gpu_memory / GB - 2.0 * shape.params / GB
+    rollout = rollout_s(shape, w.batch(1), 1, 1, w, inp)
     return {
         "rollout": rollout,
-        "train": sum(_train_half(inp).values()),
-        "sync": sync_s(HALF_7B, "ipc", inp),
-        "handover": handover_s(HALF_7B, 1, 1, kv_gb, inp, offload=offload, hidden=rollout),
+        "train": sum(_train_one(shape, w, inp).values()),
+        "sync": sync_s(shape, "ipc", inp),
+        "handover": handover_s(shape, 1, 1, kv_gb, inp, offload=offload, hidden=rollout),
     }
+
+
+def _train_half(inp: ScaleInputs) -> dict[str, float]:
+    return _train_one(HALF_7B, W_HALF, inp)
+
+
+def _colocated_half(inp: ScaleInputs, offload: str = "ahead") -> dict[str, float]:
+    return _colocated_one(HALF_7B, W_HALF, inp, offload)
 
 
 _SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
 _SCALE_MOE = "05ba71c, 2x H200, gpus-and-scaling.md"
 _SCALE_4 = "98c3a8b, 4x H200, gpus-and-scaling.md"
 _SCALE_1 = "3bdc701, 1x H200, gpus-and-scaling.md"
+_SCALE_3B = "36c8cd8, 1x H200, gpus-and-scaling.md"
 # the 2+2 run's sync: a trainer rank that pushed nothing still copied the whole gathered model to the host
 _SYNC_BUG = (
     "the run's sync was 14.6 s, of which the broadcast 2.6 s: the other trainer rank copied the 15 GB it "
     "gathered to the host before the closing barrier (fixed in 313bbfc; not measured since)"
+)
+
+# why SGLang's decode at 1.5B runs faster than the model has it
+_SMALL_DECODE = (
+    "at 256 rows the model's SGLang decode step is its host part, 8.9 ms (3.2 ms and 22.4 us a row, fit on "
+    "the 0.5B shape on an H100 host and the 1B MoE): the 1.5B step's decode took about 7.2 ms a step on "
+    "this H200 host, above the model's device part (3.9 ms) and below that host part"
 )
 
 
@@ -383,4 +406,103 @@ STEP_POINTS: list[Point] = [
         "and counts the gradients, which are freed, not copied; this onload moved 61 GB at 45 GB/s. With "
         "the default offload the moves hide behind the generation, so the step's prediction does not use it",
     ),
+    *[
+        Point(what, 1, measured, unit, _SCALE_3B, predict, role, why)
+        for what, measured, unit, predict, role, why in [
+            (
+                "the whole 3B shape, step colocated on 1 GPU: 1 SGLang engine in turns with a one-GPU "
+                "trainer, its state offloaded beside the generation (steps 3-8)",
+                28.84,
+                "s",
+                lambda inp: sum(_colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp).values()),
+                "check",
+                "",
+            ),
+            (
+                "the same 3B step with the trainer's state kept on the GPU (steps 2-5)",
+                28.43,
+                "s",
+                lambda inp: sum(_colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp, "none").values()),
+                "check",
+                "",
+            ),
+            (
+                "SGLang tok/s in the 3B step, 256 in flight (256 x 1,021 over the 11.13 s wait, steps 3-8)",
+                23_493,
+                "tok/s",
+                lambda inp: (
+                    W_3B.batch(1)
+                    * W_3B.response_tokens
+                    / _colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp)["rollout"]
+                ),
+                "check",
+                "",
+            ),
+            (
+                "trainer tok/s, the whole 3B shape, 1 GPU with GPU Adam, in the 3B step (steps 3-8)",
+                23_705,
+                "tok/s",
+                lambda inp: _update_tokens_per_s(_train_one(SHAPES["qwen2.5-3b"], W_3B, inp), 1, inp, W_3B),
+                "check",
+                "",
+            ),
+            (
+                "in-memory sync in the 3B step: a one-GPU trainer to 1 SGLang engine (6.2 GB, 434 tensors; "
+                "steps 3-8)",
+                0.1245,
+                "s",
+                lambda inp: _colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp)["sync"],
+                "fit",
+                "",
+            ),
+            (
+                "the same 3B sync with the trainer's state kept on the GPU (steps 2-5)",
+                0.1234,
+                "s",
+                lambda inp: _colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp, "none")["sync"],
+                "check",
+                "",
+            ),
+            (
+                "the whole 1.5B shape, step colocated on 1 GPU, state offloaded beside the generation "
+                "(steps 3-8)",
+                18.01,
+                "s",
+                lambda inp: sum(_colocated_one(SHAPES["qwen2.5-1.5b"], W_15B, inp).values()),
+                "check",
+                _SMALL_DECODE,
+            ),
+            (
+                "SGLang tok/s in the 1.5B step, 256 in flight (256 x 1,020 over the 7.83 s wait, steps 3-8)",
+                33_356,
+                "tok/s",
+                lambda inp: (
+                    W_15B.batch(1)
+                    * W_15B.response_tokens
+                    / _colocated_one(SHAPES["qwen2.5-1.5b"], W_15B, inp)["rollout"]
+                ),
+                "check",
+                _SMALL_DECODE,
+            ),
+            (
+                "trainer tok/s, the whole 1.5B shape, 1 GPU with GPU Adam, in the 1.5B step (steps 3-8)",
+                42_731,
+                "tok/s",
+                lambda inp: _update_tokens_per_s(
+                    _train_one(SHAPES["qwen2.5-1.5b"], W_15B, inp), 1, inp, W_15B
+                ),
+                "check",
+                "",
+            ),
+            (
+                "in-memory sync in the 1.5B step: a one-GPU trainer to 1 SGLang engine (3.1 GB, 338 tensors; "
+                "steps 3-8)",
+                0.0826,
+                "s",
+                lambda inp: _colocated_one(SHAPES["qwen2.5-1.5b"], W_15B, inp)["sync"],
+                "check",
+                "",
+            ),
+        ]
+    ],
 ]

@@ -157,12 +157,14 @@ def test_sync_is_bytes_over_bandwidth_plus_fixed_and_per_tensor_costs() -> None:
     assert extra == pytest.approx(2.57e-3 + 16.2 * 4.18e-3 + 12 * 128 * 3 * 111e-6)
     embedded = sm.sync_s(shape, "ipc", INP, engine="embedded")
     assert embedded == pytest.approx(0.0207 + per_tensor + 6 * 2 * shape.params / 4.8e12)
-    # SGLang packs and loads tensor by tensor at its own costs
+    # SGLang packs and loads tensor by tensor at its own costs, an expert's tensor at a higher one
     colocated = sm.sync_s(shape, "ipc", INP)
-    assert colocated == pytest.approx(0.0207 + 2 * shape.params / 1e9 * 3.81e-3 + 339 * 341.7e-6)
+    assert colocated == pytest.approx(0.0207 + 2 * shape.params / 1e9 * 8.08e-3 + 339 * 124.2e-6)
+    moe_ipc = sm.sync_s(moe, "ipc", INP, gbytes=16.2)
+    assert moe_ipc == pytest.approx(0.0207 + 16.2 * 8.08e-3 + 111 * 124.2e-6 + 4608 * 330.1e-6)
     # a trainer copy split over two GPUs first assembles the half each engine lacks
     split = sm.sync_s(shape, "ipc", INP, trainer_split=2)
-    assert split == pytest.approx(colocated + shape.params / 1e9 * 26.7e-3)
+    assert split == pytest.approx(colocated + shape.params / 1e9 * 27.85e-3)
     assert colocated < 1.0 and between_hosts < 2.0  # the 7B sync targets, as the model sees them
     with pytest.raises(ValueError, match="engine"):
         sm.sync_s(shape, "ipc", INP, engine="vllm")
@@ -245,7 +247,7 @@ def test_the_bench_prints_predictions_checks_and_a_summary() -> None:
     kinds = [line["kind"] for line in lines]
     assert kinds.count("prediction") == 2 * 3
     assert kinds.count("check") == len(points.POINTS)
-    assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 55
+    assert lines[-1]["kind"] == "summary" and lines[-1]["checked"] == 64
 
 
 def test_the_bench_prints_the_inputs_with_their_kinds() -> None:
