@@ -1,7 +1,8 @@
-"""The scale model's check on whole RL steps (:mod:`scale_parts`): the 7B and mixture-of-experts steps of
-``examples/scale/`` measured on 2 and 4 GPUs, each beside the model's sum of its parts (generation,
-training, weight sync, hand-overs), and the parts the step reports. :class:`Point` is one measured figure
-and how the model predicts it; :mod:`scale_points` adds the benches of parts and checks them all."""
+"""The scale model's check on whole RL steps (:mod:`scale_parts`): the 1.5B, 3B, 7B and mixture-of-experts
+steps of ``examples/scale/`` measured on 1, 2 and 4 GPUs, each beside the model's sum of its parts
+(generation, training, weight sync, hand-overs), and the parts the step reports. :class:`Point` is one
+measured figure and how the model predicts it; :mod:`scale_points` adds the benches of parts and checks
+them all."""
 
 from __future__ import annotations
 
