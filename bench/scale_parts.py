@@ -233,6 +233,11 @@ class Shape:
         return self.layers * (attn + mlp + 2) + 1 + (1 if self.tied else 2)
 
     @property
+    def expert_tensors(self) -> int:
+        """The checkpoint's expert tensors: gate, up and down projections, one tensor an expert."""
+        return self.layers * self.experts * 3
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * 2
 
@@ -443,9 +448,10 @@ def sync_s(
         in_host = shard * (min(m, inp.gpus_per_host) - 1) / m / GB * inp.ipc_assembly_s_per_gb
         across = shard * max(m - inp.gpus_per_host, 0) / m / _nic(inp)
         if sglang:
-            experts = shape.layers * shape.experts * 3  # gate, up and down projections, one tensor an expert
-            load = shard / GB * inp.sglang_ipc_s_per_gb + experts * inp.sglang_ipc_expert_tensor_s
-            load += (shape.hf_tensors - experts) * inp.sglang_ipc_tensor_s
+            load = (
+                shard / GB * inp.sglang_ipc_s_per_gb + shape.expert_tensors * inp.sglang_ipc_expert_tensor_s
+            )
+            load += (shape.hf_tensors - shape.expert_tensors) * inp.sglang_ipc_tensor_s
         else:
             load = per_tensor + inp.ipc_copy_passes * shard / inp.hbm_bytes_per_s
         return inp.ipc_fixed_s + in_host + across + load
@@ -453,9 +459,8 @@ def sync_s(
     push = shape.hf_tensors * inp.push_tensor_s
     receive = 0.0
     if sglang:
-        experts = shape.layers * shape.experts * 3  # gate, up and down projections, one tensor an expert
         receive = inp.sglang_receive_fixed_s + nbytes / GB * inp.sglang_receive_s_per_gb
-        receive += experts * inp.sglang_receive_expert_tensor_s
+        receive += shape.expert_tensors * inp.sglang_receive_expert_tensor_s
     if transport == "bench":
         return push + nbytes / inp.nvlink_broadcast + receive
     link = inp.nvlink_broadcast if transport == "nvlink" else _nic(inp)

@@ -135,6 +135,7 @@ W_HALF = Workload(trajectories=256, prompt_tokens=512, response_tokens=1020)
 # of 1,021 and 1,020 tokens on average
 W_3B = Workload(trajectories=256, prompt_tokens=512, response_tokens=1021)
 W_15B = Workload(trajectories=256, prompt_tokens=512, response_tokens=1020)
+QWEN_3B, QWEN_15B = SHAPES["qwen2.5-3b"], SHAPES["qwen2.5-1.5b"]
 
 
 def _train_one(shape: Shape, w: Workload, inp: ScaleInputs) -> dict[str, float]:
@@ -158,12 +159,14 @@ def _colocated_one(shape: Shape, w: Workload, inp: ScaleInputs, offload: str = "
     }
 
 
-def _train_half(inp: ScaleInputs) -> dict[str, float]:
-    return _train_one(HALF_7B, W_HALF, inp)
+def _sglang_tokens_per_s_one(shape: Shape, w: Workload, inp: ScaleInputs) -> float:
+    """SGLang's tokens/s in a one-GPU step: the batch's response tokens over its generation."""
+    return w.batch(1) * w.response_tokens / _colocated_one(shape, w, inp)["rollout"]
 
 
-def _colocated_half(inp: ScaleInputs, offload: str = "ahead") -> dict[str, float]:
-    return _colocated_one(HALF_7B, W_HALF, inp, offload)
+def _trainer_tokens_per_s_one(shape: Shape, w: Workload, inp: ScaleInputs) -> float:
+    """The one-GPU trainer's tokens/s over the update alone, as the trainer reports it."""
+    return _update_tokens_per_s(_train_one(shape, w, inp), 1, inp, w)
 
 
 _SCALE = "77005c6, 2x H200, gpus-and-scaling.md"
@@ -348,7 +351,7 @@ STEP_POINTS: list[Point] = [
         29.58,
         "s",
         _SCALE_1,
-        lambda inp: sum(_colocated_half(inp).values()),
+        lambda inp: sum(_colocated_one(HALF_7B, W_HALF, inp).values()),
     ),
     Point(
         "the same step with the trainer's state kept on the GPU (colocation.trainer_offload=none, steps 2-5)",
@@ -356,7 +359,7 @@ STEP_POINTS: list[Point] = [
         28.81,
         "s",
         _SCALE_1,
-        lambda inp: sum(_colocated_half(inp, "none").values()),
+        lambda inp: sum(_colocated_one(HALF_7B, W_HALF, inp, "none").values()),
     ),
     Point(
         "SGLang tok/s in the 1-GPU step, 256 in flight (256 x 1,020 over the 9.98 s wait, steps 3-8)",
@@ -364,7 +367,7 @@ STEP_POINTS: list[Point] = [
         round(256 * 1019.8 / 9.985),
         "tok/s",
         _SCALE_1,
-        lambda inp: W_HALF.batch(1) * W_HALF.response_tokens / _colocated_half(inp)["rollout"],
+        lambda inp: _sglang_tokens_per_s_one(HALF_7B, W_HALF, inp),
     ),
     Point(
         "trainer tok/s, 14 of 7B's layers, 1 GPU with GPU Adam, no split, in the 1-GPU step (steps 3-8)",
@@ -372,7 +375,7 @@ STEP_POINTS: list[Point] = [
         21_522,
         "tok/s",
         _SCALE_1,
-        lambda inp: _update_tokens_per_s(_train_half(inp), 1, inp, W_HALF),
+        lambda inp: _trainer_tokens_per_s_one(HALF_7B, W_HALF, inp),
     ),
     Point(
         "in-memory sync in the 1-GPU step: a one-GPU trainer to 1 SGLang engine (8.7 GB, 171 tensors; "
@@ -381,7 +384,7 @@ STEP_POINTS: list[Point] = [
         0.1123,
         "s",
         _SCALE_1,
-        lambda inp: _colocated_half(inp)["sync"],
+        lambda inp: _colocated_one(HALF_7B, W_HALF, inp)["sync"],
         "fit",
     ),
     Point(
@@ -390,7 +393,7 @@ STEP_POINTS: list[Point] = [
         0.0887,
         "s",
         _SCALE_1,
-        lambda inp: _colocated_half(inp, "none")["sync"],
+        lambda inp: _colocated_one(HALF_7B, W_HALF, inp, "none")["sync"],
         why="the run with the default offload took 0.112 s for the same sync, its packing 0.026-0.038 s a "
         "step against 0.015-0.022 s here: the offload empties the trainer's CUDA cache every step, so the "
         "packing buffers are likely allocated anew (not timed apart); the model has one cost for both",
@@ -407,103 +410,90 @@ STEP_POINTS: list[Point] = [
         "and counts the gradients, which are freed, not copied; this onload moved 61 GB at 45 GB/s. With "
         "the default offload the moves hide behind the generation, so the step's prediction does not use it",
     ),
-    *[
-        Point(what, 1, measured, unit, _SCALE_3B, predict, role, why)
-        for what, measured, unit, predict, role, why in [
-            (
-                "the whole 3B shape, step colocated on 1 GPU: 1 SGLang engine in turns with a one-GPU "
-                "trainer, its state offloaded beside the generation (steps 3-8)",
-                28.84,
-                "s",
-                lambda inp: sum(_colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp).values()),
-                "check",
-                "",
-            ),
-            (
-                "the same 3B step with the trainer's state kept on the GPU (steps 2-5)",
-                28.43,
-                "s",
-                lambda inp: sum(_colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp, "none").values()),
-                "check",
-                "",
-            ),
-            (
-                "SGLang tok/s in the 3B step, 256 in flight (256 x 1,021 over the 11.13 s wait, steps 3-8)",
-                23_493,
-                "tok/s",
-                lambda inp: (
-                    W_3B.batch(1)
-                    * W_3B.response_tokens
-                    / _colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp)["rollout"]
-                ),
-                "check",
-                "",
-            ),
-            (
-                "trainer tok/s, the whole 3B shape, 1 GPU with GPU Adam, in the 3B step (steps 3-8)",
-                23_705,
-                "tok/s",
-                lambda inp: _update_tokens_per_s(_train_one(SHAPES["qwen2.5-3b"], W_3B, inp), 1, inp, W_3B),
-                "check",
-                "",
-            ),
-            (
-                "in-memory sync in the 3B step: a one-GPU trainer to 1 SGLang engine (6.2 GB, 434 tensors; "
-                "steps 3-8)",
-                0.1245,
-                "s",
-                lambda inp: _colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp)["sync"],
-                "fit",
-                "",
-            ),
-            (
-                "the same 3B sync with the trainer's state kept on the GPU (steps 2-5)",
-                0.1234,
-                "s",
-                lambda inp: _colocated_one(SHAPES["qwen2.5-3b"], W_3B, inp, "none")["sync"],
-                "check",
-                "",
-            ),
-            (
-                "the whole 1.5B shape, step colocated on 1 GPU, state offloaded beside the generation "
-                "(steps 3-8)",
-                18.01,
-                "s",
-                lambda inp: sum(_colocated_one(SHAPES["qwen2.5-1.5b"], W_15B, inp).values()),
-                "check",
-                _SMALL_DECODE,
-            ),
-            (
-                "SGLang tok/s in the 1.5B step, 256 in flight (256 x 1,020 over the 7.83 s wait, steps 3-8)",
-                33_356,
-                "tok/s",
-                lambda inp: (
-                    W_15B.batch(1)
-                    * W_15B.response_tokens
-                    / _colocated_one(SHAPES["qwen2.5-1.5b"], W_15B, inp)["rollout"]
-                ),
-                "check",
-                _SMALL_DECODE,
-            ),
-            (
-                "trainer tok/s, the whole 1.5B shape, 1 GPU with GPU Adam, in the 1.5B step (steps 3-8)",
-                42_731,
-                "tok/s",
-                lambda inp: _update_tokens_per_s(
-                    _train_one(SHAPES["qwen2.5-1.5b"], W_15B, inp), 1, inp, W_15B
-                ),
-                "check",
-                "",
-            ),
-            (
-                "in-memory sync in the 1.5B step: a one-GPU trainer to 1 SGLang engine (3.1 GB, 338 tensors; "
-                "steps 3-8)",
-                0.0826,
-                "s",
-                lambda inp: _colocated_one(SHAPES["qwen2.5-1.5b"], W_15B, inp)["sync"],
-                "check",
-                "",
-            ),
-        ]
-    ],
+    Point(
+        "the whole 3B shape, step colocated on 1 GPU: 1 SGLang engine in turns with a one-GPU trainer, its "
+        "state offloaded beside the generation (steps 3-8)",
+        1,
+        28.84,
+        "s",
+        _SCALE_3B,
+        lambda inp: sum(_colocated_one(QWEN_3B, W_3B, inp).values()),
+    ),
+    Point(
+        "the same 3B step with the trainer's state kept on the GPU (steps 2-5)",
+        1,
+        28.43,
+        "s",
+        _SCALE_3B,
+        lambda inp: sum(_colocated_one(QWEN_3B, W_3B, inp, "none").values()),
+    ),
+    Point(
+        "SGLang tok/s in the 3B step, 256 in flight (256 x 1,021 over the 11.13 s wait, steps 3-8)",
+        1,
+        23_493,
+        "tok/s",
+        _SCALE_3B,
+        lambda inp: _sglang_tokens_per_s_one(QWEN_3B, W_3B, inp),
+    ),
+    Point(
+        "trainer tok/s, the whole 3B shape, 1 GPU with GPU Adam, in the 3B step (steps 3-8)",
+        1,
+        23_705,
+        "tok/s",
+        _SCALE_3B,
+        lambda inp: _trainer_tokens_per_s_one(QWEN_3B, W_3B, inp),
+    ),
+    Point(
+        "in-memory sync in the 3B step: a one-GPU trainer to 1 SGLang engine (6.2 GB, 434 tensors; "
+        "steps 3-8)",
+        1,
+        0.1245,
+        "s",
+        _SCALE_3B,
+        lambda inp: _colocated_one(QWEN_3B, W_3B, inp)["sync"],
+        "fit",
+    ),
+    Point(
+        "the same 3B sync with the trainer's state kept on the GPU (steps 2-5)",
+        1,
+        0.1234,
+        "s",
+        _SCALE_3B,
+        lambda inp: _colocated_one(QWEN_3B, W_3B, inp, "none")["sync"],
+    ),
+    Point(
+        "the whole 1.5B shape, step colocated on 1 GPU, state offloaded beside the generation (steps 3-8)",
+        1,
+        18.01,
+        "s",
+        _SCALE_3B,
+        lambda inp: sum(_colocated_one(QWEN_15B, W_15B, inp).values()),
+        why=_SMALL_DECODE,
+    ),
+    Point(
+        "SGLang tok/s in the 1.5B step, 256 in flight (256 x 1,020 over the 7.83 s wait, steps 3-8)",
+        1,
+        33_356,
+        "tok/s",
+        _SCALE_3B,
+        lambda inp: _sglang_tokens_per_s_one(QWEN_15B, W_15B, inp),
+        why=_SMALL_DECODE,
+    ),
+    Point(
+        "trainer tok/s, the whole 1.5B shape, 1 GPU with GPU Adam, in the 1.5B step (steps 3-8)",
+        1,
+        42_731,
+        "tok/s",
+        _SCALE_3B,
+        lambda inp: _trainer_tokens_per_s_one(QWEN_15B, W_15B, inp),
+    ),
+    Point(
+        "in-memory sync in the 1.5B step: a one-GPU trainer to 1 SGLang engine (3.1 GB, 338 tensors; "
+        "steps 3-8)",
+        1,
+        0.0826,
+        "s",
+        _SCALE_3B,
+        lambda inp: _colocated_one(QWEN_15B, W_15B, inp)["sync"],
+    ),
 ]
