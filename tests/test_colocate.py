@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -109,7 +110,9 @@ def test_large_host_buffers_ask_for_huge_pages() -> None:
     they do depends on the host's fragmentation, not on the buffer). A buffer too small to hold one
     aligned huge page is left alone."""
     assert advise_huge_pages(torch.empty(100, dtype=torch.uint8)) is False
-    big = torch.empty(64 * 2**20, dtype=torch.uint8)
+    # a mapping of its own: a malloc'd buffer may come from heap memory an earlier test already advised
+    region = mmap.mmap(-1, 64 * 2**20)
+    big = torch.frombuffer(region, dtype=torch.uint8)
     inside = -(-big.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     assert "hg" not in _vm_flags(inside)
     advised = advise_huge_pages(big)
@@ -121,6 +124,8 @@ def test_large_host_buffers_ask_for_huge_pages() -> None:
     else:  # the kernel has them off: the advice is refused or changes nothing, and nothing fails
         assert isinstance(advised, bool)
     big.zero_()
+    del big
+    region.close()
 
 
 def test_host_copy_saves_and_restores_the_bytes_in_place() -> None:
